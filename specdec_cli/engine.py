@@ -1,0 +1,199 @@
+"""The draft -> verify -> accept loop, and plain decoding with the same interface.
+
+Both are generators that yield one :class:`Block` per target forward. They
+never print or time display; the caller owns the caches (prefilled with all
+but the last prompt token) and passes the last prompt token in.
+
+Invariant between blocks, and after the generator ends for any reason: each
+cache holds the prompt and every committed token except the last one, exactly
+as plain decoding would leave it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+from .caches import ModelCache
+from .drafters import Drafter
+from .sampling import greedy
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Wall seconds of one block's phases, each closed by its own sync."""
+
+    draft_s: float
+    verify_s: float
+    rollback_s: float
+
+
+@dataclass(frozen=True)
+class Block:
+    """What one target forward produced.
+
+    Attributes:
+        tokens: Tokens committed and emitted by this block (an EOS is not emitted).
+        drafted: Draft tokens the target verified.
+        accepted: Drafts that matched the target (``accepted <= drafted``).
+        rollback: ``none`` (full accept), ``trim`` (O(1) offset move) or
+            ``reforward`` (recurrent state restored and the kept tokens re-fed).
+        syncs: Host syncs the block waited on.
+        finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
+        times: Phase timings, only when the generator was asked for them.
+    """
+
+    tokens: tuple[int, ...]
+    drafted: int
+    accepted: int
+    rollback: str
+    syncs: int
+    finish_reason: Optional[str] = None
+    times: Optional[PhaseTimes] = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens the target's forward verified (drafts + the bonus position)."""
+        return self.drafted + 1
+
+
+def _cut(committed: list[int], eos_ids: frozenset[int], room: int) -> tuple[int, Optional[str]]:
+    """How many committed tokens to keep, and why generation stops (if it does)."""
+    for i, tok in enumerate(committed[:room]):
+        if tok in eos_ids:
+            return i + 1, "stop"
+    if len(committed) >= room:
+        return room, "length"
+    return len(committed), None
+
+
+def speculative_generate_step(
+    last: int,
+    cache: ModelCache,
+    drafter: Drafter,
+    *,
+    num_draft_tokens: int,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+    timed: bool = False,
+) -> Iterator[Block]:
+    """Greedy speculative decoding.
+
+    Each block drafts up to ``num_draft_tokens`` tokens, verifies
+    ``[last, d1..dk]`` in one target forward, computes the accepted length on
+    the device and reads it back in one host sync.
+
+    Args:
+        last: The last prompt token (not yet fed to either cache).
+        cache: The target's prefilled caches.
+        drafter: A prefilled drafter in step with ``cache``.
+        num_draft_tokens: Drafts per block (block size - 1), >= 0.
+        max_tokens: Stop after this many emitted tokens.
+        eos_ids: Token ids that end generation (not emitted).
+        timed: Add a sync after each phase and report :class:`PhaseTimes`.
+
+    Yields:
+        One :class:`Block` per target forward.
+    """
+    if num_draft_tokens < 0:
+        raise ValueError("num_draft_tokens must be >= 0")
+    eos = frozenset(eos_ids)
+    emitted = 0
+    while emitted < max_tokens:
+        room = max_tokens - emitted
+        k = min(num_draft_tokens, room - 1)
+        snap = None
+        done = False
+        try:
+            t0 = time.perf_counter()
+            drafts = drafter.propose(last, k)
+            syncs = 0
+            if timed:
+                mx.eval(drafts)
+                syncs += 1
+            t1 = time.perf_counter()
+            snap = cache.snapshot()
+            x = mx.concatenate([mx.array([last], dtype=mx.uint32), drafts])
+            target = greedy(cache.feed(x))
+            # Accepted length on the device: the run of leading matches.
+            n_acc = mx.cumprod((drafts == target[:k]).astype(mx.int32)).sum() if k else mx.array(0)
+            mx.eval(n_acc, target, drafts)
+            syncs += 1
+            t2 = time.perf_counter()
+            n = n_acc.item()
+            committed = drafts.tolist()[:n] + [target[n].item()]
+            n_keep, finish = _cut(committed, eos, room)
+            # The target keeps [last, d1 .. d(n_keep-1)]; the new last is not fed.
+            rollback = "none" if n_keep == k + 1 else ("reforward" if cache.recurrent else "trim")
+            if cache.rollback(snap, n_keep):
+                cache.feed(x[:n_keep])
+            drafter.accept(n_keep - 1)
+            if timed:
+                mx.eval(cache.state_arrays())
+                syncs += 1
+            t3 = time.perf_counter()
+            done = True
+        finally:
+            if not done:
+                # Interrupted mid-block: back to the state before it.
+                drafter.cancel()
+                if snap is not None:
+                    cache.restore(snap)
+        last = committed[n_keep - 1]
+        tokens = committed[:n_keep]
+        if finish == "stop":
+            tokens = tokens[:-1]
+        emitted += len(tokens)
+        times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
+        yield Block(tuple(tokens), k, n, rollback, syncs, finish, times)
+        if finish:
+            return
+
+
+def plain_generate_step(
+    last: int,
+    cache: ModelCache,
+    *,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+) -> Iterator[Block]:
+    """Plain greedy decoding, one token per :class:`Block`: the exactness oracle.
+
+    The next step is queued before the current token is yielded (as mlx-lm's
+    ``generate_step`` does) so the host overlaps the device; the queued step
+    is undone when generation ends early.
+
+    Args:
+        last: The last prompt token (not yet fed).
+        cache: The target's prefilled caches.
+        max_tokens: Stop after this many emitted tokens.
+        eos_ids: Token ids that end generation (not emitted).
+    """
+    eos = frozenset(eos_ids)
+
+    def step(token: mx.array) -> mx.array:
+        return greedy(cache.feed(token)[-1:])
+
+    # The state that matches what has been emitted: every committed token but
+    # the last one fed. Restored on exit, which drops a queued step.
+    safe = cache.snapshot()
+    try:
+        y = step(mx.array([last], dtype=mx.uint32))
+        mx.async_eval(y)
+        for i in range(max_tokens):
+            snap = cache.snapshot()
+            if i + 1 < max_tokens:
+                nxt = step(y)
+                mx.async_eval(nxt)
+            tok = y.item()
+            safe = snap
+            if tok in eos:
+                yield Block((), 0, 0, "none", 1, "stop")
+                return
+            yield Block((tok,), 0, 0, "none", 1, "length" if i + 1 == max_tokens else None)
+            y = nxt
+    finally:
+        cache.restore(safe)

@@ -1,0 +1,253 @@
+"""Random-weight mlx-lm models saved in the Hugging Face layout.
+
+Tests and benchmarks build tiny (or realistically shaped) models of any
+mlx-lm architecture from a config dict, so every cache family is covered
+offline. A saved directory holds ``config.json``, ``model.safetensors`` and a
+small byte-level tokenizer, and loads through the same path as a Hub model.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# 256 byte tokens, then the special tokens.
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+EOS_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Tiny shapes, one per covered cache family. Sliding windows are shorter than
+# the sequences the tests generate, so the window mask is exercised.
+_COMMON = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_COMMON,
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "rope_theta": 10000.0,
+    },
+    "qwen3": {
+        **_COMMON,
+        "model_type": "qwen3",
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "rope_theta": 10000.0,
+    },
+    "gemma3_text": {
+        **_COMMON,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "rope_theta": 10000.0,
+        "rope_local_base_freq": 10000.0,
+    },
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "text_config": {
+            **_COMMON,
+            "model_type": "qwen3_5_text",
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "full_attention_interval": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "type": "default",
+                "mrope_section": [2, 1, 1],
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 2,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": "M*M-",
+        "num_hidden_layers": 4,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """Return mlx-lm's ``(Model, ModelArgs)`` classes for a config's model_type."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return module.Model, module.ModelArgs
+
+
+def build_model(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
+    """Instantiate an mlx-lm model with random weights.
+
+    Args:
+        config: A config.json-style dict with ``model_type``.
+        seed: Seed for MLX's random initialisers.
+        dtype: Floating dtype of the weights (the model's cast predicate applies).
+
+    Returns:
+        The model, evaluated and in eval mode.
+    """
+    model_cls, args_cls = model_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(copy.deepcopy(config)))
+    cast_weights(model, dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def cast_weights(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast floating parameters to ``dtype``, honouring the model's cast_predicate."""
+    predicate = getattr(model, "cast_predicate", None) or (lambda _: True)
+
+    def cast(path: str, value: mx.array) -> mx.array:
+        if mx.issubdtype(value.dtype, mx.floating) and predicate(path):
+            return value.astype(dtype)
+        return value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def perturb(model: nn.Module, scale: float, seed: int = 1) -> None:
+    """Add relative Gaussian noise to every floating parameter, in place.
+
+    A target plus small noise makes a drafter that agrees with the target
+    most of the time, so partial accepts happen on random-weight models.
+    """
+    key = mx.random.key(seed)
+    leaves = tree_flatten(model.parameters())
+    noisy = []
+    for i, (path, value) in enumerate(leaves):
+        if not mx.issubdtype(value.dtype, mx.floating):
+            noisy.append((path, value))
+            continue
+        noise = mx.random.normal(value.shape, key=mx.random.split(key, len(leaves))[i])
+        std = mx.sqrt(mx.mean(value.astype(mx.float32) ** 2)) + 1e-6
+        noisy.append((path, (value + scale * std * noise).astype(value.dtype)))
+    model.update(tree_unflatten(noisy))
+    mx.eval(model.parameters())
+
+
+def write_tokenizer(path: Path) -> None:
+    """Write a byte-level BPE tokenizer (256 bytes + chat specials) to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    # Map byte values to the GPT-2 byte-level unicode alphabet in byte order.
+    byte_chars = _bytes_to_unicode()
+    assert set(byte_chars.values()) == set(alphabet)
+    vocab = {byte_chars[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable-unicode table.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def save_model_dir(path: Path, model: nn.Module, config: dict[str, Any], tokenizer: bool = True) -> Path:
+    """Save weights, config.json and (optionally) the test tokenizer in Hub layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    cfg = copy.deepcopy(config)
+    cfg.setdefault("eos_token_id", EOS_ID)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer:
+        write_tokenizer(path)
+    return path
+
+
+def make_model_dir(
+    path: Path,
+    family: str | dict[str, Any],
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    noise: float = 0.0,
+) -> Path:
+    """Build a random model (optionally perturbed) and save it to ``path``.
+
+    Args:
+        path: Destination directory.
+        family: A key of ``TINY_CONFIGS`` or a full config dict.
+        seed: Weight seed; the same seed gives the same weights.
+        dtype: Weight dtype.
+        noise: Relative noise added after building (0 = exact copy of ``seed``'s model).
+    """
+    config = TINY_CONFIGS[family] if isinstance(family, str) else family
+    model = build_model(config, seed=seed, dtype=dtype)
+    if noise:
+        perturb(model, noise, seed=seed + 1000)
+    return save_model_dir(path, model, config)
