@@ -193,7 +193,10 @@ def plain_generate_step(
             if tok in eos:
                 yield Block((), 0, 0, "none", 1, "stop")
                 return
-            yield Block((tok,), 0, 0, "none", 1, "length" if i + 1 == max_tokens else None)
+            if i + 1 == max_tokens:
+                yield Block((tok,), 0, 0, "none", 1, "length")
+                return
+            yield Block((tok,), 0, 0, "none", 1)
             y = nxt
     finally:
         cache.restore(safe)

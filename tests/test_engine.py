@@ -1,0 +1,217 @@
+"""Invariants of the draft/verify/accept loop on tiny random models.
+
+Tolerances. On the CPU with MLX's bundled BLAS, a batched verify and a
+one-token decode give bit-identical results for every family here except the
+Mamba2 layers of nemotron_h: mlx-lm computes T > 1 tokens with the chunked SSD
+formula and T = 1 with a one-step formula, which differ in the last bit
+(bfloat16: one ulp; float32: ~4e-7). With an optimised BLAS (OpenBLAS)
+float32 matmul results also depend on the row count (~1e-6 on logits), so
+float32 comparisons allow 1e-5. Token sequences must match exactly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import (
+    DTYPES,
+    FAMILIES,
+    fed,
+    GEN,
+    PROMPT,
+    max_cache_diff,
+    noisy_drafter,
+    plain,
+    prefilled,
+    speculative,
+    target,
+    tokens,
+)
+from mlx_lm.generate import generate_step
+
+from specdec_cli.drafters import ModelDrafter
+from specdec_cli.engine import speculative_generate_step
+
+FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
+KS = range(1, 9)
+# Families whose T > 1 forward is a different formula from T = 1 in mlx-lm.
+SSD_FAMILIES = {"nemotron_h"}
+
+
+def cache_tolerance(family: str, dtype: str) -> float:
+    if dtype == "float32":
+        return 1e-5
+    # bfloat16 values here are O(1): one ulp is 2**-7.
+    return 2**-7 if family in SSD_FAMILIES else 0.0
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_plain_layout_matches_mlx_lm_stock_cache(family, dtype):
+    # Our all-KVCache layout (sliding layers as KVCache + window mask) gives
+    # the same greedy tokens as mlx-lm's generate_step with the model's own
+    # caches, on a prompt longer than gemma3's 8-token window.
+    model = target(family, dtype)
+    stock = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=GEN)]
+    ours, _ = plain(model)
+    assert ours == stock
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_speculative_equals_plain_with_partial_accepts(family, dtype):
+    model, draft = target(family, dtype), noisy_drafter(family, dtype)
+    ref, _ = plain(model)
+    for k in KS:
+        blocks, _, _ = speculative(model, draft, k)
+        assert tokens(blocks) == ref, f"K={k}"
+        assert sum(len(b.tokens) for b in blocks) == GEN
+        partial = [b for b in blocks if 0 < b.drafted and b.accepted < b.drafted]
+        assert partial, f"K={k}: the noisy drafter never got rejected"
+        if k > 1:
+            assert any(b.accepted > 0 for b in partial), f"K={k}: no accept-then-reject block"
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_drafter_equal_to_target_accepts_everything(family, dtype):
+    model = target(family, dtype)
+    ref, _ = plain(model)
+    for k in KS:
+        blocks, _, _ = speculative(model, model, k)
+        assert tokens(blocks) == ref, f"K={k}"
+        assert all(b.accepted == b.drafted for b in blocks), f"K={k}"
+        assert all(b.rollback == "none" for b in blocks[:-1])
+        # Every block but the truncated last one drafts K tokens.
+        assert all(b.drafted == k for b in blocks[:-1])
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_rolled_back_cache_equals_cache_built_directly(family, dtype):
+    # After a partial accept, the target cache must be the cache plain
+    # decoding leaves after emitting the same tokens.
+    model, draft = target(family, dtype), noisy_drafter(family, dtype)
+    tol = cache_tolerance(family, dtype)
+    checked = 0
+    for k in (2, 5):
+        cache = prefilled(model)
+        drafter = ModelDrafter(draft)
+        drafter.prefill(PROMPT[:-1])
+        out: list[int] = []
+        gen = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=GEN)
+        for block in gen:
+            out += block.tokens
+            if block.rollback == "none" or checked >= 6:
+                continue
+            _, direct = plain(model, max_tokens=len(out))
+            assert max_cache_diff(cache, direct) <= tol
+            # The drafter rolled back too: its cache equals one fed the same
+            # committed tokens directly (minus any it has yet to see).
+            assert drafter.cache.length + len(drafter._pending) == cache.length
+            history = PROMPT + out
+            draft_direct = fed(draft, history[: drafter.cache.length])
+            assert max_cache_diff(drafter.cache, draft_direct) <= tol
+            checked += 1
+    assert checked >= 4
+    expected = "reforward" if family in ("qwen3_5", "nemotron_h") else "trim"
+    blocks, _, _ = speculative(model, draft, 4)
+    assert {b.rollback for b in blocks} <= {"none", expected}
+    assert expected in {b.rollback for b in blocks}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_host_sync_per_block_unless_timed(family):
+    model, draft = target(family, "float32"), noisy_drafter(family, "float32")
+    blocks, _, _ = speculative(model, draft, 4)
+    assert all(b.syncs == 1 and b.times is None for b in blocks)
+    timed, _, _ = speculative(model, draft, 4, timed=True)
+    assert tokens(timed) == tokens(blocks)
+    assert all(b.syncs == 3 for b in timed)
+    assert all(min(b.times.draft_s, b.times.verify_s, b.times.rollback_s) >= 0 for b in timed)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 7, 11])
+def test_max_tokens_mid_block_truncates_and_leaves_consistent_caches(family, max_tokens):
+    model = target(family, "bfloat16")
+    ref, ref_cache = plain(model, max_tokens=max_tokens)
+    # Drafter == target: every block is a full accept of 5 drafts, so the
+    # limit lands inside a block.
+    blocks, cache, drafter = speculative(model, model, 5, max_tokens=max_tokens)
+    assert tokens(blocks) == ref
+    assert blocks[-1].finish_reason == "length"
+    assert max_cache_diff(cache, ref_cache) == 0.0
+    assert drafter.cache.length + len(drafter._pending) == cache.length
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
+def test_eos_inside_an_accepted_block_ends_output(family):
+    model = target(family, "bfloat16")
+    ref, _ = plain(model)
+    # Use a token that first appears mid-output as the EOS.
+    pos = next(i for i in range(5, GEN) if ref[i] not in ref[:i])
+    eos = ref[pos]
+    ref_eos, ref_cache = plain(model, eos_ids=(eos,))
+    assert ref_eos == ref[:pos]
+    for k in (3, 6):
+        blocks, cache, _ = speculative(model, model, k, eos_ids=(eos,))
+        assert tokens(blocks) == ref[:pos]
+        assert blocks[-1].finish_reason == "stop"
+        assert max_cache_diff(cache, ref_cache) <= cache_tolerance(family, "bfloat16")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_early_close_leaves_caches_consistent(family):
+    model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
+    cache = prefilled(model)
+    drafter = ModelDrafter(draft)
+    drafter.prefill(PROMPT[:-1])
+    gen = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=4, max_tokens=GEN)
+    out = list(next(gen).tokens) + list(next(gen).tokens)
+    gen.close()
+    _, direct = plain(model, max_tokens=len(out))
+    assert max_cache_diff(cache, direct) == 0.0
+
+
+class _Interrupting:
+    """Wraps a model and raises KeyboardInterrupt on its n-th forward."""
+
+    def __init__(self, model, at_call: int):
+        self._model, self._at, self._calls = model, at_call, 0
+
+    def __call__(self, *args, **kwargs):
+        self._calls += 1
+        if self._calls == self._at:
+            raise KeyboardInterrupt
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("who", ["target", "drafter"])
+def test_interrupt_mid_block_restores_caches_and_resumes_exactly(family, who):
+    model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
+    ref, _ = plain(model)
+    # Prefill is one forward; interrupt a later one, mid-block.
+    wrapped_target = _Interrupting(model, at_call=6) if who == "target" else model
+    wrapped_draft = _Interrupting(draft, at_call=9) if who == "drafter" else draft
+    cache = prefilled(wrapped_target)
+    drafter = ModelDrafter(wrapped_draft)
+    drafter.prefill(PROMPT[:-1])
+    out: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for block in speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=3, max_tokens=GEN):
+            out += block.tokens
+    assert 0 < len(out) < GEN
+    _, direct = plain(model, max_tokens=len(out))
+    assert max_cache_diff(cache, direct) <= cache_tolerance(family, "bfloat16")
+    # Resume from the last emitted token with the same caches and drafter.
+    rest = speculative_generate_step(out[-1], cache, drafter, num_draft_tokens=3, max_tokens=GEN - len(out))
+    assert out + tokens(list(rest)) == ref
+
+
+def test_zero_draft_tokens_is_plain_decoding():
+    model = target("qwen3_5", "float32")
+    ref, _ = plain(model)
+    blocks, _, _ = speculative(model, model, 0)
+    assert tokens(blocks) == ref
+    assert all(b.drafted == 0 and len(b.tokens) == 1 for b in blocks)
