@@ -1,0 +1,3 @@
+"""specdec-cli: lossless speculative decoding for MLX / mlx-lm."""
+
+__version__ = "0.1.0"

@@ -42,12 +42,15 @@ class ModelDrafter:
     Args:
         model: The draft model (any family the cache layout supports).
         cache: Its caches; built in the all-KVCache layout when omitted.
+        vocab_size: Only draft ids below this (the target's vocabulary), for
+            drafters whose embedding is padded to a different size.
     """
 
     name = "model"
 
-    def __init__(self, model: nn.Module, cache: ModelCache | None = None):
+    def __init__(self, model: nn.Module, cache: ModelCache | None = None, vocab_size: int | None = None):
         self.cache = cache if cache is not None else ModelCache(model)
+        self.vocab_size = vocab_size
         # Committed tokens the drafter has not been fed yet (lazy or known).
         self._pending: list[mx.array] = []
         self._saved_pending: list[mx.array] = []
@@ -73,7 +76,7 @@ class ModelDrafter:
         # so a rejected last draft costs nothing to undo.
         for _ in range(k):
             logits = self.cache.feed(x)
-            x = greedy(logits[-1:])
+            x = greedy(logits[-1:, : self.vocab_size])
             self._drafts.append(x)
             # _after[i]: the state having consumed everything through draft i.
             self._after.append(self.cache.snapshot())

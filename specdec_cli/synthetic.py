@@ -16,7 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .loading import cast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # 256 byte tokens, then the special tokens.
@@ -135,22 +137,10 @@ def build_model(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.floa
     model_cls, args_cls = model_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(copy.deepcopy(config)))
-    cast_weights(model, dtype)
+    cast(model, dtype)
     model.eval()
     mx.eval(model.parameters())
     return model
-
-
-def cast_weights(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Cast floating parameters to ``dtype``, honouring the model's cast_predicate."""
-    predicate = getattr(model, "cast_predicate", None) or (lambda _: True)
-
-    def cast(path: str, value: mx.array) -> mx.array:
-        if mx.issubdtype(value.dtype, mx.floating) and predicate(path):
-            return value.astype(dtype)
-        return value
-
-    model.update(tree_map_with_path(cast, model.parameters()))
 
 
 def perturb(model: nn.Module, scale: float, seed: int = 1) -> None:

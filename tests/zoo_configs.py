@@ -171,8 +171,14 @@ ZOO: dict[str, dict[str, Any]] = {
     ),
     "phi": _c("phi", num_key_value_heads=4, partial_rotary_factor=0.5),
     "phi3": _c("phi3"),
+    # Model.__call__ writes -inf into fixed dummy token ids 100256..100351
+    # (phi3small.py:295), out of bounds (heap corruption) for a smaller vocab.
     "phi3small": _c(
         "phi3small",
+        vocab_size=100352,
+        # The default 10x embedding gain makes a random model repeat its input
+        # token forever; 0.1 gives varied output.
+        mup_embedding_multiplier=0.1,
         num_hidden_layers=2,
         dense_attention_every_n_layers=2,
         ff_intermediate_size=128,

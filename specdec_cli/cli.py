@@ -1,0 +1,161 @@
+"""The ``specdec`` command line: a thin Typer layer over the runner.
+
+All expected failures pass through :func:`error_boundary`: one line on stderr,
+a non-zero exit, no traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from typing import Iterator, Optional
+
+import typer
+from typing_extensions import Annotated
+
+from . import __version__
+from .errors import SpecdecError
+
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Lossless speculative decoding for MLX / mlx-lm, hybrid and sliding-window models included.",
+)
+
+
+class DrafterKind(str, Enum):
+    model = "model"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(line.rstrip() + "\n")
+    sys.stderr.flush()
+
+
+@contextmanager
+def error_boundary(debug: bool) -> Iterator[None]:
+    """Turn exceptions into one stderr line and an exit code."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except SpecdecError as e:
+        if debug:
+            raise
+        _err(f"error: {e}")
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        _err("interrupted")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as e:  # the boundary: anything unexpected, still one line
+        if debug:
+            raise
+        _err(f"error: {type(e).__name__}: {e} (run again with --debug for the traceback)")
+        raise typer.Exit(1) from None
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"specdec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """Lossless speculative decoding for MLX / mlx-lm."""
+
+
+ModelOpt = Annotated[str, typer.Option("--model", help="Target model: Hub repo id or local directory.")]
+DraftModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--draft-model", help="Draft model (same tokenizer): Hub repo id or local directory."),
+]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; '-' reads stdin.")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.")]
+NoTemplateOpt = Annotated[
+    bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")
+]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", min=1, help="Most tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed.")]
+DTypeOpt = Annotated[
+    Optional[DType],
+    typer.Option("--dtype", help="Cast both models (dequantizing if needed); float32 is fastest on CPUs."),
+]
+PrefillOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Prompt tokens per prefill chunk.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+
+
+@app.command(
+    epilog="Exit codes: 0 done; 1 error; 2 bad option; 3 --compare-ar found a divergence; "
+    "130 interrupted (Ctrl-C)."
+)
+def generate(
+    prompt_arg: Annotated[
+        Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
+    ] = None,
+    model: ModelOpt = ...,
+    draft_model: DraftModelOpt = None,
+    drafter: Annotated[
+        Optional[DrafterKind], typer.Option("--drafter", help="Who drafts; 'model' is implied by --draft-model.")
+    ] = None,
+    block_size: Annotated[
+        Optional[int],
+        typer.Option("--block-size", min=1, help="Tokens verified per target forward (drafts + 1). [default: 4]"),
+    ] = None,
+    num_draft_tokens: Annotated[
+        Optional[int], typer.Option("--num-draft-tokens", min=0, help="mlx-lm's spelling of block size - 1.")
+    ] = None,
+    prompt: PromptOpt = None,
+    system_prompt: SystemOpt = None,
+    ignore_chat_template: NoTemplateOpt = False,
+    max_tokens: MaxTokensOpt = 256,
+    temp: TempOpt = 0.0,
+    seed: SeedOpt = None,
+    dtype: DTypeOpt = None,
+    prefill_step_size: PrefillOpt = 2048,
+    compare_ar: Annotated[
+        bool,
+        typer.Option("--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not)."),
+    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")] = False,
+    no_live: Annotated[bool, typer.Option("--no-live", help="Plain streamed text, no live panel.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Time each phase (adds two host syncs per block).")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Generate text with speculative decoding."""
+    from .commands import GenerateOptions, generate_command
+
+    with error_boundary(debug):
+        options = GenerateOptions(
+            prompt_arg=prompt_arg, prompt=prompt, model=model, draft_model=draft_model,
+            drafter=drafter.value if drafter else None, block_size=block_size,
+            num_draft_tokens=num_draft_tokens, system_prompt=system_prompt,
+            ignore_chat_template=ignore_chat_template, max_tokens=max_tokens, temp=temp, seed=seed,
+            dtype=dtype.value if dtype else None, prefill_step_size=prefill_step_size,
+            compare_ar=compare_ar, json_output=json_output, live=not no_live, verbose=verbose,
+        )
+        code = generate_command(options)
+        if code:
+            raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+

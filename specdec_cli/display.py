@@ -1,0 +1,189 @@
+"""Showing a generation: streamed text, a live stats panel, the summary.
+
+Text goes to stdout; everything else to stderr. Under Rich ``Live`` raw
+partial tokens must never be written straight to stdout (Live would turn each
+flush into its own line), so the live view prints completed lines above the
+panel and keeps only the line in progress inside it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, TextIO
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .compare import Comparison
+from .stats import Stats
+
+
+def stats_panel(stats: Stats, drafter: str) -> Panel:
+    """The live panel: decode speed, acceptance, tokens so far."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row(
+        f"[bold]{stats.decode_tps:7.1f}[/] tok/s",
+        f"acceptance [bold]{100 * stats.acceptance:5.1f}%[/]",
+        f"accepted/block [bold]{stats.mean_accepted_per_block:4.2f}[/]",
+        f"tokens [bold]{stats.generated}[/]",
+    )
+    return Panel(grid, title=f"specdec · {drafter}", title_align="left", border_style="dim")
+
+
+def take_lines(buffer: str, width: int) -> tuple[list[str], str]:
+    """Split off completed lines (and over-long ones, at a space if possible).
+
+    What is left is the line in progress, shorter than ``width``, so the live
+    region never grows taller than the screen.
+    """
+    done = []
+    while "\n" in buffer or len(buffer) > width:
+        cut = buffer.find("\n")
+        if cut == -1 or cut > width:
+            cut = buffer.rfind(" ", 0, width)
+            cut = width if cut <= 0 else cut
+            done.append(buffer[:cut])
+            buffer = buffer[cut:].lstrip(" ")
+        else:
+            done.append(buffer[:cut])
+            buffer = buffer[cut + 1 :]
+    return done, buffer
+
+
+class PlainText:
+    """Streams text to a file as it comes (pipes, ``--no-live``)."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def update(self, stats: Stats) -> None:
+        pass
+
+    def close(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+class LiveText:
+    """A terminal view: text streams line by line above a live stats panel.
+
+    The panel is transient, so once generation ends stdout holds only text.
+    """
+
+    def __init__(self, console: Console, drafter: str):
+        self.console = console
+        self.drafter = drafter
+        self.line = ""
+        self.stats = Stats()
+        self.live = Live(self._render(), console=console, transient=True, auto_refresh=False)
+        self.live.start()
+
+    def _render(self) -> Group:
+        return Group(Text(self.line), stats_panel(self.stats, self.drafter))
+
+    def write(self, text: str) -> None:
+        done, self.line = take_lines(self.line + text, max(self.console.width, 20))
+        for line in done:
+            self.live.console.print(Text(line), soft_wrap=True)
+        self.live.update(self._render(), refresh=True)
+
+    def update(self, stats: Stats) -> None:
+        self.stats = stats
+        self.live.update(self._render(), refresh=True)
+
+    def close(self) -> None:
+        self.live.stop()
+        self.console.print(Text(self.line), soft_wrap=True)
+
+
+class NoText:
+    """``--json``: nothing is streamed."""
+
+    def write(self, text: str) -> None:
+        pass
+
+    def update(self, stats: Stats) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def text_view(live: bool, drafter: str, json_output: bool):
+    """Pick the view: Live on a terminal, plain text otherwise, none for JSON."""
+    if json_output:
+        return NoText()
+    if live and sys.stdout.isatty():
+        return LiveText(Console(file=sys.stdout), drafter)
+    return PlainText(sys.stdout)
+
+
+def _histogram(stats: Stats) -> str:
+    return "  ".join(f"{k}:{v}" for k, v in sorted(stats.histogram.items())) or "-"
+
+
+def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float,
+                  verbose: bool = False) -> list[str]:
+    """mlx-lm's three stats lines, then the speculative ones."""
+    lines = [
+        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec",
+        f"Peak memory: {peak_gb:.3f} GB",
+        f"Drafter: {drafter}, block size {block_size} ({block_size - 1} drafts)",
+        f"Drafted: {stats.drafted}, accepted: {stats.accepted}, "
+        f"acceptance: {100 * stats.acceptance:.1f}% (accepted / drafted)",
+        f"Blocks: {stats.blocks}, mean accepted per block: {stats.mean_accepted_per_block:.2f}, "
+        f"tokens per block: {stats.tokens_per_block:.2f}",
+        f"Accepted per block (histogram): {_histogram(stats)}",
+    ]
+    if stats.position_drafted:
+        by_pos = " ".join(f"{100 * a:.0f}%" for a in stats.acceptance_by_position)
+        lines.append(f"Acceptance by draft position: {by_pos}")
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(stats.rollbacks.items()))
+    if stats.timed_blocks:
+        lines.append(f"Rollback: {counts}; {1000 * stats.rollback_s:.1f} ms in total")
+    else:
+        lines.append(f"Rollback: {counts}; time not measured (--verbose times each phase)")
+    if verbose and stats.phase_ms:
+        ms = stats.phase_ms
+        lines.append(
+            f"Per block: draft {ms['draft_ms']:.2f} ms, verify {ms['verify_ms']:.2f} ms, "
+            f"rollback {ms['rollback_ms']:.2f} ms; host syncs {stats.syncs / max(stats.blocks, 1):.2f}"
+        )
+    return lines
+
+
+def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
+    """The ``--compare-ar`` verdict. ``decode`` turns a token id into text."""
+    speedup = specdec.decode_tps / cmp.plain.decode_tps if cmp.plain.decode_tps else 0.0
+    lines = []
+    if cmp.identical:
+        lines.append(f"Compare: identical ({cmp.tokens} tokens)")
+    else:
+        d = cmp.divergence
+
+        def show(tok: Optional[int]) -> str:
+            return "end of output" if tok is None else f"{tok} {decode(tok)!r}"
+
+        lines.append(
+            f"Compare: DIVERGED at token {d.index}: specdec {show(d.specdec_token)}, "
+            f"plain {show(d.plain_token)}; target top-2 logit margin there {d.top2_margin:.6g}"
+        )
+    lines.append(
+        f"Plain decoding: {cmp.plain.decode_tps:.3f} tokens-per-sec; speedup {speedup:.2f}x"
+    )
+    return lines
+
+
+def print_stderr(lines: list[str]) -> None:
+    """Write summary lines to stderr, without markup or colour on a pipe."""
+    console = Console(stderr=True, highlight=False)
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=True)

@@ -1,0 +1,199 @@
+"""Load models and tokenizers from the Hugging Face Hub or local directories.
+
+A Hub id is downloaded with ``huggingface_hub.snapshot_download`` (with its
+progress bar), then loaded from the local snapshot exactly like a directory
+given on the command line. Every expected failure becomes a one-line
+:class:`ModelLoadError` / :class:`UnsupportedModelError` naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import huggingface_hub
+import mlx.core as mx
+import mlx.nn as nn
+from huggingface_hub import errors as hub_errors
+from mlx.utils import tree_map_with_path
+
+from .caches import make_cache
+from .errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
+
+# Files mlx-lm needs from a repo (its own download patterns).
+ALLOW_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass
+class Loaded:
+    """A model ready for the engine.
+
+    Attributes:
+        name: What the user passed (repo id or path).
+        path: The local directory it was loaded from.
+        model: The mlx-lm model (caches already checked for exact rollback).
+        tokenizer: mlx-lm's ``TokenizerWrapper``.
+        config: The model's config.json as loaded.
+    """
+
+    name: str
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    config: dict
+
+
+def resolve(name: str) -> Path:
+    """Return a local directory for ``name``, downloading a Hub repo if needed.
+
+    Raises:
+        ModelLoadError: No such directory, repo not found, gated, or offline.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{name} is a file; pass the model's directory or a Hub repo id")
+        return path
+    if not _REPO_ID.match(name):
+        raise ModelLoadError(
+            f"no directory {name} and it is not a Hub repo id (like mlx-community/Qwen3-0.6B-bf16): "
+            "check the path"
+        )
+    try:
+        return Path(huggingface_hub.snapshot_download(name, allow_patterns=ALLOW_PATTERNS))
+    except hub_errors.GatedRepoError:
+        raise ModelLoadError(
+            f"{name} is gated: accept its terms on huggingface.co, then run `hf auth login` "
+            "(or set HF_TOKEN)"
+        ) from None
+    except hub_errors.RepositoryNotFoundError:
+        raise ModelLoadError(
+            f"{name} was not found on the Hugging Face Hub (or is private): check the repo id, "
+            "log in with `hf auth login` for a private repo, or pass a local directory"
+        ) from None
+    except hub_errors.RevisionNotFoundError:
+        raise ModelLoadError(f"{name}: revision not found on the Hub; check the repo id") from None
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as e:
+        # No network (or HF_HUB_OFFLINE=1) and no complete copy in the HF cache.
+        raise ModelLoadError(
+            f"cannot download {name}: the Hugging Face Hub is unreachable and it is not in the "
+            f"local cache ({type(e).__name__}); connect, or pass a local model directory"
+        ) from None
+
+
+def load(name: str, dtype: Optional[str] = None) -> Loaded:
+    """Load a model and its tokenizer, optionally cast to ``dtype``.
+
+    Args:
+        name: Hub repo id or local directory.
+        dtype: ``float32``, ``bfloat16`` or ``float16``; quantized weights are
+            dequantized first. None keeps the stored weights.
+
+    Raises:
+        ModelLoadError: Missing files or unreadable weights.
+        UnsupportedModelError: mlx-lm cannot build the architecture, or the
+            engine cannot roll its caches back exactly.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = resolve(name)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: pass a model directory in Hugging Face layout")
+    if not list(path.glob("model*.safetensors")):
+        raise ModelLoadError(
+            f"{path} has no model*.safetensors weights: convert the model with `mlx_lm.convert`"
+        )
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON ({e})") from None
+    try:
+        model, config = load_model(path)
+    except ValueError as e:
+        if "not supported" in str(e):
+            import mlx_lm
+
+            raise UnsupportedModelError(
+                f"mlx-lm {mlx_lm.__version__} cannot load architecture {model_type!r}: "
+                "pick a model mlx-lm supports or upgrade mlx-lm"
+            ) from None
+        raise ModelLoadError(f"cannot load {name}: {e}") from None
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizer libraries raise many types
+        raise ModelLoadError(f"cannot load the tokenizer of {name}: {e}") from None
+    make_cache(model)  # capability check before anything runs
+    if dtype is not None:
+        cast(model, DTYPES[dtype])
+    return Loaded(name, path, model, tokenizer, config)
+
+
+def cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Dequantize ``model`` if needed and cast its floating weights to ``dtype``.
+
+    Parameters the model marks as precision-sensitive (its ``cast_predicate``,
+    e.g. recurrent ``A_log``) keep their dtype, as mlx-lm's converter does.
+    """
+    from mlx_lm.utils import dequantize_model
+
+    if any(hasattr(m, "scales") for _, m in model.named_modules()):
+        dequantize_model(model)
+    predicate = getattr(model, "cast_predicate", None) or (lambda _: True)
+
+    def convert(path: str, value: mx.array) -> mx.array:
+        if mx.issubdtype(value.dtype, mx.floating) and predicate(path):
+            return value.astype(dtype)
+        return value
+
+    model.update(tree_map_with_path(convert, model.parameters()))
+    mx.eval(model.parameters())
+
+
+SAMPLE_TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Zürich, 東京, naïve café — 3.14159 × 2 = 6.28318; emoji 🙂",
+    "   leading spaces\ttabs\n\nand newlines   ",
+]
+
+
+def check_same_tokenizer(target: Any, draft: Any) -> None:
+    """Refuse a drafter whose tokenizer differs from the target's.
+
+    Compares the vocabularies, the special token ids and the encodings of a
+    few sample texts. The embedding sizes may differ (padded vocabularies).
+
+    Raises:
+        TokenizerMismatchError: With what differs.
+    """
+    fix = "pick a drafter from the target's model family (same tokenizer)"
+    tv, dv = target.get_vocab(), draft.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise TokenizerMismatchError(
+            f"the draft model's vocabulary differs from the target's ({len(dv)} vs {len(tv)} tokens, "
+            f"{diff} entries differ): {fix}"
+        )
+    for attr in ("eos_token_ids", "bos_token_id"):
+        a, b = getattr(target, attr, None), getattr(draft, attr, None)
+        if a != b:
+            raise TokenizerMismatchError(f"the draft model's {attr} is {b}, the target's is {a}: {fix}")
+    for text in SAMPLE_TEXTS:
+        if target.encode(text) != draft.encode(text):
+            raise TokenizerMismatchError(f"the draft tokenizer encodes {text[:24]!r}... differently: {fix}")

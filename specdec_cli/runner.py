@@ -1,0 +1,85 @@
+"""One generation from prompt ids: prefill, then the engine loop, timed.
+
+Yields :class:`Prefilled` once, then one :class:`Step` per block. Each step
+carries the seconds spent inside the engine for that block, so the time the
+consumer spends displaying is never counted as decode time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.nn as nn
+
+from .caches import ModelCache
+from .drafters import Drafter
+from .engine import Block, plain_generate_step, speculative_generate_step
+from .errors import OptionError
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prompt is in the caches (target and drafter)."""
+
+    prompt_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine block and the seconds the engine spent on it."""
+
+    block: Block
+    seconds: float
+
+
+def run(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    drafter: Optional[Drafter] = None,
+    num_draft_tokens: int = 3,
+    max_tokens: int = 256,
+    eos_ids: Sequence[int] = (),
+    prefill_step_size: int = 2048,
+    timed: bool = False,
+) -> Iterator[Union[Prefilled, Step]]:
+    """Prefill fresh caches with ``prompt_ids`` and generate.
+
+    Args:
+        model: The target model.
+        prompt_ids: Prompt token ids (at least one).
+        drafter: A fresh drafter, or None for plain decoding.
+        num_draft_tokens: Drafts per block (speculative only).
+        max_tokens: Most tokens to emit.
+        eos_ids: Ids that end generation.
+        prefill_step_size: Prompt chunk size.
+        timed: Ask the engine for per-phase timings (adds syncs).
+    """
+    if not prompt_ids:
+        raise OptionError("the prompt is empty: give some text")
+    cache = ModelCache(model)
+    start = time.perf_counter()
+    cache.prefill(prompt_ids[:-1], prefill_step_size)
+    if drafter is not None:
+        drafter.prefill(prompt_ids[:-1], prefill_step_size)
+    yield Prefilled(len(prompt_ids), time.perf_counter() - start)
+    last = prompt_ids[-1]
+    if drafter is None:
+        gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids)
+    else:
+        gen = speculative_generate_step(
+            last, cache, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
+            eos_ids=eos_ids, timed=timed,
+        )
+    try:
+        while True:
+            start = time.perf_counter()
+            block = next(gen, None)
+            if block is None:
+                return
+            yield Step(block, time.perf_counter() - start)
+    finally:
+        gen.close()

@@ -1,0 +1,129 @@
+"""Run statistics, each number with one definition.
+
+- acceptance = accepted / drafted (drafts the target agreed with, over drafts
+  it verified);
+- mean accepted per block = accepted / blocks that drafted anything;
+- tokens per block = generated / target forwards (blocks);
+- decode tok/s = generated / time spent inside the engine (display excluded);
+- prompt tok/s = prompt tokens / prefill time (target and drafter), timed
+  apart from decoding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .engine import Block
+
+
+@dataclass
+class Stats:
+    """Accumulates :class:`Block` results of one generation."""
+
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    generated: int = 0
+    blocks: int = 0
+    drafting_blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    syncs: int = 0
+    histogram: Counter = field(default_factory=Counter)
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    rollbacks: Counter = field(default_factory=Counter)
+    timed_blocks: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+    finish_reason: Optional[str] = None
+
+    def add(self, block: Block, seconds: float) -> None:
+        """Count one block that took ``seconds`` inside the engine."""
+        self.decode_s += seconds
+        self.generated += len(block.tokens)
+        self.blocks += 1
+        self.syncs += block.syncs
+        self.finish_reason = block.finish_reason or self.finish_reason
+        if block.drafted:
+            self.drafting_blocks += 1
+            self.drafted += block.drafted
+            self.accepted += block.accepted
+            self.histogram[block.accepted] += 1
+            grow = block.drafted - len(self.position_drafted)
+            if grow > 0:
+                self.position_drafted += [0] * grow
+                self.position_accepted += [0] * grow
+            for i in range(block.drafted):
+                self.position_drafted[i] += 1
+                self.position_accepted[i] += int(i < block.accepted)
+        self.rollbacks[block.rollback] += 1
+        if block.times is not None:
+            self.timed_blocks += 1
+            self.draft_s += block.times.draft_s
+            self.verify_s += block.times.verify_s
+            self.rollback_s += block.times.rollback_s
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_block(self) -> float:
+        return self.accepted / self.drafting_blocks if self.drafting_blocks else 0.0
+
+    @property
+    def tokens_per_block(self) -> float:
+        return self.generated / self.blocks if self.blocks else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Acceptance of the i-th draft of a block, given it was verified."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def phase_ms(self) -> Optional[dict[str, float]]:
+        """Mean draft / verify / rollback milliseconds per block, when timed."""
+        if not self.timed_blocks:
+            return None
+        n = self.timed_blocks
+        return {
+            "draft_ms": 1000 * self.draft_s / n,
+            "verify_ms": 1000 * self.verify_s / n,
+            "rollback_ms": 1000 * self.rollback_s / n,
+        }
+
+    def to_dict(self) -> dict:
+        """The numbers as plain JSON-ready values."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated,
+            "prefill_s": self.prefill_s,
+            "prompt_tps": self.prompt_tps,
+            "decode_s": self.decode_s,
+            "decode_tps": self.decode_tps,
+            "blocks": self.blocks,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.acceptance,
+            "mean_accepted_per_block": self.mean_accepted_per_block,
+            "tokens_per_block": self.tokens_per_block,
+            "accepted_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+            "acceptance_by_position": self.acceptance_by_position,
+            "rollbacks": dict(self.rollbacks),
+            "rollback_s": self.rollback_s if self.timed_blocks else None,
+            "phase_ms": self.phase_ms,
+            "syncs_per_block": self.syncs / self.blocks if self.blocks else 0.0,
+            "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,308 @@
+"""The command line, through Typer's CliRunner, on tiny models saved to disk."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from huggingface_hub import errors as hub_errors
+from typer.testing import CliRunner
+
+import specdec_cli.loading as loading
+import specdec_cli.runner as runner_module
+from specdec_cli.cli import app
+from specdec_cli.drafters import ModelDrafter
+from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+
+ANSI = re.compile(r"\x1b\[")
+JSON_FIELDS = {
+    "text", "prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_tps", "blocks",
+    "block_size", "drafted", "accepted", "acceptance", "mean_accepted_per_block", "drafter",
+    "rollback", "rollback_s",
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {
+        "llama": make_model_dir(root / "llama", "llama", seed=0),
+        "llama-draft": make_model_dir(root / "llama-draft", "llama", seed=0, noise=0.05),
+        "qwen3_5": make_model_dir(root / "qwen3_5", "qwen3_5", seed=0),
+        "qwen3_5-draft": make_model_dir(root / "qwen3_5-draft", "qwen3_5", seed=0, noise=0.05),
+        "padded-draft": make_model_dir(
+            root / "padded-draft", {**TINY_CONFIGS["llama"], "vocab_size": 320}, seed=3
+        ),
+    }
+    # Same shapes, different vocabulary: two byte tokens swap ids.
+    other = make_model_dir(root / "other-tokenizer", "llama", seed=0, noise=0.05)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    out["other-tokenizer"] = other
+    unknown = root / "unknown-arch"
+    shutil.copytree(out["llama"], unknown)
+    cfg = json.loads((unknown / "config.json").read_text())
+    cfg["model_type"] = "no_such_architecture"
+    (unknown / "config.json").write_text(json.dumps(cfg))
+    out["unknown-arch"] = unknown
+    no_weights = root / "no-weights"
+    shutil.copytree(out["llama"], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    out["no-weights"] = no_weights
+    no_config = root / "no-config"
+    shutil.copytree(out["llama"], no_config)
+    (no_config / "config.json").unlink()
+    out["no-config"] = no_config
+    return out
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(app, ["generate", *map(str, args)], input=input)
+
+
+def base(models, target="llama", draft="llama-draft"):
+    return ["--model", models[target], "--draft-model", models[draft], "-m", "24"]
+
+
+def test_generate_streams_text_to_stdout_and_stats_to_stderr(models):
+    result = invoke(*base(models), "Hello there")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    assert not ANSI.search(result.stdout) and not ANSI.search(result.stderr)
+    assert re.search(r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$", result.stderr, re.M)
+    assert re.search(r"^Generation: 24 tokens, [\d.]+ tokens-per-sec$", result.stderr, re.M)
+    assert re.search(r"^Peak memory: [\d.]+ GB$", result.stderr, re.M)
+    assert "acceptance:" in result.stderr and "(accepted / drafted)" in result.stderr
+    assert "Accepted per block (histogram):" in result.stderr
+    assert "Prompt:" not in result.stdout
+
+
+def test_json_is_one_object_with_the_documented_fields(models):
+    result = invoke(*base(models, "qwen3_5", "qwen3_5-draft"), "-p", "Hi", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # the whole of stdout is one object
+    assert JSON_FIELDS <= set(report)
+    assert report["block_size"] == 4
+    # Random weights may emit EOS early; otherwise the limit stops it.
+    assert report["finish_reason"] in ("stop", "length")
+    assert report["generated_tokens"] == 24 or report["finish_reason"] == "stop"
+    assert report["drafter"] == "model" and report["rollback"] == "reforward"
+    assert report["acceptance"] == pytest.approx(report["accepted"] / report["drafted"])
+    assert report["rollback_s"] is None  # only measured with --verbose
+    assert "Prompt:" not in result.stderr
+
+
+def test_verbose_times_the_phases(models):
+    result = invoke(*base(models), "Hi", "--json", "--verbose")
+    report = json.loads(result.stdout)
+    assert report["rollback_s"] >= 0 and report["syncs_per_block"] == 3
+    assert set(report["phase_ms"]) == {"draft_ms", "verify_ms", "rollback_ms"}
+
+
+@pytest.mark.parametrize("target,draft", [("llama", "llama-draft"), ("qwen3_5", "qwen3_5-draft"),
+                                          ("llama", "padded-draft")])
+def test_compare_ar_identical_exits_zero(models, target, draft):
+    result = invoke(*base(models, target, draft), "Compare me", "--compare-ar", "--json")
+    assert result.exit_code == 0, result.output
+    compare = json.loads(result.stdout)["compare"]
+    assert compare["identical"] is True and compare["first_divergence"] is None
+    assert compare["ar_decode_tps"] > 0 and compare["speedup"] > 0
+    text = invoke(*base(models, target, draft), "Compare me", "--compare-ar")
+    assert "Compare: identical (24 tokens)" in text.stderr
+    assert re.search(r"speedup [\d.]+x", text.stderr)
+
+
+def test_compare_ar_divergence_exits_three_and_says_where(models, monkeypatch):
+    # Corrupt the plain run's 6th token: the comparison must find it.
+    real = runner_module.plain_generate_step
+
+    def corrupted(*args, **kwargs):
+        for i, block in enumerate(real(*args, **kwargs)):
+            if i == 5:
+                block = type(block)((block.tokens[0] ^ 1,), 0, 0, "none", 1, block.finish_reason)
+            yield block
+
+    monkeypatch.setattr(runner_module, "plain_generate_step", corrupted)
+    result = invoke(*base(models), "Hello", "--compare-ar", "--json")
+    assert result.exit_code == 3
+    div = json.loads(result.stdout)["compare"]["first_divergence"]
+    assert div["index"] == 5
+    assert div["specdec_token"]["id"] == div["plain_token"]["id"] ^ 1
+    assert div["top2_margin"] >= 0
+    text = invoke(*base(models), "Hello", "--compare-ar")
+    assert text.exit_code == 3
+    assert "DIVERGED at token 5" in text.stderr and "top-2 logit margin" in text.stderr
+
+
+def test_prompt_from_stdin_and_option_forms(models):
+    a = invoke(*base(models), "-", "--json", "--ignore-chat-template", input="Once upon a time")
+    b = invoke(*base(models), "--prompt", "Once upon a time", "--json", "--ignore-chat-template")
+    ra, rb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ra["text"] == rb["text"] and ra["prompt_tokens"] == rb["prompt_tokens"] == 16
+
+
+def test_chat_template_and_system_prompt_change_the_prompt(models):
+    plain = json.loads(invoke(*base(models), "Hi", "--json", "--ignore-chat-template").stdout)
+    chat = json.loads(invoke(*base(models), "Hi", "--json").stdout)
+    system = json.loads(invoke(*base(models), "Hi", "--json", "--system-prompt", "Be brief.").stdout)
+    assert plain["prompt_tokens"] == 2
+    assert chat["prompt_tokens"] > plain["prompt_tokens"]
+    assert system["prompt_tokens"] > chat["prompt_tokens"]
+
+
+def test_num_draft_tokens_is_block_size_minus_one(models):
+    report = json.loads(invoke(*base(models), "Hi", "--json", "--num-draft-tokens", "2").stdout)
+    assert report["block_size"] == 3
+    assert max(int(k) for k in report["accepted_histogram"]) <= 2
+
+
+def test_dtype_cast_runs(models):
+    result = invoke(*base(models, "qwen3_5", "qwen3_5-draft"), "Hi", "--dtype", "bfloat16",
+                    "--compare-ar", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["compare"]["identical"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["Hi", "--block-size", "3", "--num-draft-tokens", "2"], "not both"),
+        ([], "no prompt"),
+        (["Hi", "-p", "Hi"], "give the prompt once"),
+        (["Hi", "--temp", "0.7"], "--temp"),
+        (["Hi", "--temp", "-1"], "--temp must be >= 0"),
+        (["Hi", "--system-prompt", "x", "--ignore-chat-template"], "--system-prompt needs the chat template"),
+    ],
+)
+def test_bad_options_exit_two_with_one_line(models, extra, message):
+    result = invoke(*base(models), *extra)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_drafter_model_without_draft_model(models):
+    result = invoke("--model", models["llama"], "--drafter", "model", "Hi")
+    assert result.exit_code == 2 and "--drafter model needs --draft-model" in result.stderr
+    result = invoke("--model", models["llama"], "Hi")
+    assert result.exit_code == 2 and "--draft-model" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "model_key, message",
+    [
+        ("no-config", "has no config.json"),
+        ("no-weights", "has no model*.safetensors"),
+        ("unknown-arch", "cannot load architecture 'no_such_architecture'"),
+    ],
+)
+def test_broken_model_directories_exit_one(models, model_key, message):
+    result = invoke("--model", models[model_key], "--draft-model", models["llama-draft"], "Hi")
+    assert result.exit_code == 1
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_path_and_tokenizer_mismatch(models, tmp_path):
+    result = invoke("--model", tmp_path / "nope" / "model", "--draft-model", models["llama"], "Hi")
+    assert result.exit_code == 1 and "no directory" in result.stderr
+    result = invoke(*base(models, "llama", "other-tokenizer"), "Hi")
+    assert result.exit_code == 1
+    assert "vocabulary differs" in result.stderr and "same tokenizer" in result.stderr
+
+
+def test_refused_cache_exits_one_before_generating(models, monkeypatch):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    import specdec_cli.caches as caches
+
+    monkeypatch.setattr(caches, "make_prompt_cache", lambda model: [QuantizedKVCache()])
+    result = invoke(*base(models), "Hi")
+    assert result.exit_code == 1
+    assert "QuantizedKVCache" in result.stderr and "cannot roll back" in result.stderr
+    assert result.stdout == ""
+
+
+def _hub_error(cls, message):
+    # Hub errors want an HTTP response; only the type and text matter here.
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    return err
+
+
+@pytest.fixture
+def hub(models, monkeypatch):
+    """Mock only the network call: known repo ids map to local snapshots."""
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        calls.append(repo_id)
+        known = {"test-org/tiny-llama": models["llama"], "test-org/tiny-llama-draft": models["llama-draft"]}
+        if repo_id in known:
+            return str(known[repo_id])
+        if repo_id == "test-org/gated":
+            raise _hub_error(hub_errors.GatedRepoError, "gated")
+        if repo_id == "test-org/offline":
+            raise hub_errors.LocalEntryNotFoundError("ConnectError: Name or service not known")
+        raise _hub_error(hub_errors.RepositoryNotFoundError, "404")
+
+    monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", snapshot_download)
+    return calls
+
+
+def test_hub_repo_ids_download_then_load(models, hub):
+    result = invoke("--model", "test-org/tiny-llama", "--draft-model", "test-org/tiny-llama-draft",
+                    "Hi", "-m", "8", "--json", "--compare-ar")
+    assert result.exit_code == 0, result.output
+    assert hub == ["test-org/tiny-llama", "test-org/tiny-llama-draft"]
+    assert json.loads(result.stdout)["compare"]["identical"]
+
+
+@pytest.mark.parametrize(
+    "repo, message",
+    [
+        ("test-org/missing", "not found on the Hugging Face Hub"),
+        ("test-org/gated", "is gated"),
+        ("test-org/offline", "Hub is unreachable"),
+    ],
+)
+def test_hub_failures_exit_one_with_the_fix(models, hub, repo, message):
+    result = invoke("--model", repo, "--draft-model", models["llama"], "Hi")
+    assert result.exit_code == 1
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_debug_shows_the_traceback(models):
+    result = invoke("--model", models["no-config"], "--draft-model", models["llama"], "Hi", "--debug")
+    assert result.exit_code != 0
+    assert result.exception is not None and "config.json" in str(result.exception)
+
+
+def test_ctrl_c_prints_stats_so_far_and_exits_130(models, monkeypatch):
+    real = ModelDrafter.propose
+    calls = {"n": 0}
+
+    def propose(self, last, k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self, last, k)
+
+    monkeypatch.setattr(ModelDrafter, "propose", propose)
+    result = invoke(*base(models), "Hi", "-m", "40")
+    assert result.exit_code == 130
+    assert re.search(r"^Generation: \d+ tokens", result.stderr, re.M)
+    assert result.stdout.strip()
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run([sys.executable, "-m", "specdec_cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("specdec ")
