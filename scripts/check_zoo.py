@@ -248,12 +248,37 @@ def check_one(name: str, max_tokens: int) -> dict:
             errors.append(f"spec K={k}: " + _err(e))
     res["spec_eq_plain"] = spec
     res["acceptance"] = round(accepted / drafted, 3) if drafted else None
+
+    # A drafter identical to the target must have every draft accepted:
+    # anything less means the drafter's own caches went wrong (silently,
+    # since verification still keeps the output exact).
+    try:
+        twin = build(gain)
+        self_acc = {}
+        for k in (3, KS[-1]):
+            c = ModelCache(model)
+            c.prefill(prompt[:-1])
+            d = ModelDrafter(twin)
+            d.prefill(prompt[:-1])
+            dr = ac = 0
+            out = []
+            for b in speculative_generate_step(prompt[-1], c, d, num_draft_tokens=k, max_tokens=max_tokens):
+                dr += b.drafted
+                ac += b.accepted
+                out.extend(b.tokens)
+            self_acc[k] = round(ac / dr, 3) if dr else None
+            if plain is not None and out != plain:
+                errors.append(f"self-draft K={k}: output != plain")
+        res["self_acceptance"] = self_acc
+    except Exception as e:  # noqa: BLE001
+        errors.append("self-draft: " + _err(e))
     if errors:
         res["errors"] = errors
     ok = (
         not errors
         and res.get("plain_eq_stock") is True
         and all(v is True for v in spec.values())
+        and all(v == 1.0 for v in res.get("self_acceptance", {}).values())
     )
     res["status"] = "ok" if ok else "FAIL"
     res["secs"] = round(time.perf_counter() - t0, 2)
@@ -447,6 +472,10 @@ def _outcome(r: dict) -> str:
     parts.append("spec " + sp)
     if r.get("acceptance") is not None:
         parts.append(f"acc={r['acceptance']:.2f}")
+    sa = r.get("self_acceptance")
+    if sa:
+        vals = list(sa.values())
+        parts.append("self-acc=1" if all(v == 1.0 for v in vals) else "SELF-ACC " + " ".join(f"K{k}:{v}" for k, v in sa.items()))
     for e in r.get("errors", []):
         parts.append("ERR " + e)
     return ("OK  " if st == "ok" else "FAIL ") + "; ".join(parts)
