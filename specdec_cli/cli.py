@@ -30,6 +30,7 @@ app = typer.Typer(
 
 class DrafterKind(str, Enum):
     model = "model"
+    lookup = "lookup"
 
 
 class DType(str, Enum):
@@ -91,7 +92,7 @@ NoTemplateOpt = Annotated[
     bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", min=1, help="Most tokens to generate.")]
-TempOpt = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy); > 0 samples losslessly.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed.")]
 DTypeOpt = Annotated[
     Optional[DType],
@@ -112,7 +113,8 @@ def generate(
     model: ModelOpt = ...,
     draft_model: DraftModelOpt = None,
     drafter: Annotated[
-        Optional[DrafterKind], typer.Option("--drafter", help="Who drafts; 'model' is implied by --draft-model.")
+        Optional[DrafterKind],
+        typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model) or prompt 'lookup' (the default without one)."),
     ] = None,
     block_size: Annotated[
         Optional[int],
@@ -126,7 +128,24 @@ def generate(
     ignore_chat_template: NoTemplateOpt = False,
     max_tokens: MaxTokensOpt = 256,
     temp: TempOpt = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (0 = off).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability (0 = off).")] = 0.0,
     seed: SeedOpt = None,
+    draft_p_min: Annotated[
+        Optional[float],
+        typer.Option("--draft-p-min", help="Stop drafting when the draft model's top-1 probability is below this."),
+    ] = None,
+    ngram_max: Annotated[
+        Optional[int], typer.Option("--ngram-max", help="Lookup: longest suffix matched. [default: 4]")
+    ] = None,
+    ngram_min: Annotated[
+        Optional[int], typer.Option("--ngram-min", help="Lookup: shortest suffix matched. [default: 2]")
+    ] = None,
+    adaptive: Annotated[
+        bool,
+        typer.Option("--adaptive/--no-adaptive", help="Adapt the draft length to acceptance, and stop speculating while it is slower than plain decoding."),
+    ] = True,
     dtype: DTypeOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     compare_ar: Annotated[
@@ -146,7 +165,9 @@ def generate(
             prompt_arg=prompt_arg, prompt=prompt, model=model, draft_model=draft_model,
             drafter=drafter.value if drafter else None, block_size=block_size,
             num_draft_tokens=num_draft_tokens, system_prompt=system_prompt,
-            ignore_chat_template=ignore_chat_template, max_tokens=max_tokens, temp=temp, seed=seed,
+            ignore_chat_template=ignore_chat_template, max_tokens=max_tokens, temp=temp, top_p=top_p,
+            top_k=top_k, min_p=min_p, seed=seed, draft_p_min=draft_p_min, ngram_max=ngram_max,
+            ngram_min=ngram_min, adaptive=adaptive,
             dtype=dtype.value if dtype else None, prefill_step_size=prefill_step_size,
             compare_ar=compare_ar, json_output=json_output, live=not no_live, verbose=verbose,
         )

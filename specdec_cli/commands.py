@@ -14,14 +14,17 @@ from typing import Optional
 import mlx.core as mx
 
 from .compare import compare_with_plain
-from .display import comparison_lines, print_stderr, summary_lines, text_view
-from .drafters import Drafter, ModelDrafter
+from .adaptive import AdaptiveLength, FixedLength
+from .display import comparison_lines, policy_lines, print_stderr, summary_lines, text_view
+from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .errors import OptionError
 from .loading import Loaded, check_same_tokenizer, load
 from .runner import Prefilled, run
+from .sampling import SamplingParams
 from .stats import Stats
 
 DEFAULT_BLOCK_SIZE = 4
+LOOKUP_MAX, LOOKUP_MIN = 4, 2
 
 
 @dataclass
@@ -39,7 +42,14 @@ class GenerateOptions:
     ignore_chat_template: bool = False
     max_tokens: int = 256
     temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: Optional[int] = None
+    draft_p_min: Optional[float] = None
+    ngram_max: Optional[int] = None
+    ngram_min: Optional[int] = None
+    adaptive: bool = True
     dtype: Optional[str] = None
     prefill_step_size: int = 2048
     compare_ar: bool = False
@@ -58,15 +68,26 @@ def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int
 
 
 def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
-    """The drafter kind, checked against the draft model option."""
-    kind = drafter or ("model" if draft_model else None)
-    if kind is None:
-        raise OptionError("no drafter: pass --draft-model REPO_OR_DIR (a smaller model with the same tokenizer)")
+    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup``."""
+    kind = drafter or ("model" if draft_model else "lookup")
     if kind == "model" and not draft_model:
         raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
     if kind != "model" and draft_model:
         raise OptionError(f"--draft-model is only used with --drafter model, not --drafter {kind}")
     return kind
+
+
+def check_drafter_options(kind: str, opts: "GenerateOptions") -> None:
+    """Options that only one drafter kind understands."""
+    if kind != "model" and opts.draft_p_min is not None:
+        raise OptionError("--draft-p-min applies to a draft model: drop it or pass --draft-model")
+    if kind != "lookup" and (opts.ngram_max is not None or opts.ngram_min is not None):
+        raise OptionError("--ngram-max/--ngram-min apply to --drafter lookup")
+    if opts.draft_p_min is not None and not 0 <= opts.draft_p_min <= 1:
+        raise OptionError("--draft-p-min must be within [0, 1]")
+    lo, hi = opts.ngram_min or LOOKUP_MIN, opts.ngram_max or LOOKUP_MAX
+    if kind == "lookup" and not 1 <= lo <= hi:
+        raise OptionError(f"need 1 <= --ngram-min ({lo}) <= --ngram-max ({hi})")
 
 
 def read_prompt(prompt_arg: Optional[str], prompt: Optional[str]) -> str:
@@ -100,24 +121,46 @@ def _vocab_size(config: dict) -> Optional[int]:
     return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
 
 
-def validate_sampling(temp: float) -> None:
-    """Only greedy decoding is lossless-verified so far."""
-    if temp < 0:
+def sampling_params(opts: "GenerateOptions") -> SamplingParams:
+    """Checked sampling options: mlx-lm's meanings; filters need --temp > 0."""
+    if opts.temp < 0:
         raise OptionError("--temp must be >= 0")
-    if temp > 0:
-        raise OptionError("--temp > 0 is not supported yet (lossless sampling is on its way): use --temp 0")
+    if not 0 <= opts.top_p <= 1:
+        raise OptionError("--top-p must be within [0, 1] (0 disables it)")
+    if not 0 <= opts.min_p <= 1:
+        raise OptionError("--min-p must be within [0, 1] (0 disables it)")
+    if opts.top_k < 0:
+        raise OptionError("--top-k must be >= 0 (0 disables it)")
+    params = SamplingParams(opts.temp, opts.top_p, opts.top_k, opts.min_p)
+    if params.greedy:
+        filters = [n for n, v in (("--top-p", opts.top_p), ("--top-k", opts.top_k), ("--min-p", opts.min_p)) if v]
+        if filters:
+            raise OptionError(f"{', '.join(filters)} only apply when sampling: set --temp > 0 or drop them")
+    elif opts.compare_ar:
+        raise OptionError("--compare-ar proves greedy output identical: use --temp 0")
+    return params
 
 
-def make_drafter(kind: str, target: Loaded, draft: Optional[Loaded]) -> Drafter:
+def make_drafter(kind: str, opts: "GenerateOptions", target: Loaded, draft: Optional[Loaded]) -> Drafter:
     """A fresh drafter of ``kind`` for ``target``."""
-    return ModelDrafter(draft.model, vocab_size=_vocab_size(target.config))
+    if kind == "lookup":
+        return LookupDrafter(opts.ngram_max or LOOKUP_MAX, opts.ngram_min or LOOKUP_MIN)
+    return ModelDrafter(draft.model, vocab_size=_vocab_size(target.config), p_min=opts.draft_p_min or 0.0)
+
+
+def make_policy(adaptive: bool, block_size: int):
+    """Adaptive draft length up to block size - 1, or a fixed one."""
+    if adaptive and block_size > 1:
+        return AdaptiveLength(k_max=block_size - 1)
+    return FixedLength(block_size - 1)
 
 
 def generate_command(opts: GenerateOptions) -> int:
     """Run ``specdec generate``; returns the exit code."""
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens)
     kind = resolve_drafter(opts.drafter, opts.draft_model)
-    validate_sampling(opts.temp)
+    check_drafter_options(kind, opts)
+    sampling = sampling_params(opts)
     text = read_prompt(opts.prompt_arg, opts.prompt)
     if opts.seed is not None:
         mx.random.seed(opts.seed)
@@ -137,13 +180,13 @@ def generate_command(opts: GenerateOptions) -> int:
     detok.reset()
     view = text_view(opts.live, drafter_name, opts.json_output)
     interrupted = False
+    policy = make_policy(opts.adaptive, block_size)
     mx.reset_peak_memory()
     try:
         events = run(
-            target.model, prompt_ids, drafter=make_drafter(kind, target, draft),
-            num_draft_tokens=block_size - 1, max_tokens=opts.max_tokens,
-            eos_ids=sorted(tokenizer.eos_token_ids), prefill_step_size=opts.prefill_step_size,
-            timed=opts.verbose,
+            target.model, prompt_ids, drafter=make_drafter(kind, opts, target, draft), policy=policy,
+            max_tokens=opts.max_tokens, eos_ids=sorted(tokenizer.eos_token_ids), sampling=sampling,
+            prefill_step_size=opts.prefill_step_size, timed=opts.verbose,
         )
         for event in events:
             if isinstance(event, Prefilled):
@@ -178,6 +221,9 @@ def generate_command(opts: GenerateOptions) -> int:
             "drafter": kind,
             "block_size": block_size,
             "rollback": "reforward" if _recurrent(target) else "trim",
+            "sampling": {"temp": sampling.temp, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                         "min_p": sampling.min_p, "seed": opts.seed},
+            "adaptive": policy.summary(),
             "peak_memory_gb": peak_gb,
             "interrupted": interrupted,
             **stats.to_dict(),
@@ -187,7 +233,7 @@ def generate_command(opts: GenerateOptions) -> int:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         lines = summary_lines(stats, drafter=drafter_name, block_size=block_size, peak_gb=peak_gb,
-                              verbose=opts.verbose)
+                              verbose=opts.verbose) + policy_lines(policy.summary())
         if comparison is not None:
             lines += comparison_lines(comparison, stats, lambda t: tokenizer.decode([t]))
         print_stderr(lines)

@@ -160,6 +160,25 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
     return lines
 
 
+def policy_lines(summary: dict) -> list[str]:
+    """What the draft-length policy did."""
+    if summary.get("policy") != "adaptive":
+        return []
+    lengths = "  ".join(f"{k}:{v}" for k, v in summary["draft_lengths"].items()) or "-"
+    line = (
+        f"Adaptive: draft lengths (length:blocks) {lengths}, mean {summary['mean_draft_length']:.2f} "
+        f"(max {summary['k_max']})"
+    )
+    if summary["switched_off"]:
+        line += (
+            f"; speculation measured slower than plain and switched off {summary['switched_off']}x "
+            f"({summary['plain_blocks']} plain steps)"
+        )
+    elif summary["plain_blocks"]:
+        line += f"; {summary['plain_blocks']} plain steps to measure plain speed"
+    return [line]
+
+
 def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
     """The ``--compare-ar`` verdict. ``decode`` turns a token id into text."""
     speedup = specdec.decode_tps / cmp.plain.decode_tps if cmp.plain.decode_tps else 0.0

@@ -17,9 +17,10 @@ from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 
+from .adaptive import DraftPolicy, FixedLength
 from .caches import ModelCache
 from .drafters import Drafter
-from .sampling import greedy
+from .sampling import GREEDY, SamplingParams, accept_greedy, accept_sampled, choose
 
 
 @dataclass(frozen=True)
@@ -75,56 +76,63 @@ def speculative_generate_step(
     cache: ModelCache,
     drafter: Drafter,
     *,
-    num_draft_tokens: int,
     max_tokens: int,
+    num_draft_tokens: Optional[int] = None,
+    policy: Optional[DraftPolicy] = None,
     eos_ids: Sequence[int] = (),
+    sampling: SamplingParams = GREEDY,
     timed: bool = False,
 ) -> Iterator[Block]:
-    """Greedy speculative decoding.
+    """Speculative decoding: greedy, or lossless rejection sampling at temp > 0.
 
-    Each block drafts up to ``num_draft_tokens`` tokens, verifies
-    ``[last, d1..dk]`` in one target forward, computes the accepted length on
-    the device and reads it back in one host sync.
+    Each block drafts up to k tokens, verifies ``[last, d1..dk]`` in one
+    target forward, computes the accepted length on the device and reads it
+    back in one host sync.
 
     Args:
         last: The last prompt token (not yet fed to either cache).
         cache: The target's prefilled caches.
         drafter: A prefilled drafter in step with ``cache``.
-        num_draft_tokens: Drafts per block (block size - 1), >= 0.
         max_tokens: Stop after this many emitted tokens.
+        num_draft_tokens: Drafts per block (block size - 1), when no policy is given.
+        policy: Chooses each block's draft length (see :mod:`specdec_cli.adaptive`).
         eos_ids: Token ids that end generation (not emitted).
+        sampling: Greedy (default) or sampling options.
         timed: Add a sync after each phase and report :class:`PhaseTimes`.
 
     Yields:
         One :class:`Block` per target forward.
     """
-    if num_draft_tokens < 0:
-        raise ValueError("num_draft_tokens must be >= 0")
+    if policy is None:
+        if num_draft_tokens is None or num_draft_tokens < 0:
+            raise ValueError("give num_draft_tokens >= 0 or a policy")
+        policy = FixedLength(num_draft_tokens)
     eos = frozenset(eos_ids)
     emitted = 0
     while emitted < max_tokens:
         room = max_tokens - emitted
-        k = min(num_draft_tokens, room - 1)
         snap = None
         done = False
         try:
             t0 = time.perf_counter()
-            drafts = drafter.propose(last, k)
-            syncs = 0
+            draft = drafter.propose(last, min(policy.next_k(), room - 1), sampling)
+            k, syncs = draft.size, draft.syncs
             if timed:
-                mx.eval(drafts)
+                mx.eval(draft.tokens)
                 syncs += 1
             t1 = time.perf_counter()
             snap = cache.snapshot()
-            x = mx.concatenate([mx.array([last], dtype=mx.uint32), drafts])
-            target = greedy(cache.feed(x))
-            # Accepted length on the device: the run of leading matches.
-            n_acc = mx.cumprod((drafts == target[:k]).astype(mx.int32)).sum() if k else mx.array(0)
-            mx.eval(n_acc, target, drafts)
+            x = mx.concatenate([mx.array([last], dtype=mx.uint32), draft.tokens])
+            logits = cache.feed(x)
+            if sampling.greedy:
+                n_acc, nxt = accept_greedy(logits, draft.tokens)
+            else:
+                n_acc, nxt = accept_sampled(logits, draft.tokens, draft.logprobs, sampling)
+            mx.eval(n_acc, nxt, draft.tokens)
             syncs += 1
             t2 = time.perf_counter()
             n = n_acc.item()
-            committed = drafts.tolist()[:n] + [target[n].item()]
+            committed = draft.tokens.tolist()[:n] + [nxt.item()]
             n_keep, finish = _cut(committed, eos, room)
             # The target keeps [last, d1 .. d(n_keep-1)]; the new last is not fed.
             rollback = "none" if n_keep == k + 1 else ("reforward" if cache.recurrent else "trim")
@@ -147,6 +155,7 @@ def speculative_generate_step(
         if finish == "stop":
             tokens = tokens[:-1]
         emitted += len(tokens)
+        policy.observe(k, n, len(tokens), t3 - t0)
         times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
         yield Block(tuple(tokens), k, n, rollback, syncs, finish, times)
         if finish:
@@ -159,8 +168,9 @@ def plain_generate_step(
     *,
     max_tokens: int,
     eos_ids: Sequence[int] = (),
+    sampling: SamplingParams = GREEDY,
 ) -> Iterator[Block]:
-    """Plain greedy decoding, one token per :class:`Block`: the exactness oracle.
+    """Plain decoding, one token per :class:`Block`: the exactness oracle and the baseline.
 
     The next step is queued before the current token is yielded (as mlx-lm's
     ``generate_step`` does) so the host overlaps the device; the queued step
@@ -171,11 +181,12 @@ def plain_generate_step(
         cache: The target's prefilled caches.
         max_tokens: Stop after this many emitted tokens.
         eos_ids: Token ids that end generation (not emitted).
+        sampling: Greedy (default) or sampling options.
     """
     eos = frozenset(eos_ids)
 
     def step(token: mx.array) -> mx.array:
-        return greedy(cache.feed(token)[-1:])
+        return choose(cache.feed(token)[-1:], sampling)
 
     # The state that matches what has been emitted: every committed token but
     # the last one fed. Restored on exit, which drops a queued step.

@@ -13,10 +13,12 @@ from typing import Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
+from .adaptive import DraftPolicy
 from .caches import ModelCache
 from .drafters import Drafter
 from .engine import Block, plain_generate_step, speculative_generate_step
 from .errors import OptionError
+from .sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,10 @@ def run(
     *,
     drafter: Optional[Drafter] = None,
     num_draft_tokens: int = 3,
+    policy: Optional[DraftPolicy] = None,
     max_tokens: int = 256,
     eos_ids: Sequence[int] = (),
+    sampling: SamplingParams = GREEDY,
     prefill_step_size: int = 2048,
     timed: bool = False,
 ) -> Iterator[Union[Prefilled, Step]]:
@@ -52,9 +56,11 @@ def run(
         model: The target model.
         prompt_ids: Prompt token ids (at least one).
         drafter: A fresh drafter, or None for plain decoding.
-        num_draft_tokens: Drafts per block (speculative only).
+        num_draft_tokens: Drafts per block (speculative only, without a policy).
+        policy: Chooses each block's draft length (overrides num_draft_tokens).
         max_tokens: Most tokens to emit.
         eos_ids: Ids that end generation.
+        sampling: Greedy or sampling options.
         prefill_step_size: Prompt chunk size.
         timed: Ask the engine for per-phase timings (adds syncs).
     """
@@ -68,11 +74,11 @@ def run(
     yield Prefilled(len(prompt_ids), time.perf_counter() - start)
     last = prompt_ids[-1]
     if drafter is None:
-        gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids)
+        gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
     else:
         gen = speculative_generate_step(
-            last, cache, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
-            eos_ids=eos_ids, timed=timed,
+            last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
+            max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, timed=timed,
         )
     try:
         while True:

@@ -1,8 +1,43 @@
-"""Token selection from logits."""
+"""Token selection: greedy as mlx-lm picks it, and lossless speculative sampling.
+
+Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023): a
+draft token x drawn from the drafter's distribution q is kept with probability
+min(1, p(x) / q(x)), p being the target's distribution at that position. At
+the first rejection the token is drawn from norm(max(p - q, 0)) instead; if
+every draft is kept, a bonus token is drawn from the target's next p. Each
+emitted token is then distributed exactly as p: P(x) = min(p, q)(x) +
+(1 - sum min(p, q)) * norm(max(p - q, 0))(x) = p(x). A deterministic drafter
+(greedy drafting, prompt lookup) has q one-hot at x: x is kept with
+probability p(x), and a rejection draws from p with x removed.
+
+p and q go through the same transforms as mlx-lm's sampler: top-p, min-p and
+top-k mask the temperature-1 log-probabilities, then the temperature scales.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """mlx-lm's sampling options; ``temp == 0`` is greedy."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+GREEDY = SamplingParams()
 
 
 def greedy(logits: mx.array) -> mx.array:
@@ -14,3 +49,99 @@ def greedy(logits: mx.array) -> mx.array:
     """
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+
+
+def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Normalised float32 log-probabilities of the distribution tokens are drawn from.
+
+    Same masks, order and temperature as ``mlx_lm.sample_utils.make_sampler``.
+    """
+    x = logits.astype(mx.float32)
+    x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    if 0 < params.top_p < 1.0:
+        x = apply_top_p(x, params.top_p)
+    if params.min_p != 0.0:
+        x = apply_min_p(x, params.min_p)
+    if params.top_k > 0:
+        x = apply_top_k(x, params.top_k)
+    x = x * (1.0 / params.temp)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def sample(logprobs: mx.array) -> mx.array:
+    """Draw one token per row from normalised log-probabilities."""
+    return mx.random.categorical(logprobs).astype(mx.uint32)
+
+
+def choose(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Next tokens from raw logits: greedy or sampled."""
+    return greedy(logits) if params.greedy else sample(log_probs(logits, params))
+
+
+def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Accepted length (leading drafts equal to the target's greedy tokens) and the next token.
+
+    Args:
+        logits: Target logits for ``[last, d1..dk]``, shape [k+1, V].
+        drafts: The k draft tokens.
+
+    Returns:
+        Lazy scalars: accepted count n, and the target's token after the kept prefix.
+    """
+    target = greedy(logits)
+    k = drafts.shape[0]
+    n = mx.cumprod((drafts == target[:k]).astype(mx.int32)).sum() if k else mx.array(0)
+    return n, target[n]
+
+
+def accept_sampled(
+    logits: mx.array,
+    drafts: mx.array,
+    draft_logprobs: Optional[mx.array],
+    params: SamplingParams,
+) -> tuple[mx.array, mx.array]:
+    """Speculative rejection sampling on the device (see the module docstring).
+
+    Args:
+        logits: Target logits for ``[last, d1..dk]``, shape [k+1, V].
+        drafts: The k draft tokens.
+        draft_logprobs: The drafter's log q for each draft position, [k, V'];
+            None for a deterministic drafter (q one-hot at the draft).
+        params: Sampling options, applied to p (and already applied to q).
+
+    Returns:
+        Lazy scalars: accepted count n, and the token emitted after the kept prefix.
+    """
+    p = mx.exp(log_probs(logits, params))
+    k, vocab = drafts.shape[0], p.shape[-1]
+    if k == 0:
+        return mx.array(0), sample(mx.log(p[0]))
+    if draft_logprobs is None:
+        q = (mx.arange(vocab)[None, :] == drafts[:, None]).astype(mx.float32)
+    else:
+        q = mx.exp(_fit(draft_logprobs, vocab))
+    idx = drafts[:, None].astype(mx.int32)
+    p_x = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
+    q_x = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+    u = mx.random.uniform(shape=(k,))
+    # u < p/q, written without a division (q(x) > 0 since x was drawn from q).
+    keep = (u * q_x < p_x).astype(mx.int32)
+    n = mx.cumprod(keep).sum()
+    # Row k of q is zero: after k accepts the residual is p itself (the bonus).
+    q = mx.concatenate([q, mx.zeros((1, vocab), dtype=q.dtype)])
+    p_n, q_n = p[n], q[n]
+    residual = mx.maximum(p_n - q_n, 0.0)
+    # p == q leaves nothing to resample from; that branch has probability 0.
+    residual = mx.where(residual.sum() > 0, residual, p_n)
+    return n, sample(mx.log(residual))
+
+
+def _fit(logprobs: mx.array, vocab: int) -> mx.array:
+    """Trim or pad (with -inf) a drafter's log q to the target's vocabulary size."""
+    have = logprobs.shape[-1]
+    if have > vocab:
+        return logprobs[..., :vocab]
+    if have < vocab:
+        pad = mx.full((*logprobs.shape[:-1], vocab - have), -mx.inf, dtype=logprobs.dtype)
+        return mx.concatenate([logprobs, pad], axis=-1)
+    return logprobs

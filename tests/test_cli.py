@@ -176,8 +176,13 @@ def test_dtype_cast_runs(models):
         (["Hi", "--block-size", "3", "--num-draft-tokens", "2"], "not both"),
         ([], "no prompt"),
         (["Hi", "-p", "Hi"], "give the prompt once"),
-        (["Hi", "--temp", "0.7"], "--temp"),
         (["Hi", "--temp", "-1"], "--temp must be >= 0"),
+        (["Hi", "--top-p", "0.9"], "--top-p only apply when sampling"),
+        (["Hi", "--top-k", "5", "--min-p", "0.1"], "--top-k, --min-p only apply when sampling"),
+        (["Hi", "--temp", "0.7", "--top-p", "1.5"], "--top-p must be within [0, 1]"),
+        (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar proves greedy output"),
+        (["Hi", "--ngram-max", "3"], "--ngram-max/--ngram-min apply to --drafter lookup"),
+        (["Hi", "--draft-p-min", "1.5"], "--draft-p-min must be within [0, 1]"),
         (["Hi", "--system-prompt", "x", "--ignore-chat-template"], "--system-prompt needs the chat template"),
     ],
 )
@@ -191,8 +196,52 @@ def test_bad_options_exit_two_with_one_line(models, extra, message):
 def test_drafter_model_without_draft_model(models):
     result = invoke("--model", models["llama"], "--drafter", "model", "Hi")
     assert result.exit_code == 2 and "--drafter model needs --draft-model" in result.stderr
-    result = invoke("--model", models["llama"], "Hi")
-    assert result.exit_code == 2 and "--draft-model" in result.stderr
+    result = invoke("--model", models["llama"], "--drafter", "lookup", "--draft-model", models["llama"], "Hi")
+    assert result.exit_code == 2 and "--draft-model is only used with --drafter model" in result.stderr
+    result = invoke("--model", models["llama"], "Hi", "--draft-p-min", "0.5")
+    assert result.exit_code == 2 and "--draft-p-min applies to a draft model" in result.stderr
+    result = invoke("--model", models["llama"], "Hi", "--ngram-min", "5", "--ngram-max", "3")
+    assert result.exit_code == 2 and "--ngram-min (5) <= --ngram-max (3)" in result.stderr
+
+
+def test_prompt_lookup_is_the_default_drafter_and_exact(models):
+    text = "the cat sat on the mat. the cat sat on the mat. the cat"
+    result = invoke("--model", models["llama"], text, "--ignore-chat-template", "-m", "24",
+                    "--json", "--compare-ar", "--ngram-min", "1")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["drafter"] == "lookup" and report["draft_model"] is None
+    assert report["drafted"] > 0 and report["compare"]["identical"]
+
+
+def test_adaptive_by_default_fixed_on_request(models):
+    adaptive = invoke(*base(models), "Hi", "--json", "-m", "40", "--block-size", "7")
+    report = json.loads(adaptive.stdout)
+    assert report["adaptive"]["policy"] == "adaptive" and report["adaptive"]["k_max"] == 6
+    assert len(report["adaptive"]["draft_lengths"]) > 1
+    fixed = json.loads(invoke(*base(models), "Hi", "--json", "-m", "40", "--block-size", "7",
+                              "--no-adaptive").stdout)
+    assert fixed["adaptive"] == {"policy": "fixed", "k": 6}
+    assert fixed["text"] == report["text"]
+    lines = invoke(*base(models), "Hi", "-m", "40").stderr
+    assert "Adaptive: draft lengths (length:blocks)" in lines
+
+
+def test_sampling_is_reproducible_with_a_seed(models):
+    def run(seed, *extra):
+        r = invoke(*base(models), "Hi", "--json", "--temp", "0.9", "--top-p", "0.95", "--seed", str(seed), *extra)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    a, b, c = run(1), run(1), run(2)
+    assert a["text"] == b["text"] and a["text"] != c["text"]
+    assert a["sampling"] == {"temp": 0.9, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "seed": 1}
+    assert run(3, "--drafter", "model", "--top-k", "20", "--min-p", "0.05")["generated_tokens"] > 0
+
+
+def test_draft_p_min_reaches_the_drafter(models):
+    none = json.loads(invoke(*base(models), "Hi", "--json", "--no-adaptive", "--draft-p-min", "1").stdout)
+    assert none["drafted"] == 0
 
 
 @pytest.mark.parametrize(
@@ -290,11 +339,11 @@ def test_ctrl_c_prints_stats_so_far_and_exits_130(models, monkeypatch):
     real = ModelDrafter.propose
     calls = {"n": 0}
 
-    def propose(self, last, k):
+    def propose(self, last, k, params):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
-        return real(self, last, k)
+        return real(self, last, k, params)
 
     monkeypatch.setattr(ModelDrafter, "propose", propose)
     result = invoke(*base(models), "Hi", "-m", "40")
