@@ -176,6 +176,52 @@ def generate(
             raise typer.Exit(code)
 
 
+@app.command(
+    epilog="Exit codes: 0 done; 1 error; 2 bad option; 3 a speculative run was not identical to plain decoding."
+)
+def sweep(
+    prompt_arg: Annotated[
+        Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
+    ] = None,
+    model: ModelOpt = ...,
+    draft_model: DraftModelOpt = None,
+    drafter: Annotated[
+        Optional[DrafterKind], typer.Option("--drafter", help="'model' (implied by --draft-model) or 'lookup'.")
+    ] = None,
+    block_sizes: Annotated[
+        str, typer.Option("--block-sizes", help="Comma-separated block sizes (tokens verified per forward).")
+    ] = "2,3,4,6,8,12,16",
+    prompt: PromptOpt = None,
+    system_prompt: SystemOpt = None,
+    ignore_chat_template: NoTemplateOpt = False,
+    max_tokens: MaxTokensOpt = 128,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Speed runs per configuration (median).")] = 1,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed warm-up runs first.")] = 1,
+    draft_p_min: Annotated[Optional[float], typer.Option("--draft-p-min", help="See generate.")] = None,
+    ngram_max: Annotated[Optional[int], typer.Option("--ngram-max", help="See generate.")] = None,
+    ngram_min: Annotated[Optional[int], typer.Option("--ngram-min", help="See generate.")] = None,
+    dtype: DTypeOpt = None,
+    prefill_step_size: PrefillOpt = 2048,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Measure speed and acceptance over several block sizes, against plain decoding."""
+    from .commands import SweepOptions, sweep_command
+
+    with error_boundary(debug):
+        options = SweepOptions(
+            prompt_arg=prompt_arg, prompt=prompt, model=model, draft_model=draft_model,
+            drafter=drafter.value if drafter else None, block_sizes=block_sizes,
+            system_prompt=system_prompt, ignore_chat_template=ignore_chat_template, max_tokens=max_tokens,
+            repeats=repeats, warmup=warmup, draft_p_min=draft_p_min, ngram_max=ngram_max,
+            ngram_min=ngram_min, dtype=dtype.value if dtype else None,
+            prefill_step_size=prefill_step_size, json_output=json_output,
+        )
+        code = sweep_command(options)
+        if code:
+            raise typer.Exit(code)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -13,12 +13,21 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .compare import compare_with_plain
 from .adaptive import AdaptiveLength, FixedLength
-from .display import comparison_lines, policy_lines, print_stderr, summary_lines, text_view
+from .compare import compare_with_plain
+from .display import (
+    comparison_lines,
+    policy_lines,
+    print_stderr,
+    print_sweep,
+    summary_lines,
+    sweep_progress,
+    text_view,
+)
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .errors import OptionError
 from .loading import Loaded, check_same_tokenizer, load
+from .measure import SweepResult, sweep
 from .runner import Prefilled, run
 from .sampling import SamplingParams
 from .stats import Stats
@@ -28,34 +37,101 @@ LOOKUP_MAX, LOOKUP_MIN = 4, 2
 
 
 @dataclass
-class GenerateOptions:
-    """Everything ``specdec generate`` was asked to do."""
+class ModelOptions:
+    """What both commands need: the models, the drafter and the prompt."""
 
     model: str
     prompt_arg: Optional[str] = None
     prompt: Optional[str] = None
     draft_model: Optional[str] = None
     drafter: Optional[str] = None
-    block_size: Optional[int] = None
-    num_draft_tokens: Optional[int] = None
     system_prompt: Optional[str] = None
     ignore_chat_template: bool = False
+    draft_p_min: Optional[float] = None
+    ngram_max: Optional[int] = None
+    ngram_min: Optional[int] = None
+    dtype: Optional[str] = None
+    prefill_step_size: int = 2048
+
+
+@dataclass
+class GenerateOptions(ModelOptions):
+    """Everything ``specdec generate`` was asked to do."""
+
+    block_size: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
-    draft_p_min: Optional[float] = None
-    ngram_max: Optional[int] = None
-    ngram_min: Optional[int] = None
     adaptive: bool = True
-    dtype: Optional[str] = None
-    prefill_step_size: int = 2048
     compare_ar: bool = False
     json_output: bool = False
     live: bool = True
     verbose: bool = False
+
+
+@dataclass
+class SweepOptions(ModelOptions):
+    """Everything ``specdec sweep`` was asked to do."""
+
+    block_sizes: str = "2,3,4,6,8,12,16"
+    max_tokens: int = 128
+    repeats: int = 1
+    warmup: int = 1
+    json_output: bool = False
+
+
+@dataclass
+class Setup:
+    """Loaded models, the drafter kind and the prompt ids."""
+
+    options: ModelOptions
+    kind: str
+    target: Loaded
+    draft: Optional[Loaded]
+    prompt_ids: list[int]
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return sorted(self.tokenizer.eos_token_ids)
+
+    @property
+    def drafter_name(self) -> str:
+        return f"model ({self.options.draft_model})" if self.draft else self.kind
+
+    def make_drafter(self) -> Drafter:
+        """A fresh drafter for one run."""
+        opts = self.options
+        if self.kind == "lookup":
+            return LookupDrafter(opts.ngram_max or LOOKUP_MAX, opts.ngram_min or LOOKUP_MIN)
+        return ModelDrafter(self.draft.model, vocab_size=_vocab_size(self.target.config),
+                            p_min=opts.draft_p_min or 0.0)
+
+
+def check_model_options(opts: ModelOptions) -> str:
+    """Validate the shared options without loading anything; returns the drafter kind."""
+    kind = resolve_drafter(opts.drafter, opts.draft_model)
+    check_drafter_options(kind, opts)
+    return kind
+
+
+def load_setup(opts: ModelOptions, kind: str) -> Setup:
+    """Read the prompt, load target (and draft model), check tokenizers, encode the prompt."""
+    text = read_prompt(opts.prompt_arg, opts.prompt)
+    target = load(opts.model, opts.dtype)
+    draft = None
+    if kind == "model":
+        draft = load(opts.draft_model, opts.dtype)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    prompt_ids = encode_prompt(target.tokenizer, text, opts.system_prompt, opts.ignore_chat_template)
+    return Setup(opts, kind, target, draft, prompt_ids)
 
 
 def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int]) -> int:
@@ -77,7 +153,7 @@ def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
     return kind
 
 
-def check_drafter_options(kind: str, opts: "GenerateOptions") -> None:
+def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     """Options that only one drafter kind understands."""
     if kind != "model" and opts.draft_p_min is not None:
         raise OptionError("--draft-p-min applies to a draft model: drop it or pass --draft-model")
@@ -141,13 +217,6 @@ def sampling_params(opts: "GenerateOptions") -> SamplingParams:
     return params
 
 
-def make_drafter(kind: str, opts: "GenerateOptions", target: Loaded, draft: Optional[Loaded]) -> Drafter:
-    """A fresh drafter of ``kind`` for ``target``."""
-    if kind == "lookup":
-        return LookupDrafter(opts.ngram_max or LOOKUP_MAX, opts.ngram_min or LOOKUP_MIN)
-    return ModelDrafter(draft.model, vocab_size=_vocab_size(target.config), p_min=opts.draft_p_min or 0.0)
-
-
 def make_policy(adaptive: bool, block_size: int):
     """Adaptive draft length up to block size - 1, or a fixed one."""
     if adaptive and block_size > 1:
@@ -158,21 +227,13 @@ def make_policy(adaptive: bool, block_size: int):
 def generate_command(opts: GenerateOptions) -> int:
     """Run ``specdec generate``; returns the exit code."""
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens)
-    kind = resolve_drafter(opts.drafter, opts.draft_model)
-    check_drafter_options(kind, opts)
+    kind = check_model_options(opts)
     sampling = sampling_params(opts)
-    text = read_prompt(opts.prompt_arg, opts.prompt)
     if opts.seed is not None:
         mx.random.seed(opts.seed)
-
-    target = load(opts.model, opts.dtype)
-    draft = None
-    if kind == "model":
-        draft = load(opts.draft_model, opts.dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer)
-    tokenizer = target.tokenizer
-    prompt_ids = encode_prompt(tokenizer, text, opts.system_prompt, opts.ignore_chat_template)
-    drafter_name = f"{kind} ({opts.draft_model})" if draft else kind
+    setup = load_setup(opts, kind)
+    target, tokenizer, prompt_ids = setup.target, setup.tokenizer, setup.prompt_ids
+    drafter_name = setup.drafter_name
 
     stats = Stats()
     tokens: list[int] = []
@@ -184,8 +245,8 @@ def generate_command(opts: GenerateOptions) -> int:
     mx.reset_peak_memory()
     try:
         events = run(
-            target.model, prompt_ids, drafter=make_drafter(kind, opts, target, draft), policy=policy,
-            max_tokens=opts.max_tokens, eos_ids=sorted(tokenizer.eos_token_ids), sampling=sampling,
+            target.model, prompt_ids, drafter=setup.make_drafter(), policy=policy,
+            max_tokens=opts.max_tokens, eos_ids=setup.eos_ids, sampling=sampling,
             prefill_step_size=opts.prefill_step_size, timed=opts.verbose,
         )
         for event in events:
@@ -210,7 +271,7 @@ def generate_command(opts: GenerateOptions) -> int:
     if opts.compare_ar and not interrupted:
         comparison = compare_with_plain(
             target.model, prompt_ids, tokens, max_tokens=opts.max_tokens,
-            eos_ids=sorted(tokenizer.eos_token_ids), prefill_step_size=opts.prefill_step_size,
+            eos_ids=setup.eos_ids, prefill_step_size=opts.prefill_step_size,
         )
 
     if opts.json_output:
@@ -273,3 +334,46 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
         "ar_decode_tps": ar_tps,
         "speedup": stats.decode_tps / ar_tps if ar_tps else None,
     }
+
+
+def parse_block_sizes(text: str) -> list[int]:
+    """``"2,3,4"`` -> ``[2, 3, 4]``: distinct block sizes >= 1, in the order given."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise OptionError(f"--block-sizes takes comma-separated integers, like 2,4,8 (got {text!r})") from None
+    if not sizes or min(sizes) < 1:
+        raise OptionError("--block-sizes needs at least one block size, each >= 1")
+    if len(set(sizes)) != len(sizes):
+        raise OptionError(f"--block-sizes lists a size twice ({text})")
+    return sizes
+
+
+def sweep_command(opts: SweepOptions) -> int:
+    """Run ``specdec sweep``; returns the exit code."""
+    sizes = parse_block_sizes(opts.block_sizes)
+    if opts.repeats < 1 or opts.warmup < 0:
+        raise OptionError("--repeats must be >= 1 and --warmup >= 0")
+    kind = check_model_options(opts)
+    setup = load_setup(opts, kind)
+    events = sweep(
+        setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=opts.max_tokens,
+        eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup,
+        prefill_step_size=opts.prefill_step_size,
+    )
+    result = None
+    with sweep_progress() as advance:
+        for event in events:
+            if isinstance(event, SweepResult):
+                result = event
+            else:
+                advance(event)
+    if opts.json_output:
+        sys.stdout.write(json.dumps({"model": opts.model, "drafter": setup.drafter_name,
+                                     **result.to_dict()}) + "\n")
+    else:
+        print_sweep(result, setup.drafter_name)
+    if not all(row.identical for row in result.rows):
+        print_stderr(["error: a speculative run differed from plain decoding (see the 'identical' column)"])
+        return 3
+    return 0

@@ -9,15 +9,18 @@ panel and keeps only the line in progress inside it.
 from __future__ import annotations
 
 import sys
-from typing import Optional, TextIO
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from .compare import Comparison
+from .measure import Progress, SweepResult
 from .stats import Stats
 
 
@@ -206,3 +209,48 @@ def print_stderr(lines: list[str]) -> None:
     console = Console(stderr=True, highlight=False)
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
+
+
+@contextmanager
+def sweep_progress() -> Iterator[Callable[[Progress], None]]:
+    """A progress bar on stderr while the sweep runs (hidden when not a terminal)."""
+    console = Console(stderr=True)
+    bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+              console=console, transient=True, disable=not console.is_terminal)
+    with bar:
+        task = bar.add_task("measuring", total=None)
+
+        def advance(event: Progress) -> None:
+            bar.update(task, total=event.total, completed=event.done, description=event.label)
+
+        yield advance
+
+
+def _speed_bar(speedup: float, best: float, width: int = 12) -> str:
+    return "█" * max(1, round(width * speedup / best)) if best > 0 else ""
+
+
+def print_sweep(result: SweepResult, drafter: str) -> None:
+    """The sweep table on stdout: one row per block size, the best one marked."""
+    table = Table(
+        title=f"specdec sweep · {drafter} · {result.tokens} tokens · plain {result.ar_decode_tps:.2f} tok/s",
+        title_justify="left", caption="phase times in ms per block; * fastest", caption_justify="left",
+    )
+    for name in ("block", "tok/s", "speedup", "", "accept", "acc/blk", "draft", "verify", "rollback",
+                 "syncs", "same"):
+        table.add_column(name, justify="left" if name == "" else "right", no_wrap=True)
+    best = max((r.speedup for r in result.rows), default=0.0)
+    for r in result.rows:
+        mark = "*" if r.block_size == result.best_block_size else " "
+        table.add_row(
+            f"{r.block_size}{mark}", f"{r.decode_tps:.2f}", f"{r.speedup:.2f}x", _speed_bar(r.speedup, best),
+            f"{100 * r.acceptance:.1f}%", f"{r.mean_accepted_per_block:.2f}", f"{r.draft_ms:.1f}",
+            f"{r.verify_ms:.1f}", f"{r.rollback_ms:.1f}", f"{r.syncs_per_block:.2f}",
+            "yes" if r.identical else "NO",
+        )
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=120)
+    console.print(table)
+    print_stderr([f"best block size: {result.best_block_size} (speedup = decode tok/s over plain decoding's, "
+                  "same prompt ids, median of repeats)"])

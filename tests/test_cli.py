@@ -355,3 +355,68 @@ def test_ctrl_c_prints_stats_so_far_and_exits_130(models, monkeypatch):
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "specdec_cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("specdec ")
+
+
+# --- specdec sweep -------------------------------------------------------------
+
+def sweep(*args: str):
+    return CliRunner().invoke(app, ["sweep", *map(str, args)])
+
+
+def test_sweep_json_has_a_row_per_block_size(models):
+    result = sweep(*base(models, "qwen3_5", "qwen3_5-draft"), "Hi", "--block-sizes", "1,2,5", "--json",
+                   "--repeats", "2", "--warmup", "0")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["ar_decode_tps"] > 0 and report["best_block_size"] in (1, 2, 5)
+    rows = report["rows"]
+    assert [r["block_size"] for r in rows] == [1, 2, 5]
+    fields = {"block_size", "decode_tps", "speedup", "acceptance", "mean_accepted_per_block",
+              "draft_ms", "verify_ms", "rollback_ms", "syncs_per_block", "identical"}
+    assert all(fields <= set(r) for r in rows)
+    assert all(r["identical"] for r in rows)
+    assert rows[0]["acceptance"] == 0 and rows[2]["verify_ms"] > 0
+    # The hybrid target re-forwards on partial accepts: rollback time is measured.
+    assert rows[2]["rollback_ms"] > 0 and rows[2]["syncs_per_block"] == 1.0
+
+
+def test_sweep_table_marks_the_best_block_size(models):
+    result = sweep(*base(models), "Hi", "--block-sizes", "2,3", "--warmup", "0")
+    assert result.exit_code == 0, result.output
+    assert "specdec sweep" in result.stdout and "speedup" in result.stdout
+    assert re.search(r"^│\s+[23]\*", result.stdout, re.M)
+    assert "best block size:" in result.stderr
+
+
+def test_sweep_with_prompt_lookup(models):
+    result = sweep("--model", models["llama"], "--drafter", "lookup", "a b a b a b a b", "--ignore-chat-template",
+                   "--block-sizes", "3", "--json", "--warmup", "0", "--ngram-min", "1")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["drafter"] == "lookup"
+
+
+@pytest.mark.parametrize("sizes, message", [("2,x", "comma-separated integers"), ("0,2", "each >= 1"),
+                                            ("2,2", "lists a size twice")])
+def test_sweep_bad_block_sizes(models, sizes, message):
+    result = sweep(*base(models), "Hi", "--block-sizes", sizes)
+    assert result.exit_code == 2 and message in result.stderr
+
+
+def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
+    import specdec_cli.measure as measure_module
+
+    real = measure_module.run
+
+    def corrupt(model, prompt_ids, *, drafter=None, **kw):
+        for event in real(model, prompt_ids, drafter=drafter, **kw):
+            if drafter is not None and hasattr(event, "block") and event.block.tokens:
+                b = event.block
+                event = type(event)(type(b)((b.tokens[0] ^ 1, *b.tokens[1:]), *list(b.__dict__.values())[1:]),
+                                    event.seconds)
+            yield event
+
+    monkeypatch.setattr(measure_module, "run", corrupt)
+    result = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0", "--json")
+    assert result.exit_code == 3
+    assert json.loads(result.stdout)["rows"][0]["identical"] is False
+    assert "differed from plain decoding" in result.stderr

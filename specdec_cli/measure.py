@@ -1,0 +1,179 @@
+"""Measurements taken side by side in one process: plain decoding vs speculative block sizes.
+
+Every configuration runs on the same prompt token ids with fresh caches, in
+an interleaved order (plain, B1, B2, ..., plain, B1, ...) so a machine that
+drifts slows all of them alike; a speedup is the median over repeats of the
+per-repeat ratio to that repeat's plain run. Speed comes from runs without
+phase timing; a separate timed run gives the per-phase milliseconds (its
+extra syncs would otherwise slow the speed runs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import mlx.nn as nn
+
+from .adaptive import FixedLength
+from .drafters import Drafter
+from .runner import Prefilled, run
+from .sampling import GREEDY, SamplingParams
+from .stats import Stats
+
+
+def collect(events) -> tuple[Stats, list[int]]:
+    """Consume a :func:`specdec_cli.runner.run` stream into stats and tokens."""
+    stats, tokens = Stats(), []
+    for event in events:
+        if isinstance(event, Prefilled):
+            stats.prompt_tokens, stats.prefill_s = event.prompt_tokens, event.seconds
+        else:
+            stats.add(event.block, event.seconds)
+            tokens += event.block.tokens
+    return stats, tokens
+
+
+def measure(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    drafter: Optional[Drafter],
+    block_size: int = 1,
+    *,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+    sampling: SamplingParams = GREEDY,
+    prefill_step_size: int = 2048,
+    timed: bool = False,
+) -> tuple[Stats, list[int]]:
+    """One generation (plain when ``drafter`` is None) with a fixed block size."""
+    return collect(run(
+        model, prompt_ids, drafter=drafter, policy=FixedLength(block_size - 1), max_tokens=max_tokens,
+        eos_ids=eos_ids, sampling=sampling, prefill_step_size=prefill_step_size, timed=timed,
+    ))
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One block size, measured against plain decoding in the same run."""
+
+    block_size: int
+    decode_tps: float
+    speedup: float
+    acceptance: float
+    mean_accepted_per_block: float
+    draft_ms: float
+    verify_ms: float
+    rollback_ms: float
+    syncs_per_block: float
+    identical: bool
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """All rows, plain decoding's speed and the fastest block size."""
+
+    ar_decode_tps: float
+    rows: list[SweepRow]
+    tokens: int
+
+    @property
+    def best_block_size(self) -> Optional[int]:
+        return max(self.rows, key=lambda r: r.speedup).block_size if self.rows else None
+
+    def to_dict(self) -> dict:
+        return {
+            "ar_decode_tps": self.ar_decode_tps,
+            "best_block_size": self.best_block_size,
+            "tokens": self.tokens,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One measurement done (for a progress bar)."""
+
+    done: int
+    total: int
+    label: str
+
+
+def sweep(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    make_drafter: Callable[[], Drafter],
+    block_sizes: Sequence[int],
+    *,
+    max_tokens: int,
+    eos_ids: Sequence[int] = (),
+    repeats: int = 1,
+    warmup: int = 1,
+    prefill_step_size: int = 2048,
+) -> Iterator[Union[Progress, SweepResult]]:
+    """Measure each block size against plain decoding; yields progress, then the result.
+
+    Args:
+        model: Target model.
+        prompt_ids: Prompt token ids, shared by every run.
+        make_drafter: Builds a fresh drafter for each run.
+        block_sizes: Block sizes to measure (>= 1; 1 drafts nothing).
+        max_tokens: Tokens per run.
+        eos_ids: Ids that end a run.
+        repeats: Speed runs per configuration (median reported).
+        warmup: Untimed runs of plain and of the first block size before measuring.
+        prefill_step_size: Prompt chunk size.
+    """
+    kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size)
+    total = 2 * warmup + repeats * (1 + len(block_sizes)) + len(block_sizes)
+    done = 0
+
+    def step(label: str) -> Progress:
+        nonlocal done
+        done += 1
+        return Progress(done, total, label)
+
+    for _ in range(warmup):
+        measure(model, prompt_ids, None, **kw)
+        yield step("warm-up: plain")
+        measure(model, prompt_ids, make_drafter(), block_sizes[0], **kw)
+        yield step(f"warm-up: block {block_sizes[0]}")
+
+    plain_tps: list[float] = []
+    spec: dict[int, list[Stats]] = {b: [] for b in block_sizes}
+    reference: list[int] = []
+    identical = {b: True for b in block_sizes}
+    for _ in range(repeats):
+        stats, reference = measure(model, prompt_ids, None, **kw)
+        plain_tps.append(stats.decode_tps)
+        yield step("plain")
+        for b in block_sizes:
+            stats, out = measure(model, prompt_ids, make_drafter(), b, **kw)
+            spec[b].append(stats)
+            identical[b] &= out == reference
+            yield step(f"block {b}")
+
+    rows = []
+    for b in block_sizes:
+        timed, out = measure(model, prompt_ids, make_drafter(), b, timed=True, **kw)
+        identical[b] &= out == reference
+        yield step(f"block {b} (phase timing)")
+        runs = spec[b]
+        ms = timed.phase_ms or {"draft_ms": 0.0, "verify_ms": 0.0, "rollback_ms": 0.0}
+        rows.append(SweepRow(
+            block_size=b,
+            decode_tps=statistics.median(s.decode_tps for s in runs),
+            speedup=statistics.median(s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0),
+            acceptance=runs[0].acceptance,
+            mean_accepted_per_block=runs[0].mean_accepted_per_block,
+            draft_ms=ms["draft_ms"],
+            verify_ms=ms["verify_ms"],
+            rollback_ms=ms["rollback_ms"],
+            syncs_per_block=runs[0].syncs / max(runs[0].blocks, 1),
+            identical=identical[b],
+        ))
+    yield SweepResult(statistics.median(plain_tps), rows, len(reference))
