@@ -50,6 +50,29 @@ class WindowKVCache(KVCache):
         )
 
 
+class ChunkKVCache(ChunkedKVCache):
+    """mlx-lm's ``ChunkedKVCache`` (chunked attention, llama4) that keeps every key.
+
+    The stock cache drops keys older than the chunk before each forward, so a
+    drafter returning across several forwards would lose keys its chunk still
+    needs. The model's chunk mask already restricts attention to the chunk:
+    keeping the keys changes nothing but memory, and trims stay O(1).
+    """
+
+    def maybe_trim_front(self) -> None:
+        pass
+
+
+# Architectures whose multi-token forward mlx-lm computes differently from
+# token-by-token decoding, so a verify forward cannot be exact.
+_REFUSED = {
+    "phi3small": "its block-sparse attention adds a boolean mask to the scores, so within a 32-token "
+                 "block a token sees later tokens (mlx-lm phi3small.py)",
+    "olmo": "its attention adds the string mask 'causal' to the scores, so any multi-token forward "
+            "fails (mlx-lm olmo.py)",
+}
+
+
 def _to_layout(cache: Any) -> Any:
     """Replace caches that cannot trim in O(1) by equivalent plain KV caches."""
     if isinstance(cache, RotatingKVCache):
@@ -60,6 +83,8 @@ def _to_layout(cache: Any) -> Any:
                 "plain KVCache; run this model with mlx-lm's own generate"
             )
         return WindowKVCache(cache.max_size)
+    if type(cache) is ChunkedKVCache:
+        return ChunkKVCache(cache.chunk_size)
     if type(cache) is ConcatenateKVCache:
         # Same contents as KVCache, but its trim leaves the tail in place.
         return KVCache()
@@ -74,6 +99,11 @@ def make_cache(model: nn.Module) -> list[Any]:
     Raises:
         UnsupportedModelError: A layer's cache cannot be rolled back exactly.
     """
+    arch = type(model).__module__.rsplit(".", 1)[-1]
+    if type(model).__module__.startswith("mlx_lm.models.") and arch in _REFUSED:
+        raise UnsupportedModelError(
+            f"{arch} cannot be verified exactly: {_REFUSED[arch]}; run it with plain decoding (mlx_lm.generate)"
+        )
     layout = [_to_layout(c) for c in make_prompt_cache(model)]
     for leaf in _leaves(layout):
         _kind(leaf)  # capability check: refuse before the first token
@@ -96,7 +126,7 @@ _ATTENTION, _RECURRENT = "attention", "recurrent"
 def _kind(leaf: Any) -> str:
     # Exact types (or our own subclass): a subclass of KVCache in some model
     # file could override update_and_fetch and break the offset contract.
-    if type(leaf) in (KVCache, WindowKVCache, ChunkedKVCache):
+    if type(leaf) in (KVCache, WindowKVCache, ChunkKVCache):
         return _ATTENTION
     if type(leaf) is ArraysCache:
         return _RECURRENT
