@@ -48,6 +48,22 @@ def test_nested_cache_lists_are_converted():
     assert isinstance(layout[0].caches[1], ArraysCache)
 
 
+def test_chunked_cache_keeps_every_key():
+    # Stock ChunkedKVCache drops keys before each forward; a drafter rolling
+    # back across forwards would lose keys its chunk still needs.
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from specdec_cli.caches import ChunkKVCache
+
+    cache = make_cache(_FakeModel([ChunkedKVCache(4)]))[0]
+    assert type(cache) is ChunkKVCache and cache.chunk_size == 4
+    k = mx.zeros((1, 1, 10, 2))
+    cache.update_and_fetch(k, k)
+    cache.maybe_trim_front()
+    assert cache.start_position == 0 and cache.offset == 10
+    assert cache.trim(7) == 7 and cache.offset == 3
+
+
 def test_concatenate_cache_becomes_kv_cache():
     # Its trim moves the offset but keeps the tail in keys_and_values().
     assert type(make_cache(_FakeModel([ConcatenateKVCache()]))[0]) is KVCache
