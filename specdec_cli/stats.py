@@ -35,6 +35,8 @@ class Stats:
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     rollbacks: Counter = field(default_factory=Counter)
+    # (drafted, accepted) of every block, in order.
+    block_log: list = field(default_factory=list)
     timed_blocks: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -48,6 +50,7 @@ class Stats:
         self.blocks += 1
         self.syncs += block.syncs
         self.finish_reason = block.finish_reason or self.finish_reason
+        self.block_log.append((block.drafted, block.accepted))
         if block.drafted:
             self.drafting_blocks += 1
             self.drafted += block.drafted

@@ -1,0 +1,466 @@
+#!/usr/bin/env python
+"""Benchmark suite: specdec against plain decoding and mlx-lm, side by side in one run.
+
+Every configuration decodes the same prompt token ids from caches prefilled
+the same way; decode time is measured from the first generated token to the
+last (prefill excluded) for every row, mlx-lm's included. Rows run
+interleaved (plain, then each configuration, per repeat) and speedups are
+medians of per-repeat ratios to that repeat's plain run.
+
+Targets:
+  real:<dir>            a model directory (e.g. ../shared/models/smollm2-135m-instruct-q4),
+                        cast to --dtype; prompts from ten categories.
+  synthetic:<family>    a random-weight model of realistic shape (qwen3_5 hybrid or its
+                        pure-attention twin qwen3), for hybrid vs attention at equal acceptance.
+
+Drafters:
+  lookup                prompt lookup (n-gram)
+  oracle:<a>            the target's own greedy continuation, each token corrupted with
+                        probability 1-a: acceptance a per token, zero drafting cost
+  layers:<n>            the target cut to its first n layers (a real, cheap, weak draft model)
+  self                  the target drafting for itself (acceptance 1, drafting costs a target step)
+
+For each speculative row the analytic bound is the speedup a loop with zero
+overhead would reach with the same accept pattern, from separately measured
+costs: c(T) = target forward of T tokens, d = one drafter step,
+block time = k*d + c(k+1) + r(n+1) on a partial accept of a recurrent target,
+r(t) = a re-forward of t tokens (caches only: its logits are never computed);
+bound = sum(n+1) * c(1) / sum(block time). efficiency = achieved / bound. Both
+sides of the achieved speedup carry their loop's per-token overhead, so
+efficiency can exceed 100% when plain decoding's overhead per token is larger
+than the speculative loop's per token.
+
+On Linux CPUs run with OpenBLAS preloaded (the script says whether it is):
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python scripts/bench.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx.utils import tree_flatten
+
+from specdec_cli.adaptive import AdaptiveLength, FixedLength
+from specdec_cli.caches import ModelCache, cache_kinds
+from specdec_cli.drafters import Draft, LookupDrafter, ModelDrafter
+from specdec_cli.loading import load
+from specdec_cli.measure import collect, measure
+from specdec_cli.runner import run
+from specdec_cli.sampling import GREEDY, SamplingParams
+from specdec_cli.synthetic import build_model
+
+CATEGORIES = {
+    "code_python": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and type hints.",
+    "code_cpp": "Write a C++ function that reverses a singly linked list in place. Include the struct definition.",
+    "explain_concept": "Explain what a hash table is and why lookups are fast on average.",
+    "summarize": (
+        "Summarize the following text in two sentences.\n\nThe city council met on Tuesday to discuss the new "
+        "park. The park will have a playground, a small lake and walking paths. The council said the park "
+        "will open next spring. Residents asked for more trees and benches, and the council agreed to add "
+        "more trees and benches to the park."
+    ),
+    "qa_factual": "What is the capital of Japan, and what is its population roughly?",
+    "translation": "Translate into French: 'The weather is nice today, so we are going to the beach.'",
+    "creative_short": "Write a four-line poem about the sea.",
+    "stepwise_math": "A shop sells pens at 3 dollars each. Tom buys 4 pens and pays with a 20 dollar bill. "
+                     "How much change does he get? Think step by step.",
+    "high_entropy": "List ten random, unrelated words.",
+    "long_code_review": (
+        "Review this code and suggest improvements:\n\n```python\ndef process(items):\n    result = []\n"
+        "    for i in range(len(items)):\n        if items[i] != None:\n            result.append(items[i] * 2)\n"
+        "    return result\n\ndef process2(items):\n    result = []\n    for i in range(len(items)):\n"
+        "        if items[i] != None:\n            result.append(items[i] * 3)\n    return result\n```"
+    ),
+}
+
+# Realistic shapes (~0.25B parameters): a Qwen3.5-style hybrid (3 GatedDeltaNet
+# layers per attention layer) and its pure-attention twin.
+_SHAPE = {
+    "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}
+SYNTHETIC = {
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": {
+        **_SHAPE, "model_type": "qwen3_5_text", "full_attention_interval": 4,
+        "linear_num_value_heads": 16, "linear_num_key_heads": 8, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"type": "default", "mrope_section": [11, 11, 10], "rope_theta": 1e6,
+                            "partial_rotary_factor": 0.25}}},
+    "qwen3": {**_SHAPE, "model_type": "qwen3", "rope_theta": 1e6},
+}
+
+
+# --- drafters only the benchmark needs ------------------------------------------
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation, each token corrupted with probability 1 - a.
+
+    Greedy output is identical to plain decoding, so the reference continuation
+    is known: a draft token is accepted exactly when it was left uncorrupted.
+    """
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], prompt_len: int, acceptance: float, vocab: int, seed: int = 0):
+        self.reference, self.prompt_len, self.a, self.vocab = reference, prompt_len, acceptance, vocab
+        self.rng = random.Random(seed)
+        self.consumed = 0
+        self._proposed: list[int] = []
+
+    def prefill(self, tokens, step_size: int = 0) -> None:
+        self.consumed = len(tokens)
+
+    def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft:
+        self.consumed += 1
+        pos = self.consumed - self.prompt_len  # generated tokens so far
+        out = []
+        for tok in self.reference[pos:pos + k]:
+            out.append(tok if self.rng.random() < self.a else (tok + 1) % self.vocab)
+        self._proposed = out
+        return Draft(mx.array(out, dtype=mx.uint32))
+
+    def accept(self, n: int) -> None:
+        self.consumed += n
+
+    def cancel(self) -> None:
+        self.consumed -= 1
+
+
+def truncated(model, n_layers: int):
+    """A copy of ``model`` keeping only its first ``n_layers`` decoder layers."""
+    copy_model = copy.copy(model)
+    inner = copy.copy(model.model)
+    inner.layers = model.model.layers[:n_layers]
+    copy_model.model = inner
+    return copy_model
+
+
+# --- timing primitives --------------------------------------------------------------
+
+def forward_cost(model, prompt_ids: list[int], t: int, reps: int = 7, states_only: bool = False) -> float:
+    """Best-case seconds of a forward of ``t`` tokens after the prompt (cache restored each time).
+
+    The minimum, not the median: the bound is for a loop with zero overhead.
+    ``states_only`` evaluates only the caches, as a re-forward does (its
+    logits are never used, so MLX never computes the final norm and LM head).
+    """
+    cache = ModelCache(model)
+    cache.prefill(prompt_ids[:-1])
+    snap = cache.snapshot()
+    ids = mx.array((prompt_ids[-1:] + list(range(1, t)))[:t], dtype=mx.uint32)
+    times = []
+    for _ in range(reps + 1):
+        cache.restore(snap)
+        start = time.perf_counter()
+        logits = cache.feed(ids)
+        mx.eval(cache.state_arrays() if states_only else logits)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def mlx_lm_plain(model, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> tuple[float, list[int]]:
+    """mlx-lm's generate_step from a cache prefilled with all but the last prompt token."""
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt_ids[:-1])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    out, start = [], time.perf_counter()
+    for tok, _ in generate_step(mx.array(prompt_ids[-1:]), model, max_tokens=max_tokens, prompt_cache=cache):
+        if tok in eos:
+            break
+        out.append(tok)
+    return len(out) / (time.perf_counter() - start), out
+
+
+def mlx_lm_speculative(model, draft, prompt_ids, max_tokens, eos, k) -> tuple[float, list[int], float]:
+    """mlx-lm's speculative_generate_step (same prefill); returns tok/s, tokens, acceptance."""
+    cache = make_prompt_cache(model)
+    dcache = make_prompt_cache(draft)
+    model(mx.array(prompt_ids[:-1])[None], cache=cache)
+    draft(mx.array(prompt_ids[:-1])[None], cache=dcache)
+    mx.eval([c.state for c in cache + dcache])
+    out, from_draft, start = [], 0, time.perf_counter()
+    for tok, _, drafted in speculative_generate_step(
+        mx.array(prompt_ids[-1:]), model, draft, num_draft_tokens=k, max_tokens=max_tokens,
+        prompt_cache=cache + dcache,
+    ):
+        if tok in eos:
+            break
+        out.append(tok)
+        from_draft += int(drafted)
+    seconds = time.perf_counter() - start
+    # mlx-lm reports only which tokens came from the draft: accepted drafts.
+    return len(out) / seconds, out, from_draft
+
+
+# --- one target ------------------------------------------------------------------
+
+@dataclass
+class Config:
+    """One row of the table: who decodes, and with which drafter."""
+
+    label: str
+    make_drafter: Optional[Callable] = None  # specdec rows
+    mlx_lm_draft: object = None              # mlx-lm speculative rows
+    draft_step_s: float = 0.0                # one drafter step, for the bound
+    adaptive: bool = False                   # specdec's default draft-length policy
+
+
+@dataclass
+class Row:
+    target: str
+    category: str
+    config: str
+    generated: int
+    drafted: Optional[int]
+    accepted: int
+    acceptance: Optional[float]
+    decode_s: float
+    decode_tps: float
+    speedup: float
+    bound: Optional[float]
+    efficiency: Optional[float]
+    identical: Optional[bool]
+    note: str = ""
+
+
+def analytic_bound(blocks: list[tuple[int, int]], cost: Callable[[int], float], d: float,
+                   reforward: Optional[Callable[[int], float]] = None) -> float:
+    """Zero-overhead speedup for the measured (drafted, accepted) blocks; see the module docstring.
+
+    ``reforward(t)``: cost of re-feeding t tokens (recurrent targets), None for attention-only.
+    """
+    tokens = sum(n + 1 for _, n in blocks)
+    seconds = sum(k * d + cost(k + 1) + (reforward(n + 1) if reforward and n < k else 0.0) for k, n in blocks)
+    return tokens * cost(1) / seconds if seconds else 0.0
+
+
+def make_configs(model, ids, reference, drafters, vocab) -> list[Config]:
+    configs = []
+    for spec in drafters:
+        if spec == "lookup":
+            configs.append(Config("specdec lookup", lambda: LookupDrafter(max_ngram=4, min_ngram=2)))
+        elif spec.startswith("oracle:"):
+            a = float(spec.split(":")[1])
+            configs.append(Config(f"specdec oracle a={a:g}",
+                                  lambda a=a: OracleDrafter(reference, len(ids), a, vocab, seed=1)))
+        elif spec.startswith("layers:") or spec == "self":
+            small = model if spec == "self" else truncated(model, int(spec.split(":")[1]))
+            what = "self-draft" if spec == "self" else f"{spec.split(':')[1]}-layer draft"
+            step = forward_cost(small, ids, 1)
+            configs.append(Config(f"specdec {what}", lambda small=small: ModelDrafter(small), draft_step_s=step))
+            configs.append(Config(f"specdec {what} adaptive", lambda small=small: ModelDrafter(small),
+                                  draft_step_s=step, adaptive=True))
+            configs.append(Config(f"mlx-lm {what}", mlx_lm_draft=small))
+        else:
+            raise SystemExit(f"unknown drafter {spec!r}")
+    return configs
+
+
+def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens, repeats, eos, vocab,
+                 log) -> list[Row]:
+    recurrent = cache_kinds(model)["recurrent"] > 0
+    k = block_size - 1
+    costs: dict[tuple[int, bool], float] = {}
+
+    def cost(t: int, states_only: bool = False) -> float:
+        if (t, states_only) not in costs:
+            costs[t, states_only] = forward_cost(model, ids, t, states_only=states_only)
+        return costs[t, states_only]
+
+    reforward = (lambda t: cost(t, True)) if recurrent else None
+
+    _, reference = measure(model, ids, None, max_tokens=max_tokens, eos_ids=eos)
+    configs = make_configs(model, ids, reference, drafters, vocab)
+    runs: dict[str, list] = {c.label: [] for c in configs}
+    plain = []
+    for _ in range(repeats):
+        plain.append(mlx_lm_plain(model, ids, max_tokens, eos))
+        for c in configs:
+            if c.mlx_lm_draft is not None:
+                runs[c.label].append(
+                    None if recurrent else mlx_lm_speculative(model, c.mlx_lm_draft, ids, max_tokens, eos, k)
+                )
+            else:
+                policy = AdaptiveLength(k_max=k) if c.adaptive else FixedLength(k)
+                stats, out = collect(run(model, ids, drafter=c.make_drafter(), policy=policy,
+                                         max_tokens=max_tokens, eos_ids=eos))
+                runs[c.label].append((stats.decode_tps, out, stats))
+    log(f"  {name} / {category}: done")
+    plain_tps = [p[0] for p in plain]
+    ptps = statistics.median(plain_tps)
+    rows = [Row(name, category, "mlx-lm plain", len(plain[0][1]), None, 0, None, len(plain[0][1]) / ptps, ptps,
+                1.0, None, None, plain[0][1] == reference, note="baseline; 'same' = equals specdec's plain")]
+    for c in configs:
+        rs = runs[c.label]
+        if rs[0] is None:
+            rows.append(Row(name, category, c.label, 0, None, 0, None, 0.0, 0.0, 0.0, None, None, None,
+                            note="mlx-lm refuses: needs a trimmable cache (recurrent layers)"))
+            continue
+        tps = statistics.median(r[0] for r in rs)
+        speedup = statistics.median(r[0] / p for r, p in zip(rs, plain_tps))
+        out, extra = rs[0][1], rs[0][2]
+        if c.mlx_lm_draft is not None:
+            rows.append(Row(name, category, c.label, len(out), None, extra, None, len(out) / tps, tps, speedup,
+                            None, None, out == reference, note="mlx-lm reports accepted drafts only"))
+            continue
+        bound = analytic_bound(extra.block_log, cost, c.draft_step_s, reforward)
+        rows.append(Row(name, category, c.label, extra.generated, extra.drafted, extra.accepted,
+                        extra.acceptance, extra.generated / tps, tps, speedup, bound,
+                        speedup / bound if bound else None, out == reference))
+    return rows
+
+
+def aggregate(rows: list[Row]) -> list[Row]:
+    """Per target and config over all categories: totals, and total-time speedup."""
+    out = []
+    for target in dict.fromkeys(r.target for r in rows):
+        mine = [r for r in rows if r.target == target]
+        if len({r.category for r in mine}) < 2:
+            continue
+        base = [r for r in mine if r.config == "mlx-lm plain"]
+        base_tps = sum(r.generated for r in base) / sum(r.decode_s for r in base)
+        for config in dict.fromkeys(r.config for r in mine):
+            rs = [r for r in mine if r.config == config and r.decode_s > 0]
+            if not rs:
+                continue
+            gen, secs = sum(r.generated for r in rs), sum(r.decode_s for r in rs)
+            drafted = sum(r.drafted or 0 for r in rs)
+            accepted = sum(r.accepted for r in rs)
+            acceptance = accepted / drafted if drafted else None
+            bounds = [r.bound for r in rs if r.bound]
+            tps = gen / secs
+            out.append(Row(target, "ALL", config, gen, drafted if rs[0].drafted is not None else None, accepted,
+                           acceptance, secs, tps, tps / base_tps,
+                           statistics.median(bounds) if bounds else None,
+                           (tps / base_tps) / statistics.median(bounds) if bounds else None,
+                           all(r.identical for r in rs if r.identical is not None)))
+    return out
+
+
+# --- provenance ------------------------------------------------------------------------
+
+def blas_in_use() -> str:
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown (not Linux)"
+    if "openblas" in maps.lower():
+        return "OpenBLAS (preloaded)"
+    if sys.platform == "linux":
+        return "MLX's bundled reference BLAS (slow batched float32; preload OpenBLAS)"
+    return "Accelerate"
+
+
+def provenance(dtype: str) -> dict:
+    def cmd(*args):
+        try:
+            return subprocess.run(args, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    cpu = ""
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "git_commit": cmd("git", "rev-parse", "HEAD"),
+        "git_dirty": bool(cmd("git", "status", "--porcelain", "--untracked-files=no")),
+        "device": str(mx.default_device()),
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "blas": blas_in_use(),
+        "dtype": dtype,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", action="append", required=True, help="real:<dir> or synthetic:<family>")
+    ap.add_argument("--drafters", default="lookup,oracle:0.7,layers:10,self")
+    ap.add_argument("--categories", default="all", help="comma-separated, or 'all' (real targets)")
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--out", default="bench-results/bench.json")
+    args = ap.parse_args()
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    prov = provenance(args.dtype)
+    log(f"BLAS: {prov['blas']}; device {prov['device']}; mlx {prov['mlx']}, mlx-lm {prov['mlx_lm']}")
+    drafters = [d for d in args.drafters.split(",") if d]
+    rows: list[Row] = []
+    for target in args.target:
+        kind, _, what = target.partition(":")
+        if kind == "real":
+            loaded = load(what, args.dtype)
+            model, tok = loaded.model, loaded.tokenizer
+            cats = CATEGORIES if args.categories == "all" else {c: CATEGORIES[c] for c in args.categories.split(",")}
+            prompts = {
+                c: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True), add_special_tokens=False)
+                for c, text in cats.items()
+            }
+            eos, vocab = set(tok.eos_token_ids), loaded.config.get("vocab_size", 0)
+            name = Path(what).name
+        else:
+            config = SYNTHETIC[what]
+            model = build_model(config, seed=0, dtype=getattr(mx, args.dtype))
+            rng = random.Random(0)
+            vocab = _SHAPE["vocab_size"]
+            prompts = {"random": [rng.randrange(vocab) for _ in range(128)]}
+            eos, name = set(), f"synthetic {what}"
+        params = sum(p.size for _, p in tree_flatten(model.parameters()))
+        log(f"{name}: {params / 1e6:.0f}M parameters, layer caches {cache_kinds(model)}")
+        for category, ids in prompts.items():
+            rows += bench_prompt(name, category, model, ids, drafters, block_size=args.block_size,
+                                 max_tokens=args.max_tokens, repeats=args.repeats, eos=eos, vocab=vocab, log=log)
+    rows += aggregate(rows)
+    report = {"provenance": prov, "settings": vars(args), "rows": [r.__dict__ for r in rows]}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print_table(rows)
+    log(f"wrote {args.out}")
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (f"{'target':24} {'category':17} {'config':26} {'gen':>4} {'drafted':>7} {'acc':>5} {'accept':>7} "
+            f"{'tok/s':>7} {'speedup':>7} {'bound':>6} {'eff':>5} same")
+    print(head)
+    for r in rows:
+        acc = f"{100 * r.acceptance:.0f}%" if r.acceptance is not None else "-"
+        bound = f"{r.bound:.2f}" if r.bound else "-"
+        eff = f"{100 * r.efficiency:.0f}%" if r.efficiency else "-"
+        same = "-" if r.identical is None else ("yes" if r.identical else "NO")
+        drafted = "-" if r.drafted is None else r.drafted
+        print(f"{r.target[:24]:24} {r.category:17} {r.config:26} {r.generated:>4} {drafted:>7} {r.accepted:>5} "
+              f"{acc:>7} {r.decode_tps:>7.2f} {r.speedup:>6.2f}x {bound:>6} {eff:>5} {same} {r.note}")
+
+
+if __name__ == "__main__":
+    main()
