@@ -1,0 +1,47 @@
+"""The benchmark's own pieces: the controlled-acceptance drafter and the analytic bound."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from helpers import GEN, PROMPT, plain, prefilled, target, tokens
+
+from specdec_cli.engine import speculative_generate_step
+
+_spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent.parent / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def oracle_run(family: str, a: float, k: int = 4):
+    model = target(family, "float32")
+    ref, _ = plain(model)
+    cache = prefilled(model)
+    drafter = bench.OracleDrafter(ref, len(PROMPT), a, vocab=259, seed=3)
+    drafter.prefill(PROMPT[:-1])
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=GEN))
+    return blocks, ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_oracle_drafter_controls_acceptance_and_keeps_output_exact(family):
+    full, ref = oracle_run(family, 1.0)
+    assert tokens(full) == ref and all(b.accepted == b.drafted for b in full)
+    none, _ = oracle_run(family, 0.0)
+    assert tokens(none) == ref and sum(b.accepted for b in none) == 0
+    half, _ = oracle_run(family, 0.6)
+    assert tokens(half) == ref
+    assert 0 < sum(b.accepted for b in half) < sum(b.drafted for b in half)
+
+
+def test_analytic_bound():
+    cost = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}.__getitem__
+    # Two full accepts of 3 drafts, free drafting: 8 tokens in 2 x 1.6.
+    assert bench.analytic_bound([(3, 3), (3, 3)], cost, 0.0) == pytest.approx(8 / 3.2)
+    # Drafting cost counts per draft; a re-forward counts on partial accepts only.
+    assert bench.analytic_bound([(3, 1)], cost, 0.1) == pytest.approx(2 / (0.3 + 1.6))
+    assert bench.analytic_bound([(3, 1)], cost, 0.1, reforward=lambda t: 0.5 * t) == pytest.approx(
+        2 / (0.3 + 1.6 + 1.0))
+    assert bench.analytic_bound([(3, 3)], cost, 0.1, reforward=lambda t: 9.0) == pytest.approx(4 / (0.3 + 1.6))
