@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from specdec_cli.engine import speculative_generate_step
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent.parent / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench"] = bench  # dataclasses look their module up there
 _spec.loader.exec_module(bench)
 
 
