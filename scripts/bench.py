@@ -46,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -59,6 +59,7 @@ from mlx.utils import tree_flatten
 from specdec_cli.adaptive import AdaptiveLength, FixedLength
 from specdec_cli.caches import ModelCache, cache_kinds
 from specdec_cli.drafters import Draft, LookupDrafter, ModelDrafter
+from specdec_cli.engine import MAX_CARRY
 from specdec_cli.loading import load
 from specdec_cli.measure import collect, measure
 from specdec_cli.runner import run
@@ -220,6 +221,7 @@ class Config:
     mlx_lm_draft: object = None              # mlx-lm speculative rows
     draft_step_s: float = 0.0                # one drafter step, for the bound
     adaptive: bool = False                   # specdec's default draft-length policy
+    rollback: str = "reforward"              # recurrent rollback strategy
 
 
 @dataclass
@@ -241,13 +243,24 @@ class Row:
 
 
 def analytic_bound(blocks: list[tuple[int, int]], cost: Callable[[int], float], d: float,
-                   reforward: Optional[Callable[[int], float]] = None) -> float:
+                   reforward: Optional[Callable[[int], float]] = None, carry: bool = False) -> float:
     """Zero-overhead speedup for the measured (drafted, accepted) blocks; see the module docstring.
 
     ``reforward(t)``: cost of re-feeding t tokens (recurrent targets), None for attention-only.
+    ``carry``: partial accepts lengthen the next verify instead (the engine's bookkeeping,
+    MAX_CARRY included); the last block's carry is fed at the end.
     """
     tokens = sum(n + 1 for _, n in blocks)
-    seconds = sum(k * d + cost(k + 1) + (reforward(n + 1) if reforward and n < k else 0.0) for k, n in blocks)
+    seconds, pending = 0.0, 0
+    for i, (k, n) in enumerate(blocks):
+        seconds += k * d + cost(pending + k + 1)
+        partial = reforward is not None and n < k
+        if partial and carry and pending + n + 1 <= MAX_CARRY and i + 1 < len(blocks):
+            pending += n + 1
+            continue
+        if partial:
+            seconds += reforward(pending + n + 1)
+        pending = 0
     return tokens * cost(1) / seconds if seconds else 0.0
 
 
@@ -274,7 +287,7 @@ def make_configs(model, ids, reference, drafters, vocab) -> list[Config]:
 
 
 def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens, repeats, eos, vocab,
-                 log) -> list[Row]:
+                 log, rollbacks=("reforward",)) -> list[Row]:
     recurrent = cache_kinds(model)["recurrent"] > 0
     k = block_size - 1
     costs: dict[tuple[int, bool], float] = {}
@@ -288,6 +301,10 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
 
     _, reference = measure(model, ids, None, max_tokens=max_tokens, eos_ids=eos)
     configs = make_configs(model, ids, reference, drafters, vocab)
+    if recurrent and "carry" in rollbacks:
+        carried = [replace(c, label=f"{c.label} carry", rollback="carry") for c in configs
+                   if c.make_drafter is not None and not c.adaptive]
+        configs = ([c for c in configs if "reforward" in rollbacks or c.make_drafter is None] + carried)
     runs: dict[str, list] = {c.label: [] for c in configs}
     plain = []
     for _ in range(repeats):
@@ -300,7 +317,7 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
             else:
                 policy = AdaptiveLength(k_max=k) if c.adaptive else FixedLength(k)
                 stats, out = collect(run(model, ids, drafter=c.make_drafter(), policy=policy,
-                                         max_tokens=max_tokens, eos_ids=eos))
+                                         max_tokens=max_tokens, eos_ids=eos, rollback=c.rollback))
                 runs[c.label].append((stats.decode_tps, out, stats))
     log(f"  {name} / {category}: done")
     plain_tps = [p[0] for p in plain]
@@ -320,7 +337,7 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
             rows.append(Row(name, category, c.label, len(out), None, extra, None, len(out) / tps, tps, speedup,
                             None, None, out == reference, note="mlx-lm reports accepted drafts only"))
             continue
-        bound = analytic_bound(extra.block_log, cost, c.draft_step_s, reforward)
+        bound = analytic_bound(extra.block_log, cost, c.draft_step_s, reforward, carry=c.rollback == "carry")
         rows.append(Row(name, category, c.label, extra.generated, extra.drafted, extra.accepted,
                         extra.acceptance, extra.generated / tps, tps, speedup, bound,
                         speedup / bound if bound else None, out == reference))
@@ -402,6 +419,8 @@ def main() -> None:
     ap.add_argument("--drafters", default="lookup,oracle:0.7,layers:10,self")
     ap.add_argument("--categories", default="all", help="comma-separated, or 'all' (real targets)")
     ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--rollback", default="reforward",
+                    help="recurrent targets: comma-separated strategies to measure (reforward,carry)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -439,7 +458,8 @@ def main() -> None:
         log(f"{name}: {params / 1e6:.0f}M parameters, layer caches {cache_kinds(model)}")
         for category, ids in prompts.items():
             rows += bench_prompt(name, category, model, ids, drafters, block_size=args.block_size,
-                                 max_tokens=args.max_tokens, repeats=args.repeats, eos=eos, vocab=vocab, log=log)
+                                 max_tokens=args.max_tokens, repeats=args.repeats, eos=eos, vocab=vocab, log=log,
+                                 rollbacks=tuple(args.rollback.split(",")))
     rows += aggregate(rows)
     report = {"provenance": prov, "settings": vars(args), "rows": [r.__dict__ for r in rows]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,9 @@ class AdaptiveLength:
     compared with plain decoding's (measured on ``probe`` plain steps when
     unknown). If speculation is more than ``margin`` slower, it switches off
     for ``cooldown`` plain steps, then probes again; each consecutive loss
-    doubles the cooldown (up to ``max_cooldown``), a win resets it. The first
+    doubles the cooldown (up to ``max_cooldown``), a win resets it. Half a
+    window in which no draft was accepted switches off at once: each block
+    then yields one token, as a plain step does, for more work. The first
     ``warmup`` blocks are not timed (first calls of new shapes are slow).
 
     Args:
@@ -79,6 +81,7 @@ class AdaptiveLength:
         self._remaining = 0
         self._seen = 0
         self._spec: list[tuple[int, float]] = []
+        self._spec_accepted = 0
         self._plain: deque[tuple[int, float]] = deque(maxlen=16)
 
     def next_k(self) -> int:
@@ -101,7 +104,10 @@ class AdaptiveLength:
                     self.k = max(self.k_min, accepted + 1)
             if timed:
                 self._spec.append((emitted, seconds))
-            if len(self._spec) >= self.window:
+                self._spec_accepted += accepted
+            if len(self._spec) >= self.window // 2 and self._spec_accepted == 0:
+                self._switch_off()
+            elif len(self._spec) >= self.window:
                 if self._plain:
                     self._decide()
                 else:
@@ -117,18 +123,22 @@ class AdaptiveLength:
             self._decide()
         else:  # cooldown over: probe speculation again
             self.mode = "speculate"
-            self._spec = []
+            self._spec, self._spec_accepted = [], 0
 
     def _decide(self) -> None:
         spec, plain = self._rate(self._spec), self._rate(self._plain)
-        self._spec = []
         if spec < plain * (1 - self.margin):
-            self.mode, self._remaining = "off", self.cooldown
-            self.switched_off += 1
-            self.cooldown = min(2 * self.cooldown, self.max_cooldown)
+            self._switch_off()
         else:
             self.mode = "speculate"
+            self._spec, self._spec_accepted = [], 0
             self.cooldown = self._base_cooldown
+
+    def _switch_off(self) -> None:
+        self.mode, self._remaining = "off", self.cooldown
+        self._spec, self._spec_accepted = [], 0
+        self.switched_off += 1
+        self.cooldown = min(2 * self.cooldown, self.max_cooldown)
 
     def summary(self) -> dict:
         """What the policy did, for the stats."""

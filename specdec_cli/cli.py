@@ -33,6 +33,18 @@ class DrafterKind(str, Enum):
     lookup = "lookup"
 
 
+class Rollback(str, Enum):
+    reforward = "reforward"
+    carry = "carry"
+
+
+RollbackOpt = Annotated[
+    Rollback,
+    typer.Option("--rollback", help="Recurrent layers after a partial accept: re-feed the accepted tokens "
+                 "at once (reforward), or lead the next verify with them (carry)."),
+]
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -148,6 +160,7 @@ def generate(
     ] = True,
     dtype: DTypeOpt = None,
     prefill_step_size: PrefillOpt = 2048,
+    rollback: RollbackOpt = Rollback.carry,
     compare_ar: Annotated[
         bool,
         typer.Option("--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not)."),
@@ -169,7 +182,7 @@ def generate(
             top_k=top_k, min_p=min_p, seed=seed, draft_p_min=draft_p_min, ngram_max=ngram_max,
             ngram_min=ngram_min, adaptive=adaptive,
             dtype=dtype.value if dtype else None, prefill_step_size=prefill_step_size,
-            compare_ar=compare_ar, json_output=json_output, live=not no_live, verbose=verbose,
+            rollback=rollback.value, compare_ar=compare_ar, json_output=json_output, live=not no_live, verbose=verbose,
         )
         code = generate_command(options)
         if code:
@@ -202,6 +215,7 @@ def sweep(
     ngram_min: Annotated[Optional[int], typer.Option("--ngram-min", help="See generate.")] = None,
     dtype: DTypeOpt = None,
     prefill_step_size: PrefillOpt = 2048,
+    rollback: RollbackOpt = Rollback.carry,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")] = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -215,7 +229,7 @@ def sweep(
             system_prompt=system_prompt, ignore_chat_template=ignore_chat_template, max_tokens=max_tokens,
             repeats=repeats, warmup=warmup, draft_p_min=draft_p_min, ngram_max=ngram_max,
             ngram_min=ngram_min, dtype=dtype.value if dtype else None,
-            prefill_step_size=prefill_step_size, json_output=json_output,
+            prefill_step_size=prefill_step_size, rollback=rollback.value, json_output=json_output,
         )
         code = sweep_command(options)
         if code:

@@ -52,6 +52,7 @@ class ModelOptions:
     ngram_min: Optional[int] = None
     dtype: Optional[str] = None
     prefill_step_size: int = 2048
+    rollback: str = "carry"
 
 
 @dataclass
@@ -246,7 +247,7 @@ def generate_command(opts: GenerateOptions) -> int:
     try:
         events = run(
             target.model, prompt_ids, drafter=setup.make_drafter(), policy=policy,
-            max_tokens=opts.max_tokens, eos_ids=setup.eos_ids, sampling=sampling,
+            max_tokens=opts.max_tokens, eos_ids=setup.eos_ids, sampling=sampling, rollback=opts.rollback,
             prefill_step_size=opts.prefill_step_size, timed=opts.verbose,
         )
         for event in events:
@@ -281,7 +282,7 @@ def generate_command(opts: GenerateOptions) -> int:
             "draft_model": opts.draft_model,
             "drafter": kind,
             "block_size": block_size,
-            "rollback": "reforward" if _recurrent(target) else "trim",
+            "rollback": opts.rollback if _recurrent(target) else "trim",
             "sampling": {"temp": sampling.temp, "top_p": sampling.top_p, "top_k": sampling.top_k,
                          "min_p": sampling.min_p, "seed": opts.seed},
             "adaptive": policy.summary(),
@@ -358,7 +359,7 @@ def sweep_command(opts: SweepOptions) -> int:
     setup = load_setup(opts, kind)
     events = sweep(
         setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=opts.max_tokens,
-        eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup,
+        eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
         prefill_step_size=opts.prefill_step_size,
     )
     result = None

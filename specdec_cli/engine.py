@@ -40,8 +40,9 @@ class Block:
         tokens: Tokens committed and emitted by this block (an EOS is not emitted).
         drafted: Draft tokens the target verified.
         accepted: Drafts that matched the target (``accepted <= drafted``).
-        rollback: ``none`` (full accept), ``trim`` (O(1) offset move) or
-            ``reforward`` (recurrent state restored and the kept tokens re-fed).
+        rollback: ``none`` (full accept), ``trim`` (O(1) offset move),
+            ``reforward`` (recurrent state restored and the kept tokens re-fed)
+            or ``carry`` (restored; the kept tokens lead the next verify).
         syncs: Host syncs the block waited on.
         finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
         times: Phase timings, only when the generator was asked for them.
@@ -71,6 +72,12 @@ def _cut(committed: list[int], eos_ids: frozenset[int], room: int) -> tuple[int,
     return len(committed), None
 
 
+ROLLBACKS = ("reforward", "carry")
+# Carried tokens beyond this are re-fed at once: the next verify would grow
+# with every consecutive partial accept.
+MAX_CARRY = 8
+
+
 def speculative_generate_step(
     last: int,
     cache: ModelCache,
@@ -81,6 +88,7 @@ def speculative_generate_step(
     policy: Optional[DraftPolicy] = None,
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
+    rollback: str = "carry",
     timed: bool = False,
 ) -> Iterator[Block]:
     """Speculative decoding: greedy, or lossless rejection sampling at temp > 0.
@@ -88,6 +96,12 @@ def speculative_generate_step(
     Each block drafts up to k tokens, verifies ``[last, d1..dk]`` in one
     target forward, computes the accepted length on the device and reads it
     back in one host sync.
+
+    Recurrent state cannot be trimmed. After a partial accept it is restored
+    to its snapshot, and the accepted tokens are either fed again at once
+    (``reforward``) or prepended to the next verify forward (``carry``: no
+    extra forward, a longer one; at most ``MAX_CARRY`` tokens wait). Attention
+    layers always trim in O(1).
 
     Args:
         last: The last prompt token (not yet fed to either cache).
@@ -98,6 +112,7 @@ def speculative_generate_step(
         policy: Chooses each block's draft length (see :mod:`specdec_cli.adaptive`).
         eos_ids: Token ids that end generation (not emitted).
         sampling: Greedy (default) or sampling options.
+        rollback: Recurrent rollback strategy, ``reforward`` or ``carry``.
         timed: Add a sync after each phase and report :class:`PhaseTimes`.
 
     Yields:
@@ -107,59 +122,83 @@ def speculative_generate_step(
         if num_draft_tokens is None or num_draft_tokens < 0:
             raise ValueError("give num_draft_tokens >= 0 or a policy")
         policy = FixedLength(num_draft_tokens)
+    if rollback not in ROLLBACKS:
+        raise ValueError(f"rollback must be one of {ROLLBACKS}")
     eos = frozenset(eos_ids)
     emitted = 0
-    while emitted < max_tokens:
-        room = max_tokens - emitted
-        snap = None
-        done = False
-        try:
-            t0 = time.perf_counter()
-            draft = drafter.propose(last, min(policy.next_k(), room - 1), sampling)
-            k, syncs = draft.size, draft.syncs
-            if timed:
-                mx.eval(draft.tokens)
+    # Committed tokens the target has not been fed yet (carry strategy).
+    carry = mx.array([], dtype=mx.uint32)
+    try:
+        while emitted < max_tokens:
+            room = max_tokens - emitted
+            snap = None
+            done = False
+            try:
+                t0 = time.perf_counter()
+                draft = drafter.propose(last, min(policy.next_k(), room - 1), sampling)
+                k, syncs = draft.size, draft.syncs
+                if timed:
+                    mx.eval(draft.tokens)
+                    syncs += 1
+                t1 = time.perf_counter()
+                snap = cache.snapshot()
+                x = mx.concatenate([carry, mx.array([last], dtype=mx.uint32), draft.tokens])
+                c = carry.shape[0]
+                logits = cache.feed(x)[c:]
+                if sampling.greedy:
+                    n_acc, nxt = accept_greedy(logits, draft.tokens)
+                else:
+                    n_acc, nxt = accept_sampled(logits, draft.tokens, draft.logprobs, sampling)
+                mx.eval(n_acc, nxt, draft.tokens)
                 syncs += 1
-            t1 = time.perf_counter()
-            snap = cache.snapshot()
-            x = mx.concatenate([mx.array([last], dtype=mx.uint32), draft.tokens])
-            logits = cache.feed(x)
-            if sampling.greedy:
-                n_acc, nxt = accept_greedy(logits, draft.tokens)
-            else:
-                n_acc, nxt = accept_sampled(logits, draft.tokens, draft.logprobs, sampling)
-            mx.eval(n_acc, nxt, draft.tokens)
-            syncs += 1
-            t2 = time.perf_counter()
-            n = n_acc.item()
-            committed = draft.tokens.tolist()[:n] + [nxt.item()]
-            n_keep, finish = _cut(committed, eos, room)
-            # The target keeps [last, d1 .. d(n_keep-1)]; the new last is not fed.
-            rollback = "none" if n_keep == k + 1 else ("reforward" if cache.recurrent else "trim")
-            if cache.rollback(snap, n_keep):
-                cache.feed(x[:n_keep])
-            drafter.accept(n_keep - 1)
-            if timed:
-                mx.eval(cache.state_arrays())
-                syncs += 1
-            t3 = time.perf_counter()
-            done = True
-        finally:
-            if not done:
-                # Interrupted mid-block: back to the state before it.
-                drafter.cancel()
-                if snap is not None:
+                t2 = time.perf_counter()
+                n = n_acc.item()
+                committed = draft.tokens.tolist()[:n] + [nxt.item()]
+                n_keep, finish = _cut(committed, eos, room)
+                # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
+                kept = x[: c + n_keep]
+                new_carry = carry[:0]
+                if n_keep == k + 1:
+                    kind = "none"
+                elif not cache.recurrent:
+                    kind = "trim"
+                    cache.rollback(snap, c + n_keep)
+                elif rollback == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
+                    kind, new_carry = "carry", kept
                     cache.restore(snap)
-        last = committed[n_keep - 1]
-        tokens = committed[:n_keep]
-        if finish == "stop":
-            tokens = tokens[:-1]
-        emitted += len(tokens)
-        policy.observe(k, n, len(tokens), t3 - t0)
-        times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
-        yield Block(tuple(tokens), k, n, rollback, syncs, finish, times)
-        if finish:
-            return
+                else:
+                    kind = "reforward"
+                    if cache.rollback(snap, c + n_keep):
+                        cache.feed(kept)
+                drafter.accept(n_keep - 1)
+                if timed:
+                    mx.eval(cache.state_arrays())
+                    syncs += 1
+                t3 = time.perf_counter()
+                done = True
+            finally:
+                if not done:
+                    # Interrupted mid-block: back to the state before it.
+                    drafter.cancel()
+                    if snap is not None:
+                        cache.restore(snap)
+            # Only now: an interrupted block leaves the old carry to be fed.
+            carry = new_carry
+            last = committed[n_keep - 1]
+            tokens = committed[:n_keep]
+            if finish == "stop":
+                tokens = tokens[:-1]
+            emitted += len(tokens)
+            policy.observe(k, n, len(tokens), t3 - t0)
+            times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
+            yield Block(tuple(tokens), k, n, kind, syncs, finish, times)
+            if finish:
+                return
+    finally:
+        if carry.shape[0]:
+            # Whatever ends the run, the cache must hold every committed token
+            # but the last, as plain decoding leaves it.
+            cache.feed(carry)
 
 
 def plain_generate_step(

@@ -44,13 +44,15 @@ def measure(
     max_tokens: int,
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
+    rollback: str = "carry",
     prefill_step_size: int = 2048,
     timed: bool = False,
 ) -> tuple[Stats, list[int]]:
     """One generation (plain when ``drafter`` is None) with a fixed block size."""
     return collect(run(
         model, prompt_ids, drafter=drafter, policy=FixedLength(block_size - 1), max_tokens=max_tokens,
-        eos_ids=eos_ids, sampling=sampling, prefill_step_size=prefill_step_size, timed=timed,
+        eos_ids=eos_ids, sampling=sampling, rollback=rollback, prefill_step_size=prefill_step_size,
+        timed=timed,
     ))
 
 
@@ -113,6 +115,7 @@ def sweep(
     eos_ids: Sequence[int] = (),
     repeats: int = 1,
     warmup: int = 1,
+    rollback: str = "carry",
     prefill_step_size: int = 2048,
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
@@ -126,9 +129,11 @@ def sweep(
         eos_ids: Ids that end a run.
         repeats: Speed runs per configuration (median reported).
         warmup: Untimed runs of plain and of the first block size before measuring.
+        rollback: Recurrent rollback strategy.
         prefill_step_size: Prompt chunk size.
     """
     kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size)
+    spec_kw = dict(kw, rollback=rollback)
     total = 2 * warmup + repeats * (1 + len(block_sizes)) + len(block_sizes)
     done = 0
 
@@ -140,7 +145,7 @@ def sweep(
     for _ in range(warmup):
         measure(model, prompt_ids, None, **kw)
         yield step("warm-up: plain")
-        measure(model, prompt_ids, make_drafter(), block_sizes[0], **kw)
+        measure(model, prompt_ids, make_drafter(), block_sizes[0], **spec_kw)
         yield step(f"warm-up: block {block_sizes[0]}")
 
     plain_tps: list[float] = []
@@ -152,14 +157,14 @@ def sweep(
         plain_tps.append(stats.decode_tps)
         yield step("plain")
         for b in block_sizes:
-            stats, out = measure(model, prompt_ids, make_drafter(), b, **kw)
+            stats, out = measure(model, prompt_ids, make_drafter(), b, **spec_kw)
             spec[b].append(stats)
             identical[b] &= out == reference
             yield step(f"block {b}")
 
     rows = []
     for b in block_sizes:
-        timed, out = measure(model, prompt_ids, make_drafter(), b, timed=True, **kw)
+        timed, out = measure(model, prompt_ids, make_drafter(), b, timed=True, **spec_kw)
         identical[b] &= out == reference
         yield step(f"block {b} (phase timing)")
         runs = spec[b]

@@ -47,6 +47,7 @@ def run(
     max_tokens: int = 256,
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
+    rollback: str = "carry",
     prefill_step_size: int = 2048,
     timed: bool = False,
 ) -> Iterator[Union[Prefilled, Step]]:
@@ -61,6 +62,7 @@ def run(
         max_tokens: Most tokens to emit.
         eos_ids: Ids that end generation.
         sampling: Greedy or sampling options.
+        rollback: Recurrent rollback strategy (``reforward`` or ``carry``).
         prefill_step_size: Prompt chunk size.
         timed: Ask the engine for per-phase timings (adds syncs).
     """
@@ -78,7 +80,7 @@ def run(
     else:
         gen = speculative_generate_step(
             last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
-            max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, timed=timed,
+            max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=rollback, timed=timed,
         )
     try:
         while True:

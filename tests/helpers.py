@@ -59,7 +59,8 @@ def plain(model, max_tokens=GEN, prompt=PROMPT, eos_ids=()) -> tuple[list[int], 
     return out, cache
 
 
-def speculative(model, draft_model, k, max_tokens=GEN, prompt=PROMPT, eos_ids=(), timed=False):
+def speculative(model, draft_model, k, max_tokens=GEN, prompt=PROMPT, eos_ids=(), timed=False,
+                rollback="reforward"):
     """Speculative blocks plus the target cache and the drafter, after the run."""
     cache = prefilled(model, prompt)
     drafter = ModelDrafter(draft_model)
@@ -67,7 +68,7 @@ def speculative(model, draft_model, k, max_tokens=GEN, prompt=PROMPT, eos_ids=()
     blocks = list(
         speculative_generate_step(
             prompt[-1], cache, drafter, num_draft_tokens=k, max_tokens=max_tokens,
-            eos_ids=eos_ids, timed=timed,
+            eos_ids=eos_ids, timed=timed, rollback=rollback,
         )
     )
     return blocks, cache, drafter

@@ -47,3 +47,14 @@ def test_analytic_bound():
     assert bench.analytic_bound([(3, 1)], cost, 0.1, reforward=lambda t: 0.5 * t) == pytest.approx(
         2 / (0.3 + 1.6 + 1.0))
     assert bench.analytic_bound([(3, 3)], cost, 0.1, reforward=lambda t: 9.0) == pytest.approx(4 / (0.3 + 1.6))
+
+
+def test_analytic_bound_with_carry():
+    cost = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 5: 1.7, 6: 1.8, 7: 1.9}.__getitem__
+    reforward = lambda t: 0.5 * t  # noqa: E731
+    # Partial (2 tokens carried), then a full accept that verifies carry + 4.
+    blocks = [(3, 1), (3, 3)]
+    assert bench.analytic_bound(blocks, cost, 0.0, reforward, carry=True) == pytest.approx(6 / (1.6 + 1.8))
+    assert bench.analytic_bound(blocks, cost, 0.0, reforward) == pytest.approx(6 / (1.6 + 1.0 + 1.6))
+    # A partial last block re-feeds its carry at the end.
+    assert bench.analytic_bound([(3, 0)], cost, 0.0, reforward, carry=True) == pytest.approx(1 / (1.6 + 0.5))

@@ -93,10 +93,25 @@ def test_json_is_one_object_with_the_documented_fields(models):
     # Random weights may emit EOS early; otherwise the limit stops it.
     assert report["finish_reason"] in ("stop", "length")
     assert report["generated_tokens"] == 24 or report["finish_reason"] == "stop"
-    assert report["drafter"] == "model" and report["rollback"] == "reforward"
+    assert report["drafter"] == "model" and report["rollback"] == "carry"  # the default for hybrids
     assert report["acceptance"] == pytest.approx(report["accepted"] / report["drafted"])
     assert report["rollback_s"] is None  # only measured with --verbose
     assert "Prompt:" not in result.stderr
+
+
+def test_rollback_strategy_option(models):
+    for strategy in ("reforward", "carry"):
+        result = invoke(*base(models, "qwen3_5", "qwen3_5-draft"), "Hi", "--json", "--compare-ar",
+                        "--rollback", strategy, "--no-adaptive")
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["rollback"] == strategy and report["compare"]["identical"]
+        assert strategy in report["rollbacks"]
+    # An attention-only target trims whatever the option says.
+    report = json.loads(invoke(*base(models), "Hi", "--json", "--rollback", "reforward").stdout)
+    assert report["rollback"] == "trim"
+    result = invoke(*base(models), "Hi", "--rollback", "magic")
+    assert result.exit_code == 2
 
 
 def test_verbose_times_the_phases(models):

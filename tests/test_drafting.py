@@ -131,9 +131,9 @@ def test_adaptive_length_grows_after_full_accepts_and_shrinks_after_rejections()
 
 def test_adaptive_switches_off_when_slower_than_plain_then_probes_again():
     p = AdaptiveLength(k_max=4, window=4, probe=3, cooldown=5, warmup=0)
-    # Speculation: 1.2 tokens per 0.10 s = 12 tok/s.
+    # Speculation: 2 tokens per 0.20 s = 10 tok/s.
     for _ in range(4):
-        p.observe(p.next_k(), 0, 1, 0.10)
+        p.observe(p.next_k(), 1, 2, 0.20)
     assert p.mode == "measure"
     # Plain: 1 token per 0.05 s = 20 tok/s.
     for _ in range(3):
@@ -145,7 +145,7 @@ def test_adaptive_switches_off_when_slower_than_plain_then_probes_again():
         p.observe(0, 0, 1, 0.05)
     assert p.mode == "speculate" and p.next_k() > 0   # probing again
     for _ in range(4):
-        p.observe(p.next_k(), 0, 1, 0.10)
+        p.observe(p.next_k(), 1, 2, 0.20)
     assert p.mode == "off" and p.switched_off == 2
     assert p.cooldown == 20                             # 5 -> 10 (after 1st) -> 20 (after 2nd)
     for _ in range(10):
@@ -157,6 +157,22 @@ def test_adaptive_switches_off_when_slower_than_plain_then_probes_again():
     assert p.mode == "speculate" and p.cooldown == 5
     summary = p.summary()
     assert summary["switched_off"] == 2 and summary["plain_blocks"] == 18
+
+
+def test_adaptive_switches_off_after_half_a_window_without_accepts():
+    # No draft accepted: each block yields one token, as a plain step does,
+    # for more work. No plain-speed probe is needed to know it loses.
+    p = AdaptiveLength(k_max=4, window=8, cooldown=5, warmup=0)
+    for _ in range(3):
+        p.observe(p.next_k(), 0, 1, 0.01)
+    assert p.mode == "speculate" and p.next_k() == 1  # shrunk to one draft
+    p.observe(p.next_k(), 0, 1, 0.01)
+    assert p.mode == "off" and p.switched_off == 1 and p.plain_blocks == 0
+    # One accept in the window is enough to wait for the speed comparison.
+    q = AdaptiveLength(k_max=4, window=8, warmup=0)
+    for accepted in (1, 0, 0, 0, 0, 0, 0):
+        q.observe(q.next_k(), accepted, accepted + 1, 0.01)
+    assert q.mode == "speculate"
 
 
 def test_adaptive_warmup_blocks_are_not_timed():

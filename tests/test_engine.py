@@ -95,7 +95,9 @@ def test_rolled_back_cache_equals_cache_built_directly(family, dtype):
         drafter = ModelDrafter(draft)
         drafter.prefill(PROMPT[:-1])
         out: list[int] = []
-        gen = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=GEN)
+        # Re-forward leaves the cache exact after every block (carry, only at exit).
+        gen = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=GEN,
+                                        rollback="reforward")
         for block in gen:
             out += block.tokens
             if block.rollback == "none" or checked >= 6:
@@ -215,3 +217,95 @@ def test_zero_draft_tokens_is_plain_decoding():
     blocks, _, _ = speculative(model, model, 0)
     assert tokens(blocks) == ref
     assert all(b.drafted == 0 and len(b.tokens) == 1 for b in blocks)
+
+
+# --- the carry strategy (recurrent targets) ---------------------------------------
+# After a partial accept the recurrent state is restored and the accepted tokens
+# lead the next verify forward. Between blocks the cache then lags the output;
+# whenever the generator ends, it must hold what plain decoding leaves.
+
+RECURRENT = [(f, d) for f in ("qwen3_5", "nemotron_h") for d in DTYPES]
+
+
+@pytest.mark.parametrize("family,dtype", RECURRENT)
+def test_carry_equals_plain_with_partial_accepts(family, dtype):
+    model, draft = target(family, dtype), noisy_drafter(family, dtype)
+    ref, ref_cache = plain(model)
+    for k in KS:
+        blocks, cache, _ = speculative(model, draft, k, rollback="carry")
+        assert tokens(blocks) == ref, f"K={k}"
+        kinds = {b.rollback for b in blocks}
+        assert "carry" in kinds and kinds <= {"none", "carry", "reforward"}, kinds
+        assert max_cache_diff(cache, ref_cache) <= cache_tolerance(family, dtype)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("max_tokens", [1, 3, 7, 11])
+def test_carry_max_tokens_and_eos_leave_consistent_caches(family, max_tokens):
+    model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
+    ref, ref_cache = plain(model, max_tokens=max_tokens)
+    blocks, cache, drafter = speculative(model, draft, 4, max_tokens=max_tokens, rollback="carry")
+    assert tokens(blocks) == ref
+    assert max_cache_diff(cache, ref_cache) <= cache_tolerance(family, "bfloat16")
+    assert drafter.cache.length + len(drafter._pending) == cache.length
+    full, _ = plain(model)
+    eos = full[6]
+    ref_eos, eos_cache = plain(model, eos_ids=(eos,))
+    blocks, cache, _ = speculative(model, draft, 4, eos_ids=(eos,), rollback="carry")
+    assert tokens(blocks) == ref_eos
+    assert max_cache_diff(cache, eos_cache) <= cache_tolerance(family, "bfloat16")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_carry_early_close_flushes_the_carry(family):
+    model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
+    closed_with_carry = 0
+    for stop_after in range(1, 6):
+        cache = prefilled(model)
+        drafter = ModelDrafter(draft)
+        drafter.prefill(PROMPT[:-1])
+        gen = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=4, max_tokens=GEN,
+                                        rollback="carry")
+        out, kinds = [], []
+        for _ in range(stop_after):
+            block = next(gen)
+            out += block.tokens
+            kinds.append(block.rollback)
+        gen.close()
+        _, direct = plain(model, max_tokens=len(out))
+        assert max_cache_diff(cache, direct) <= cache_tolerance(family, "bfloat16"), (stop_after, kinds)
+        closed_with_carry += kinds[-1] == "carry"
+    assert closed_with_carry, "no close happened with a carry pending"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("at_call", [4, 6, 9])
+def test_carry_interrupt_mid_block_resumes_exactly(family, at_call):
+    model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
+    ref, _ = plain(model)
+    cache = prefilled(_Interrupting(model, at_call=at_call))
+    drafter = ModelDrafter(draft)
+    drafter.prefill(PROMPT[:-1])
+    out: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for block in speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=3, max_tokens=GEN,
+                                               rollback="carry"):
+            out += block.tokens
+    _, direct = plain(model, max_tokens=len(out))
+    assert max_cache_diff(cache, direct) <= cache_tolerance(family, "bfloat16")
+    rest = speculative_generate_step(out[-1], cache, drafter, num_draft_tokens=3, max_tokens=GEN - len(out),
+                                     rollback="carry")
+    assert out + tokens(list(rest)) == ref
+
+
+def test_carry_on_an_attention_model_is_a_trim():
+    model, draft = target("llama", "float32"), noisy_drafter("llama", "float32")
+    blocks, _, _ = speculative(model, draft, 4, rollback="carry")
+    assert {b.rollback for b in blocks} <= {"none", "trim"}
+
+
+def test_unknown_rollback_strategy_is_refused():
+    model = target("llama", "float32")
+    with pytest.raises(ValueError, match="rollback"):
+        list(speculative_generate_step(PROMPT[-1], prefilled(model), ModelDrafter(model), num_draft_tokens=2,
+                                       max_tokens=3, rollback="magic"))
