@@ -112,6 +112,17 @@ DTypeOpt = Annotated[
 ]
 PrefillOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Prompt tokens per prefill chunk.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+DrafterOpt = Annotated[
+    Optional[DrafterKind],
+    typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model) or prompt 'lookup' (the default without one)."),
+]
+DraftPMinOpt = Annotated[
+    Optional[float],
+    typer.Option("--draft-p-min", help="Stop drafting when the draft model's top-1 probability is below this."),
+]
+NgramMaxOpt = Annotated[Optional[int], typer.Option("--ngram-max", help="Lookup: longest suffix matched. [default: 4]")]
+NgramMinOpt = Annotated[Optional[int], typer.Option("--ngram-min", help="Lookup: shortest suffix matched. [default: 2]")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")]
 
 
 @app.command(
@@ -124,10 +135,7 @@ def generate(
     ] = None,
     model: ModelOpt = ...,
     draft_model: DraftModelOpt = None,
-    drafter: Annotated[
-        Optional[DrafterKind],
-        typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model) or prompt 'lookup' (the default without one)."),
-    ] = None,
+    drafter: DrafterOpt = None,
     block_size: Annotated[
         Optional[int],
         typer.Option("--block-size", min=1, help="Tokens verified per target forward (drafts + 1). [default: 4]"),
@@ -144,16 +152,9 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability (0 = off).")] = 0.0,
     seed: SeedOpt = None,
-    draft_p_min: Annotated[
-        Optional[float],
-        typer.Option("--draft-p-min", help="Stop drafting when the draft model's top-1 probability is below this."),
-    ] = None,
-    ngram_max: Annotated[
-        Optional[int], typer.Option("--ngram-max", help="Lookup: longest suffix matched. [default: 4]")
-    ] = None,
-    ngram_min: Annotated[
-        Optional[int], typer.Option("--ngram-min", help="Lookup: shortest suffix matched. [default: 2]")
-    ] = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
     adaptive: Annotated[
         bool,
         typer.Option("--adaptive/--no-adaptive", help="Adapt the draft length to acceptance, and stop speculating while it is slower than plain decoding."),
@@ -165,7 +166,7 @@ def generate(
         bool,
         typer.Option("--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not)."),
     ] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")] = False,
+    json_output: JsonOpt = False,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain streamed text, no live panel.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="Time each phase (adds two host syncs per block).")] = False,
     debug: DebugOpt = False,
@@ -198,9 +199,7 @@ def sweep(
     ] = None,
     model: ModelOpt = ...,
     draft_model: DraftModelOpt = None,
-    drafter: Annotated[
-        Optional[DrafterKind], typer.Option("--drafter", help="'model' (implied by --draft-model) or 'lookup'.")
-    ] = None,
+    drafter: DrafterOpt = None,
     block_sizes: Annotated[
         str, typer.Option("--block-sizes", help="Comma-separated block sizes (tokens verified per forward).")
     ] = "2,3,4,6,8,12,16",
@@ -210,13 +209,13 @@ def sweep(
     max_tokens: MaxTokensOpt = 128,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Speed runs per configuration (median).")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed warm-up runs first.")] = 1,
-    draft_p_min: Annotated[Optional[float], typer.Option("--draft-p-min", help="See generate.")] = None,
-    ngram_max: Annotated[Optional[int], typer.Option("--ngram-max", help="See generate.")] = None,
-    ngram_min: Annotated[Optional[int], typer.Option("--ngram-min", help="See generate.")] = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
     dtype: DTypeOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     rollback: RollbackOpt = Rollback.carry,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")] = False,
+    json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Measure speed and acceptance over several block sizes, against plain decoding."""
