@@ -61,8 +61,8 @@ from specdec_cli.caches import ModelCache, cache_kinds
 from specdec_cli.drafters import Draft, LookupDrafter, ModelDrafter
 from specdec_cli.engine import MAX_CARRY
 from specdec_cli.loading import load
-from specdec_cli.measure import collect, measure
-from specdec_cli.runner import run
+from specdec_cli.measure import measure
+from specdec_cli.runner import collect, run
 from specdec_cli.sampling import GREEDY, SamplingParams
 from specdec_cli.synthetic import build_model
 

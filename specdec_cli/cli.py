@@ -17,7 +17,7 @@ from typing_extensions import Annotated
 from . import __version__
 from .errors import SpecdecError
 
-EXIT_DIVERGED = 3
+# Ctrl-C outside a run (while loading, say); commands define their own codes.
 EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
@@ -52,7 +52,8 @@ class DType(str, Enum):
 
 
 def _err(line: str) -> None:
-    sys.stderr.write(line.rstrip() + "\n")
+    # One line, whatever the exception's message holds.
+    sys.stderr.write(" ".join(line.split()) + "\n")
     sys.stderr.flush()
 
 

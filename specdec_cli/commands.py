@@ -14,6 +14,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .adaptive import AdaptiveLength, FixedLength
+from .caches import cache_kinds
 from .compare import compare_with_plain
 from .display import (
     comparison_lines,
@@ -32,6 +33,8 @@ from .runner import Prefilled, run
 from .sampling import SamplingParams
 from .stats import Stats
 
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
 DEFAULT_BLOCK_SIZE = 4
 LOOKUP_MAX, LOOKUP_MIN = 4, 2
 
@@ -301,15 +304,13 @@ def generate_command(opts: GenerateOptions) -> int:
         print_stderr(lines)
 
     if interrupted:
-        return 130
+        return EXIT_INTERRUPTED
     if comparison is not None and not comparison.identical:
-        return 3
+        return EXIT_DIVERGED
     return 0
 
 
 def _recurrent(loaded: Loaded) -> bool:
-    from .caches import cache_kinds
-
     return cache_kinds(loaded.model)["recurrent"] > 0
 
 
@@ -376,5 +377,5 @@ def sweep_command(opts: SweepOptions) -> int:
         print_sweep(result, setup.drafter_name)
     if not all(row.identical for row in result.rows):
         print_stderr(["error: a speculative run differed from plain decoding (see the 'identical' column)"])
-        return 3
+        return EXIT_DIVERGED
     return 0

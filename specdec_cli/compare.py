@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .caches import ModelCache
-from .runner import Prefilled, run
+from .runner import collect, run
 from .stats import Stats
 
 
@@ -67,15 +67,8 @@ def compare_with_plain(
     prefill_step_size: int = 2048,
 ) -> Comparison:
     """Run plain greedy decoding with fresh caches and compare token by token."""
-    stats = Stats()
-    plain: list[int] = []
-    for event in run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids,
-                     prefill_step_size=prefill_step_size):
-        if isinstance(event, Prefilled):
-            stats.prompt_tokens, stats.prefill_s = event.prompt_tokens, event.seconds
-        else:
-            stats.add(event.block, event.seconds)
-            plain += event.block.tokens
+    stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids,
+                               prefill_step_size=prefill_step_size))
     index = first_divergence(specdec_tokens, plain)
     divergence = None
     if index is not None:

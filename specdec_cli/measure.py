@@ -18,21 +18,9 @@ import mlx.nn as nn
 
 from .adaptive import FixedLength
 from .drafters import Drafter
-from .runner import Prefilled, run
+from .runner import collect, run
 from .sampling import GREEDY, SamplingParams
 from .stats import Stats
-
-
-def collect(events) -> tuple[Stats, list[int]]:
-    """Consume a :func:`specdec_cli.runner.run` stream into stats and tokens."""
-    stats, tokens = Stats(), []
-    for event in events:
-        if isinstance(event, Prefilled):
-            stats.prompt_tokens, stats.prefill_s = event.prompt_tokens, event.seconds
-        else:
-            stats.add(event.block, event.seconds)
-            tokens += event.block.tokens
-    return stats, tokens
 
 
 def measure(

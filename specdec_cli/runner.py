@@ -19,6 +19,7 @@ from .drafters import Drafter
 from .engine import Block, plain_generate_step, speculative_generate_step
 from .errors import OptionError
 from .sampling import GREEDY, SamplingParams
+from .stats import Stats
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,15 @@ def run(
             yield Step(block, time.perf_counter() - start)
     finally:
         gen.close()
+
+
+def collect(events) -> tuple[Stats, list[int]]:
+    """Consume a :func:`run` stream into its statistics and generated tokens."""
+    stats, tokens = Stats(), []
+    for event in events:
+        if isinstance(event, Prefilled):
+            stats.prompt_tokens, stats.prefill_s = event.prompt_tokens, event.seconds
+        else:
+            stats.add(event.block, event.seconds)
+            tokens += event.block.tokens
+    return stats, tokens

@@ -344,6 +344,16 @@ def test_hub_failures_exit_one_with_the_fix(models, hub, repo, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_multi_line_error_is_printed_on_one_line(models, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("Missing parameters:\n  model.layers.0.weight\n  model.layers.1.weight")
+
+    monkeypatch.setattr("mlx_lm.utils.load_model", broken)
+    result = invoke(*base(models), "Hi")
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and "Missing parameters: model.layers.0.weight" in result.stderr
+
+
 def test_debug_shows_the_traceback(models):
     result = invoke("--model", models["no-config"], "--draft-model", models["llama"], "Hi", "--debug")
     assert result.exit_code != 0
