@@ -79,6 +79,16 @@ def error_boundary(debug: bool) -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
+def _run(command, options_type, params: dict) -> None:
+    """Run a command inside the error boundary; its parameters become its options."""
+    debug = params.pop("debug")
+    with error_boundary(debug):
+        options = options_type(**{k: v.value if isinstance(v, Enum) else v for k, v in params.items()})
+        code = command(options)
+        if code:
+            raise typer.Exit(code)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"specdec {__version__}")
@@ -173,22 +183,10 @@ def generate(
     debug: DebugOpt = False,
 ) -> None:
     """Generate text with speculative decoding."""
+    params = dict(locals())
     from .commands import GenerateOptions, generate_command
 
-    with error_boundary(debug):
-        options = GenerateOptions(
-            prompt_arg=prompt_arg, prompt=prompt, model=model, draft_model=draft_model,
-            drafter=drafter.value if drafter else None, block_size=block_size,
-            num_draft_tokens=num_draft_tokens, system_prompt=system_prompt,
-            ignore_chat_template=ignore_chat_template, max_tokens=max_tokens, temp=temp, top_p=top_p,
-            top_k=top_k, min_p=min_p, seed=seed, draft_p_min=draft_p_min, ngram_max=ngram_max,
-            ngram_min=ngram_min, adaptive=adaptive,
-            dtype=dtype.value if dtype else None, prefill_step_size=prefill_step_size,
-            rollback=rollback.value, compare_ar=compare_ar, json_output=json_output, live=not no_live, verbose=verbose,
-        )
-        code = generate_command(options)
-        if code:
-            raise typer.Exit(code)
+    _run(generate_command, GenerateOptions, params)
 
 
 @app.command(
@@ -220,20 +218,10 @@ def sweep(
     debug: DebugOpt = False,
 ) -> None:
     """Measure speed and acceptance over several block sizes, against plain decoding."""
+    params = dict(locals())
     from .commands import SweepOptions, sweep_command
 
-    with error_boundary(debug):
-        options = SweepOptions(
-            prompt_arg=prompt_arg, prompt=prompt, model=model, draft_model=draft_model,
-            drafter=drafter.value if drafter else None, block_sizes=block_sizes,
-            system_prompt=system_prompt, ignore_chat_template=ignore_chat_template, max_tokens=max_tokens,
-            repeats=repeats, warmup=warmup, draft_p_min=draft_p_min, ngram_max=ngram_max,
-            ngram_min=ngram_min, dtype=dtype.value if dtype else None,
-            prefill_step_size=prefill_step_size, rollback=rollback.value, json_output=json_output,
-        )
-        code = sweep_command(options)
-        if code:
-            raise typer.Exit(code)
+    _run(sweep_command, SweepOptions, params)
 
 
 def main() -> None:

@@ -73,7 +73,7 @@ class GenerateOptions(ModelOptions):
     adaptive: bool = True
     compare_ar: bool = False
     json_output: bool = False
-    live: bool = True
+    no_live: bool = False
     verbose: bool = False
 
 
@@ -243,7 +243,7 @@ def generate_command(opts: GenerateOptions) -> int:
     tokens: list[int] = []
     detok = tokenizer.detokenizer
     detok.reset()
-    view = text_view(opts.live, drafter_name, opts.json_output)
+    view = text_view(not opts.no_live, drafter_name, opts.json_output)
     interrupted = False
     policy = make_policy(opts.adaptive, block_size)
     mx.reset_peak_memory()
