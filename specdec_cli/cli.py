@@ -109,6 +109,9 @@ DraftModelOpt = Annotated[
     Optional[str],
     typer.Option("--draft-model", help="Draft model (same tokenizer): Hub repo id or local directory."),
 ]
+PromptArg = Annotated[
+    Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
+]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; '-' reads stdin.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.")]
 NoTemplateOpt = Annotated[
@@ -141,9 +144,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on 
     "130 interrupted (Ctrl-C)."
 )
 def generate(
-    prompt_arg: Annotated[
-        Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
-    ] = None,
+    prompt_arg: PromptArg = None,
     model: ModelOpt = ...,
     draft_model: DraftModelOpt = None,
     drafter: DrafterOpt = None,
@@ -193,9 +194,7 @@ def generate(
     epilog="Exit codes: 0 done; 1 error; 2 bad option; 3 a speculative run was not identical to plain decoding."
 )
 def sweep(
-    prompt_arg: Annotated[
-        Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
-    ] = None,
+    prompt_arg: PromptArg = None,
     model: ModelOpt = ...,
     draft_model: DraftModelOpt = None,
     drafter: DrafterOpt = None,
