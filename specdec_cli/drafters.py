@@ -180,7 +180,6 @@ class LookupDrafter:
             n: {} for n in range(min_ngram, max_ngram + 1)
         }
         self._proposed: list[int] = []
-        self._appended_last = False
 
     def _append(self, token: int) -> None:
         h = self.history

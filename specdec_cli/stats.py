@@ -26,8 +26,6 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     generated: int = 0
-    blocks: int = 0
-    drafting_blocks: int = 0
     drafted: int = 0
     accepted: int = 0
     syncs: int = 0
@@ -47,12 +45,10 @@ class Stats:
         """Count one block that took ``seconds`` inside the engine."""
         self.decode_s += seconds
         self.generated += len(block.tokens)
-        self.blocks += 1
         self.syncs += block.syncs
         self.finish_reason = block.finish_reason or self.finish_reason
         self.block_log.append((block.drafted, block.accepted))
         if block.drafted:
-            self.drafting_blocks += 1
             self.drafted += block.drafted
             self.accepted += block.accepted
             self.histogram[block.accepted] += 1
@@ -69,6 +65,16 @@ class Stats:
             self.draft_s += block.times.draft_s
             self.verify_s += block.times.verify_s
             self.rollback_s += block.times.rollback_s
+
+    @property
+    def blocks(self) -> int:
+        """Target forwards."""
+        return len(self.block_log)
+
+    @property
+    def drafting_blocks(self) -> int:
+        """Blocks that drafted at least one token."""
+        return sum(self.histogram.values())
 
     @property
     def acceptance(self) -> float:
