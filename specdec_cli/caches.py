@@ -181,16 +181,31 @@ class ModelCache:
         self.length += tokens.shape[0]
         return logits[0]
 
-    def prefill(self, tokens: Sequence[int], step_size: int = 2048) -> None:
-        """Feed ``tokens`` in chunks of ``step_size``, evaluating each chunk."""
+    def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None) -> list:
+        """Feed ``tokens`` in chunks of ``step_size``, evaluating each chunk.
+
+        Args:
+            tokens: Token ids.
+            step_size: Tokens per chunk.
+            tap: A :class:`~specdec_cli.hooks.HiddenTap` on the model, or None.
+
+        Returns:
+            With a tap, the hidden states it recorded, one evaluated part per chunk.
+        """
         if step_size < 1:
             raise ValueError("step_size must be >= 1")
         ids = mx.array(list(tokens), dtype=mx.uint32)
+        parts = []
         for start in range(0, ids.shape[0], step_size):
             self.feed(ids[start : start + step_size])
-            mx.eval(self.state_arrays())
+            extra = []
+            if tap is not None:
+                parts.append(tap.take())
+                extra = [*parts[-1].layers, *([] if parts[-1].final is None else [parts[-1].final])]
+            mx.eval(self.state_arrays(), extra)
             # Free the chunk's intermediate buffers before the next one.
             mx.clear_cache()
+        return parts
 
     def snapshot(self) -> Snapshot:
         """Record the current state in O(1) (offsets and array references)."""

@@ -20,6 +20,7 @@ import mlx.core as mx
 from .adaptive import DraftPolicy, FixedLength
 from .caches import ModelCache
 from .drafters import Drafter
+from .hooks import HiddenTap
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_sampled, choose
 
 
@@ -90,6 +91,7 @@ def speculative_generate_step(
     sampling: SamplingParams = GREEDY,
     rollback: str = "carry",
     timed: bool = False,
+    tap: Optional[HiddenTap] = None,
 ) -> Iterator[Block]:
     """Speculative decoding: greedy, or lossless rejection sampling at temp > 0.
 
@@ -114,6 +116,9 @@ def speculative_generate_step(
         sampling: Greedy (default) or sampling options.
         rollback: Recurrent rollback strategy, ``reforward`` or ``carry``.
         timed: Add a sync after each phase and report :class:`PhaseTimes`.
+        tap: Records the target's hidden states for a drafter that reads
+            them (``drafter.taps``); the committed rows of each verify go to
+            ``drafter.accept``.
 
     Yields:
         One :class:`Block` per target forward.
@@ -145,6 +150,7 @@ def speculative_generate_step(
                 x = mx.concatenate([carry, mx.array([last], dtype=mx.uint32), draft.tokens])
                 c = carry.shape[0]
                 logits = cache.feed(x)[c:]
+                hidden = tap.take() if tap is not None else None
                 if sampling.greedy:
                     n_acc, nxt = accept_greedy(logits, draft.tokens)
                 else:
@@ -170,7 +176,13 @@ def speculative_generate_step(
                     kind = "reforward"
                     if cache.rollback(snap, c + n_keep):
                         cache.feed(kept)
-                drafter.accept(n_keep - 1)
+                if hidden is not None:
+                    # Rows of [last, d1 .. d(n_keep-1)]; carried rows were handed over before.
+                    hidden = hidden.rows(c, c + n_keep)
+                    tap.clear()  # a re-forward's states repeat rows already taken
+                    drafter.accept(n_keep - 1, hidden)
+                else:
+                    drafter.accept(n_keep - 1)
                 if timed:
                     mx.eval(cache.state_arrays())
                     syncs += 1
@@ -182,6 +194,8 @@ def speculative_generate_step(
                     drafter.cancel()
                     if snap is not None:
                         cache.restore(snap)
+                    if tap is not None:
+                        tap.clear()
             # Only now: an interrupted block leaves the old carry to be fed.
             carry = new_carry
             last = committed[n_keep - 1]
@@ -199,6 +213,8 @@ def speculative_generate_step(
             # Whatever ends the run, the cache must hold every committed token
             # but the last, as plain decoding leaves it.
             cache.feed(carry)
+        if tap is not None:
+            tap.clear()
 
 
 def plain_generate_step(

@@ -17,6 +17,7 @@ from .adaptive import DraftPolicy
 from .caches import ModelCache
 from .drafters import Drafter
 from .engine import Block, plain_generate_step, speculative_generate_step
+from .hooks import Hidden, HiddenTap
 from .errors import OptionError
 from .sampling import GREEDY, SamplingParams
 from .stats import Stats
@@ -70,20 +71,28 @@ def run(
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
     cache = ModelCache(model)
-    start = time.perf_counter()
-    cache.prefill(prompt_ids[:-1], prefill_step_size)
-    if drafter is not None:
-        drafter.prefill(prompt_ids[:-1], prefill_step_size)
-    yield Prefilled(len(prompt_ids), time.perf_counter() - start)
-    last = prompt_ids[-1]
-    if drafter is None:
-        gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
-    else:
-        gen = speculative_generate_step(
-            last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
-            max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=rollback, timed=timed,
-        )
+    # A drafter that reads the target's hidden states gets them from the
+    # target's own forwards; the tap comes off the model when the run ends.
+    specs = getattr(drafter, "taps", None)
+    tap = HiddenTap(model, specs) if specs is not None else None
+    gen = None
     try:
+        start = time.perf_counter()
+        parts = cache.prefill(prompt_ids[:-1], prefill_step_size, tap)
+        if tap is not None:
+            drafter.prefill(prompt_ids[:-1], prefill_step_size, Hidden.concat(parts))
+        elif drafter is not None:
+            drafter.prefill(prompt_ids[:-1], prefill_step_size)
+        yield Prefilled(len(prompt_ids), time.perf_counter() - start)
+        last = prompt_ids[-1]
+        if drafter is None:
+            gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
+        else:
+            gen = speculative_generate_step(
+                last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
+                max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=rollback, timed=timed,
+                tap=tap,
+            )
         while True:
             start = time.perf_counter()
             block = next(gen, None)
@@ -91,7 +100,10 @@ def run(
                 return
             yield Step(block, time.perf_counter() - start)
     finally:
-        gen.close()
+        if gen is not None:
+            gen.close()
+        if tap is not None:
+            tap.close()
 
 
 def collect(events) -> tuple[Stats, list[int]]:

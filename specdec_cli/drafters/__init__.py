@@ -1,0 +1,15 @@
+"""Drafters: who proposes the tokens the target verifies.
+
+One module per drafter kind, all behind the :class:`Drafter` protocol of
+:mod:`.base`. A drafter follows the committed sequence through three calls per
+block: ``propose(last, k, params)`` returns up to ``k`` tokens expected after
+``last``; ``accept(n)`` says the first ``n`` of them were committed (the
+target's own token follows them); ``cancel()`` undoes a ``propose`` that never
+got verified.
+"""
+
+from .base import Draft, Drafter, no_draft
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+__all__ = ["Draft", "Drafter", "LookupDrafter", "ModelDrafter", "no_draft"]

@@ -1,0 +1,71 @@
+"""The drafter protocol and the draft it returns.
+
+A drafter follows the committed sequence through three calls per block:
+``propose(last, k, params)`` returns up to ``k`` tokens expected after
+``last``; ``accept(n)`` says the first ``n`` of them were committed (the
+target's own token follows them); ``cancel()`` undoes a ``propose`` that never
+got verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import mlx.core as mx
+
+from ..hooks import Hidden, TapSpec
+from ..sampling import GREEDY, SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens.
+
+    Attributes:
+        tokens: uint32 array of shape [m], m <= k (may be lazy).
+        logprobs: The drafter's log q for each token, [m, V]; None when the
+            drafter is deterministic (q is one-hot at each token).
+        syncs: Host syncs the drafter needed (early stopping reads probabilities).
+    """
+
+    tokens: mx.array
+    logprobs: Optional[mx.array] = None
+    syncs: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def no_draft() -> Draft:
+    return Draft(mx.array([], dtype=mx.uint32))
+
+
+class Drafter(Protocol):
+    """What the engine needs from a drafter.
+
+    A drafter that reads the target's hidden states names them in ``taps``;
+    the engine then records them during the target's own forwards (no extra
+    forward) and hands over the rows of the committed positions: the prompt's
+    with ``prefill``, then ``[last, d1 .. dn]`` with each ``accept(n)``.
+    Rejected positions never reach the drafter. Drafters whose ``taps`` is
+    None are called without the ``hidden`` argument.
+    """
+
+    name: str
+    taps: Optional[TapSpec]
+
+    def prefill(self, tokens: Sequence[int], step_size: int, hidden: Optional[Hidden] = None) -> None: ...
+
+    def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft: ...
+
+    def accept(self, n: int, hidden: Optional[Hidden] = None) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+def as_tokens(token: int | mx.array) -> mx.array:
+    if isinstance(token, int):
+        return mx.array([token], dtype=mx.uint32)
+    return token.reshape(-1).astype(mx.uint32)

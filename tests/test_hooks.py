@@ -1,0 +1,113 @@
+"""The hooks into mlx-lm model internals (``specdec_cli/hooks.py``).
+
+These fail loudly when the pinned mlx-lm moves what the hooks rely on: where
+the decoder layers, the final norm, the embedding and the lm_head live, and
+that a decoder layer's output is the residual stream.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPT, target
+
+from specdec_cli.drafters import ModelDrafter
+from specdec_cli.hooks import Hidden, HiddenTap, TapSpec, target_parts
+from specdec_cli.runner import collect, run
+
+FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"]
+
+
+def tapped_forward(model, ids, spec):
+    """One forward over ``ids`` with fresh caches, and what the tap recorded."""
+    from specdec_cli.caches import ModelCache
+
+    cache = ModelCache(model)
+    with HiddenTap(model, spec) as tap:
+        logits = cache.feed(mx.array(ids, dtype=mx.uint32))
+        return logits, tap.take()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_final_state_through_the_lm_head_is_the_logits(family):
+    model = target(family, "float32")
+    parts = target_parts(model)
+    logits, hidden = tapped_forward(model, PROMPT, TapSpec(final=True))
+    assert hidden.final.shape == (len(PROMPT), parts.hidden_size)
+    assert mx.array_equal(parts.logits(hidden.final[None])[0], logits).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_layer_output_is_the_residual_stream_before_the_final_norm(family):
+    # norm(output of the last decoder layer) == the final-normed state: the
+    # layer tap sits where Hugging Face's hidden_states[id + 1] does.
+    from specdec_cli.hooks import _backbone
+
+    model = target(family, "float32")
+    stack, layers, norm, _ = _backbone(model)
+    last = len(layers) - 1
+    _, hidden = tapped_forward(model, PROMPT, TapSpec(layers=(0, last), final=True))
+    assert len(hidden.layers) == 2 and hidden.layers[0].shape == hidden.final.shape
+    assert mx.array_equal(stack[norm](hidden.layers[1]), hidden.final).item()
+    assert not mx.array_equal(hidden.layers[0], hidden.layers[1]).item()
+
+
+def test_tap_is_per_instance_and_comes_off():
+    model = target("llama", "float32")
+    layer = model.model.layers[0]
+    cls = type(layer)
+    with HiddenTap(model, TapSpec(layers=(0,), final=True)):
+        assert type(layer) is not cls and isinstance(layer, cls)
+        assert type(model.model.layers[1]) is cls  # other instances untouched
+        with pytest.raises(RuntimeError, match="already installed"):
+            HiddenTap(model, TapSpec(layers=(0,)))
+    assert type(layer) is cls
+    assert type(model.model.norm).__name__ == "RMSNorm"
+
+
+def test_bad_layer_id_is_refused():
+    from specdec_cli.errors import UnsupportedModelError
+
+    model = target("llama", "float32")
+    with pytest.raises(UnsupportedModelError, match="layer 99"):
+        HiddenTap(model, TapSpec(layers=(99,)))
+    assert type(model.model.layers[0]).__name__ == "TransformerBlock"
+
+
+class RecordingDrafter(ModelDrafter):
+    """A draft model that also collects the target rows the engine hands over."""
+
+    taps = TapSpec(layers=(0, 1), final=True)
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows: list[Hidden] = []
+
+    def prefill(self, tokens, step_size=2048, hidden=None):
+        self.rows.append(hidden)
+        super().prefill(tokens, step_size)
+
+    def accept(self, n, hidden=None):
+        assert hidden is not None and hidden.length == n + 1
+        self.rows.append(hidden)
+        super().accept(n)
+
+
+@pytest.mark.parametrize("family,rollback", [("llama", "carry"), ("qwen3_5", "carry"), ("qwen3_5", "reforward")])
+def test_engine_hands_over_the_committed_rows_of_its_own_forwards(family, rollback):
+    from helpers import noisy_drafter
+
+    model = target(family, "float32")
+    drafter = RecordingDrafter(noisy_drafter(family, "float32"))
+    stats, out = collect(run(model, PROMPT, drafter=drafter, num_draft_tokens=4, max_tokens=30,
+                             rollback=rollback, prefill_step_size=16))
+    assert 0 < stats.accepted < stats.drafted  # partial accepts happened
+    got = Hidden.concat(drafter.rows)
+    fed = PROMPT + out[:-1]  # every token the target consumed (the last is never fed)
+    assert got.length == len(fed)
+    _, want = tapped_forward(model, fed, RecordingDrafter.taps)
+    for a, b in zip(got.layers + (got.final,), want.layers + (want.final,)):
+        assert a.shape == b.shape
+        assert mx.abs(a - b).max().item() < 1e-4
+    # The tap is off the model once the run is over.
+    assert "_specdec_base" not in type(model.model.layers[0]).__dict__
