@@ -46,6 +46,7 @@ RollbackOpt = Annotated[
 
 
 class DType(str, Enum):
+    auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -104,7 +105,11 @@ def _root(
     """Lossless speculative decoding for MLX / mlx-lm."""
 
 
-ModelOpt = Annotated[str, typer.Option("--model", help="Target model: Hub repo id or local directory.")]
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", help="Target model: Hub repo id or local directory. "
+                 "[default: the bundled SmolLM2-135M-Instruct, no network needed]", show_default=False),
+]
 DraftModelOpt = Annotated[
     Optional[str],
     typer.Option("--draft-model", help="Draft model (same tokenizer): Hub repo id or local directory."),
@@ -121,8 +126,9 @@ MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", min=1, help="Mo
 TempOpt = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy); > 0 samples losslessly.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed.")]
 DTypeOpt = Annotated[
-    Optional[DType],
-    typer.Option("--dtype", help="Cast both models (dequantizing if needed); float32 is fastest on CPUs."),
+    DType,
+    typer.Option("--dtype", help="Cast both models (dequantizing if needed). auto: float32 on MLX's CPU "
+                 "backend, the checkpoint's own dtype (quantized stays quantized) on a GPU."),
 ]
 PrefillOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Prompt tokens per prefill chunk.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
@@ -145,7 +151,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on 
 )
 def generate(
     prompt_arg: PromptArg = None,
-    model: ModelOpt = ...,
+    model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     drafter: DrafterOpt = None,
     block_size: Annotated[
@@ -171,7 +177,7 @@ def generate(
         bool,
         typer.Option("--adaptive/--no-adaptive", help="Adapt the draft length to acceptance, and stop speculating while it is slower than plain decoding."),
     ] = True,
-    dtype: DTypeOpt = None,
+    dtype: DTypeOpt = DType.auto,
     prefill_step_size: PrefillOpt = 2048,
     rollback: RollbackOpt = Rollback.carry,
     compare_ar: Annotated[
@@ -195,7 +201,7 @@ def generate(
 )
 def sweep(
     prompt_arg: PromptArg = None,
-    model: ModelOpt = ...,
+    model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     drafter: DrafterOpt = None,
     block_sizes: Annotated[
@@ -210,7 +216,7 @@ def sweep(
     draft_p_min: DraftPMinOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
-    dtype: DTypeOpt = None,
+    dtype: DTypeOpt = DType.auto,
     prefill_step_size: PrefillOpt = 2048,
     rollback: RollbackOpt = Rollback.carry,
     json_output: JsonOpt = False,
@@ -223,7 +229,20 @@ def sweep(
     _run(sweep_command, SweepOptions, params)
 
 
+@app.command()
+def doctor(json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Show what a bug report needs: platform, MLX device, BLAS, versions, Hub, default model."""
+    params = dict(locals())
+    from .commands import DoctorOptions, doctor_command
+
+    _run(doctor_command, DoctorOptions, params)
+
+
 def main() -> None:
     """Console-script entry point."""
+    from .blas import maybe_reexec
+
+    # Before mlx is imported: the dynamic loader reads LD_PRELOAD only at start-up.
+    maybe_reexec()
     app()
 

@@ -13,6 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import blas, bundled, doctor
 from .adaptive import AdaptiveLength, FixedLength
 from .caches import cache_kinds
 from .compare import compare_with_plain
@@ -43,7 +44,7 @@ LOOKUP_MAX, LOOKUP_MIN = 4, 2
 class ModelOptions:
     """What both commands need: the models, the drafter and the prompt."""
 
-    model: str
+    model: Optional[str] = None  # None: the bundled default model
     prompt_arg: Optional[str] = None
     prompt: Optional[str] = None
     draft_model: Optional[str] = None
@@ -53,7 +54,7 @@ class ModelOptions:
     draft_p_min: Optional[float] = None
     ngram_max: Optional[int] = None
     ngram_min: Optional[int] = None
-    dtype: Optional[str] = None
+    dtype: Optional[str] = "auto"
     prefill_step_size: int = 2048
     rollback: str = "carry"
 
@@ -107,6 +108,12 @@ class Setup:
         return sorted(self.tokenizer.eos_token_ids)
 
     @property
+    def model_line(self) -> str:
+        """Which model ran, in what dtype (``--dtype auto`` says so)."""
+        auto = " (--dtype auto)" if self.options.dtype == "auto" else ""
+        return f"Model: {self.target.name}, {self.target.dtype}{auto}"
+
+    @property
     def drafter_name(self) -> str:
         return f"model ({self.options.draft_model})" if self.draft else self.kind
 
@@ -129,13 +136,33 @@ def check_model_options(opts: ModelOptions) -> str:
 def load_setup(opts: ModelOptions, kind: str) -> Setup:
     """Read the prompt, load target (and draft model), check tokenizers, encode the prompt."""
     text = read_prompt(opts.prompt_arg, opts.prompt)
-    target = load(opts.model, opts.dtype)
+    target = load_target(opts)
     draft = None
     if kind == "model":
         draft = load(opts.draft_model, opts.dtype)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
     prompt_ids = encode_prompt(target.tokenizer, text, opts.system_prompt, opts.ignore_chat_template)
+    line = blas.note(cpu_backend=mx.default_device() == mx.cpu)
+    if line:
+        print_stderr([line])
     return Setup(opts, kind, target, draft, prompt_ids)
+
+
+def load_target(opts: ModelOptions) -> Loaded:
+    """The target: ``--model``, or else the bundled default model (no network).
+
+    Raises:
+        BundledModelError: The bundled model is missing or damaged (a broken install).
+    """
+    if opts.model is not None:
+        return load(opts.model, opts.dtype)
+    path = bundled.require()
+    try:
+        target = load(str(path), opts.dtype)
+    except Exception as e:  # whatever a damaged file makes mlx-lm raise
+        raise bundled.BundledModelError(bundled.broken_message(f"{type(e).__name__}: {e}")) from None
+    target.name = bundled.DISPLAY_NAME
+    return target
 
 
 def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int]) -> int:
@@ -281,7 +308,9 @@ def generate_command(opts: GenerateOptions) -> int:
     if opts.json_output:
         report = {
             "text": detok.text,
-            "model": opts.model,
+            "model": target.name,
+            "model_path": str(target.path),
+            "dtype": target.dtype,
             "draft_model": opts.draft_model,
             "drafter": kind,
             "block_size": block_size,
@@ -297,8 +326,9 @@ def generate_command(opts: GenerateOptions) -> int:
             report["compare"] = _comparison_dict(comparison, stats, tokenizer)
         sys.stdout.write(json.dumps(report) + "\n")
     else:
-        lines = summary_lines(stats, drafter=drafter_name, block_size=block_size, peak_gb=peak_gb,
-                              verbose=opts.verbose) + policy_lines(policy.summary())
+        lines = [setup.model_line] + summary_lines(stats, drafter=drafter_name, block_size=block_size,
+                                                   peak_gb=peak_gb, verbose=opts.verbose)
+        lines += policy_lines(policy.summary())
         if comparison is not None:
             lines += comparison_lines(comparison, stats, lambda t: tokenizer.decode([t]))
         print_stderr(lines)
@@ -371,11 +401,30 @@ def sweep_command(opts: SweepOptions) -> int:
             else:
                 advance(event)
     if opts.json_output:
-        sys.stdout.write(json.dumps({"model": opts.model, "drafter": setup.drafter_name,
+        sys.stdout.write(json.dumps({"model": setup.target.name, "model_path": str(setup.target.path),
+                                     "dtype": setup.target.dtype, "drafter": setup.drafter_name,
                                      **result.to_dict()}) + "\n")
     else:
+        print_stderr([setup.model_line])
         print_sweep(result, setup.drafter_name)
     if not all(row.identical for row in result.rows):
         print_stderr(["error: a speculative run differed from plain decoding (see the 'identical' column)"])
         return EXIT_DIVERGED
+    return 0
+
+
+@dataclass
+class DoctorOptions:
+    """What ``specdec doctor`` was asked to do."""
+
+    json_output: bool = False
+
+
+def doctor_command(opts: DoctorOptions) -> int:
+    """Run ``specdec doctor``: the report on stdout; always exits 0."""
+    report = doctor.collect()
+    if opts.json_output:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        sys.stdout.write("\n".join(doctor.lines(report)) + "\n")
     return 0

@@ -18,7 +18,7 @@ import huggingface_hub
 import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import errors as hub_errors
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from .caches import make_cache
 from .errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
@@ -49,6 +49,8 @@ class Loaded:
         model: The mlx-lm model (caches already checked for exact rollback).
         tokenizer: mlx-lm's ``TokenizerWrapper``.
         config: The model's config.json as loaded.
+        dtype: What the weights run in after loading: ``float32``, ``bfloat16``,
+            ``float16``, or e.g. ``4-bit quantized`` when kept quantized.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Loaded:
     model: nn.Module
     tokenizer: Any
     config: dict
+    dtype: str = ""
 
 
 def resolve(name: str) -> Path:
@@ -96,13 +99,39 @@ def resolve(name: str) -> Path:
         ) from None
 
 
+def resolve_dtype(dtype: Optional[str]) -> Optional[str]:
+    """``auto``: float32 on MLX's CPU backend, the checkpoint's own dtype on a GPU.
+
+    On the CPU, quantized and half-precision matmuls are many times slower than
+    float32 ones (they do not go through BLAS); on Metal or CUDA, quantized
+    weights are what makes a model fast and small. Any other value is returned as is.
+    """
+    if dtype != "auto":
+        return dtype
+    return "float32" if mx.default_device() == mx.cpu else None
+
+
+def describe_dtype(model: nn.Module, config: dict) -> str:
+    """What the weights run in: ``float32``, or e.g. ``4-bit quantized`` when still quantized."""
+    if any(hasattr(m, "scales") for _, m in model.named_modules()):
+        bits = (config.get("quantization") or {}).get("bits")
+        return f"{bits}-bit quantized" if bits else "quantized"
+    counts: dict[str, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            key = str(value.dtype).removeprefix("mlx.core.")
+            counts[key] = counts.get(key, 0) + value.size
+    return max(counts, key=counts.get) if counts else "unknown"
+
+
 def load(name: str, dtype: Optional[str] = None) -> Loaded:
     """Load a model and its tokenizer, optionally cast to ``dtype``.
 
     Args:
         name: Hub repo id or local directory.
         dtype: ``float32``, ``bfloat16`` or ``float16``; quantized weights are
-            dequantized first. None keeps the stored weights.
+            dequantized first. ``auto``: see :func:`resolve_dtype`. None keeps
+            the stored weights.
 
     Raises:
         ModelLoadError: Missing files or unreadable weights.
@@ -139,9 +168,10 @@ def load(name: str, dtype: Optional[str] = None) -> Loaded:
     except Exception as e:  # tokenizer libraries raise many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {e}") from None
     make_cache(model)  # capability check before anything runs
+    dtype = resolve_dtype(dtype)
     if dtype is not None:
         cast(model, DTYPES[dtype])
-    return Loaded(name, path, model, tokenizer, config)
+    return Loaded(name, path, model, tokenizer, config, describe_dtype(model, config))
 
 
 def cast(model: nn.Module, dtype: mx.Dtype) -> None:
