@@ -167,29 +167,60 @@ class InUse:
     reference: bool = False  # MLX's bundled reference BLAS
 
 
-def in_use(maps: Optional[str] = None) -> InUse:
-    """The BLAS this process runs on (read from ``/proc/self/maps`` after mlx is imported)."""
-    if sys.platform == "darwin":
-        return InUse("Accelerate (macOS)")
+def global_provider(symbol: str = "cblas_sgemm") -> Optional[str]:
+    """The library that serves ``symbol`` from the process's global scope, if any.
+
+    A preloaded library is in the global scope and wins over the BLAS that mlx's
+    ``libmlx.so`` links (loaded locally with it): this is what MLX calls.
+    """
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(getattr(process, symbol), ctypes.c_void_p).value
+        dladdr = process.dladdr
+    except (AttributeError, OSError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+    info = DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def mapped_paths(maps: Optional[str] = None) -> list[str]:
+    """Files mapped into this process (``/proc/self/maps``)."""
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
-            return InUse("unknown (no /proc/self/maps)")
-    paths = sorted({line.split(None, 5)[5].strip() for line in maps.splitlines() if len(line.split(None, 5)) == 6})
-    # A preloaded OpenBLAS resolves the BLAS symbols first, even with the bundled one mapped too.
-    for path in paths:
-        if "openblas" in path.lower():
-            return InUse("OpenBLAS", path)
-    for path in paths:
-        name = os.path.basename(path)
-        if name.startswith("libblas") and ".libs/" in path:
+            return []
+    fields = (line.split(None, 5) for line in maps.splitlines())
+    return sorted({f[5].strip() for f in fields if len(f) == 6})
+
+
+def classify(provider: Optional[str], mapped: list[str]) -> InUse:
+    """Name the BLAS MLX calls: the global provider of its BLAS symbols, else the one it links."""
+    if provider:
+        name = "OpenBLAS" if "openblas" in os.path.realpath(provider).lower() else os.path.basename(provider)
+        return InUse(name, provider)
+    # Not in the global scope: libmlx.so resolves it from its own dependencies, the wheel's
+    # reference BLAS (numpy's vendored OpenBLAS uses renamed symbols and never serves MLX).
+    for path in mapped:
+        if os.path.basename(path).startswith("libblas") and ".libs/" in path:
             return InUse("reference BLAS bundled with MLX (slow batched float32)", path, reference=True)
-    for path in paths:
-        name = os.path.basename(path).lower()
-        if name.startswith(("libblas", "libmkl", "libblis", "libflexiblas")):
-            return InUse(name.split(".so")[0], path)
-    return InUse("none loaded")
+    return InUse("unknown")
+
+
+def in_use() -> InUse:
+    """The BLAS MLX's CPU backend runs on in this process (call after importing mlx)."""
+    if sys.platform == "darwin":
+        return InUse("Accelerate (macOS)")
+    return classify(global_provider(), mapped_paths())
 
 
 def note(cpu_backend: bool, environ=None) -> Optional[str]:

@@ -17,7 +17,8 @@ from .errors import ModelLoadError
 
 NAME = "smollm2-135m-instruct"
 DISPLAY_NAME = "SmolLM2-135M-Instruct (bundled)"
-REINSTALL = "pip install --force-reinstall --no-deps specdec-cli"
+# specdec-cli installs from a clone or a wheel, not from PyPI by name.
+REINSTALL = "python3 -m pip install --force-reinstall --no-deps ."
 
 # size in bytes, SHA-256 of every file the model directory ships.
 FILES: dict[str, tuple[int, str]] = {
@@ -85,7 +86,8 @@ def require(directory: Path | None = None) -> Path:
 
 def broken_message(detail: str) -> str:
     """The one-line error for a damaged bundled model."""
-    return f"the bundled default model is damaged ({detail}): reinstall with `{REINSTALL}`, or pass --model"
+    return (f"the bundled default model is damaged ({detail}): reinstall specdec-cli with `{REINSTALL}` "
+            "in its clone (or the wheel's path instead of .), or pass --model")
 
 
 def _sha256(path: Path) -> str:

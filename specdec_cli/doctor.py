@@ -53,7 +53,7 @@ def mlx_info() -> dict:
         except Exception:
             pass
     info["device_name"] = name
-    info["dtype_auto"] = "float32" if mx.default_device() == mx.cpu else "the checkpoint's own dtype"
+    info["dtype_auto"] = "float32" if mx.default_device() == mx.cpu else "checkpoint dtype"
     return info
 
 
@@ -175,7 +175,7 @@ def lines(report: dict) -> list[str]:
         mlx_line = mlx["error"]
     else:
         device = mlx["backend"] + (f" ({mlx['device_name']})" if mlx.get("device_name") else "")
-        mlx_line = f"{mlx['version']}, default device {mlx['device']}: {device}; --dtype auto runs {mlx['dtype_auto']}"
+        mlx_line = f"{mlx['version']}, default device {mlx['device']}: {device}; --dtype auto: {mlx['dtype_auto']}"
     rows = [
         ("specdec", report["specdec"]),
         ("platform", f"{report['platform']} ({report['machine']})"),
