@@ -14,7 +14,10 @@ Targets:
                         pure-attention twin qwen3), for hybrid vs attention at equal acceptance.
 
 Drafters:
-  lookup                prompt lookup (n-gram)
+  lookup                prompt lookup, longest match (the default: adaptive, block size 64)
+  lookup:<B>            the same at a fixed block size B (drafts sized min(B-1, match))
+  ngram:<B>             the simple n-gram lookup (last 4..2 tokens), adaptive up to block size B
+  ngram:<B>f            the same at a fixed block size B
   oracle:<a>            the target's own greedy continuation, each token corrupted with
                         probability 1-a: acceptance a per token, zero drafting cost
   layers:<n>            the target cut to its first n layers (a real, cheap, weak draft model)
@@ -56,9 +59,9 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx.utils import tree_flatten
 
-from specdec_cli.adaptive import AdaptiveLength, FixedLength
+from specdec_cli.adaptive import AdaptiveLength, FixedLength, MatchLength
 from specdec_cli.caches import ModelCache, cache_kinds
-from specdec_cli.drafters import Draft, LookupDrafter, ModelDrafter
+from specdec_cli.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
 from specdec_cli.engine import MAX_CARRY
 from specdec_cli.loading import load
 from specdec_cli.measure import measure
@@ -82,6 +85,32 @@ CATEGORIES = {
     "stepwise_math": "A shop sells pens at 3 dollars each. Tom buys 4 pens and pays with a 20 dollar bill. "
                      "How much change does he get? Think step by step.",
     "high_entropy": "List ten random, unrelated words.",
+    "verbatim_copy": (
+        "Copy the following paragraph exactly, word for word:\n\nThe old lighthouse stood at the edge of the "
+        "cliff for more than two hundred years. Every night its keeper climbed the narrow stairs, lit the great "
+        "lamp and watched the ships pass safely through the dark water below. When the keeper retired, the "
+        "village decided to keep the light burning for the sailors who still needed it."
+    ),
+    "edit_type_hints": (
+        "Rewrite this function with type hints. Keep everything else the same.\n\n```python\n"
+        "def merge_counts(first, second, minimum):\n    result = {}\n    for key, value in first.items():\n"
+        "        result[key] = value\n    for key, value in second.items():\n"
+        "        result[key] = result.get(key, 0) + value\n"
+        "    return {key: value for key, value in result.items() if value >= minimum}\n```"
+    ),
+    # A multi-turn agent loop: the model wrote a file, a tool reported an error, and it is asked to
+    # write the whole file again with the fix.
+    "agent_multiturn": [
+        {"role": "system", "content": "You are a coding agent. Answer with the complete file in one code block."},
+        {"role": "user", "content": "Write config.py that loads settings from a JSON file."},
+        {"role": "assistant", "content": (
+            "```python\nimport json\n\n\ndef load_settings(path):\n    with open(path) as f:\n"
+            "        settings = json.load(f)\n    settings.setdefault(\"debug\", False)\n"
+            "    settings.setdefault(\"port\", 8080)\n    return settings\n```")},
+        {"role": "user", "content": (
+            "Tool output: FileNotFoundError: settings.json. Print the whole file again, returning an empty "
+            "dict when the file does not exist.")},
+    ],
     "long_code_review": (
         "Review this code and suggest improvements:\n\n```python\ndef process(items):\n    result = []\n"
         "    for i in range(len(items)):\n        if items[i] != None:\n            result.append(items[i] * 2)\n"
@@ -111,6 +140,8 @@ SYNTHETIC = {
 # --- drafters only the benchmark needs ------------------------------------------
 
 class OracleDrafter:
+    taps = None
+
     """Proposes the target's own greedy continuation, each token corrupted with probability 1 - a.
 
     Greedy output is identical to plain decoding, so the reference continuation
@@ -217,7 +248,8 @@ class Config:
     """One row of the table: who decodes, and with which drafter."""
 
     label: str
-    make_drafter: Optional[Callable] = None  # specdec rows
+    make_drafter: Optional[Callable] = None  # specdec rows: policy -> drafter
+    make_policy: Optional[Callable] = None   # specdec rows: () -> draft-length policy (default by block size)
     mlx_lm_draft: object = None              # mlx-lm speculative rows
     draft_step_s: float = 0.0                # one drafter step, for the bound
     adaptive: bool = False                   # specdec's default draft-length policy
@@ -240,6 +272,12 @@ class Row:
     efficiency: Optional[float]
     identical: Optional[bool]
     note: str = ""
+    drafting_blocks: Optional[int] = None  # blocks that drafted anything
+
+    @property
+    def mean_accepted(self) -> Optional[float]:
+        """Accepted drafts per block that drafted."""
+        return self.accepted / self.drafting_blocks if self.drafting_blocks else None
 
 
 def analytic_bound(blocks: list[tuple[int, int]], cost: Callable[[int], float], d: float,
@@ -264,21 +302,35 @@ def analytic_bound(blocks: list[tuple[int, int]], cost: Callable[[int], float], 
     return tokens * cost(1) / seconds if seconds else 0.0
 
 
-def make_configs(model, ids, reference, drafters, vocab) -> list[Config]:
+def make_configs(model, ids, reference, drafters, vocab, eos=()) -> list[Config]:
     configs = []
+    stop = sorted(eos)
     for spec in drafters:
         if spec == "lookup":
-            configs.append(Config("specdec lookup", lambda: LookupDrafter(max_ngram=4, min_ngram=2)))
+            # The CLI's default: adaptive by match length, blocks up to 64.
+            configs.append(Config("specdec lookup B<=64", lambda policy: SuffixDrafter(policy.size, stop_ids=stop),
+                                  make_policy=lambda: MatchLength(k_max=63)))
+        elif spec.startswith("lookup:"):
+            b = int(spec.split(":")[1])
+            configs.append(Config(f"specdec lookup B={b} fixed", lambda policy: SuffixDrafter(stop_ids=stop),
+                                  make_policy=lambda b=b: FixedLength(b - 1)))
+        elif spec.startswith("ngram:"):
+            arg = spec.split(":")[1]
+            b, fixed = int(arg.rstrip("f")), arg.endswith("f")
+            configs.append(Config(
+                f"specdec ngram B={b}{' fixed' if fixed else ''}", lambda policy: NgramDrafter(4, 2),
+                make_policy=(lambda b=b: FixedLength(b - 1)) if fixed else (lambda b=b: AdaptiveLength(k_max=b - 1))))
         elif spec.startswith("oracle:"):
             a = float(spec.split(":")[1])
             configs.append(Config(f"specdec oracle a={a:g}",
-                                  lambda a=a: OracleDrafter(reference, len(ids), a, vocab, seed=1)))
+                                  lambda policy, a=a: OracleDrafter(reference, len(ids), a, vocab, seed=1)))
         elif spec.startswith("layers:") or spec == "self":
             small = model if spec == "self" else truncated(model, int(spec.split(":")[1]))
             what = "self-draft" if spec == "self" else f"{spec.split(':')[1]}-layer draft"
             step = forward_cost(small, ids, 1)
-            configs.append(Config(f"specdec {what}", lambda small=small: ModelDrafter(small), draft_step_s=step))
-            configs.append(Config(f"specdec {what} adaptive", lambda small=small: ModelDrafter(small),
+            configs.append(Config(f"specdec {what}", lambda policy, small=small: ModelDrafter(small),
+                                  draft_step_s=step))
+            configs.append(Config(f"specdec {what} adaptive", lambda policy, small=small: ModelDrafter(small),
                                   draft_step_s=step, adaptive=True))
             configs.append(Config(f"mlx-lm {what}", mlx_lm_draft=small))
         else:
@@ -294,16 +346,17 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
 
     def cost(t: int, states_only: bool = False) -> float:
         if (t, states_only) not in costs:
-            costs[t, states_only] = forward_cost(model, ids, t, states_only=states_only)
+            # The one-token step is the unit of every bound: time it most carefully.
+            costs[t, states_only] = forward_cost(model, ids, t, reps=7 if t == 1 else 3, states_only=states_only)
         return costs[t, states_only]
 
     reforward = (lambda t: cost(t, True)) if recurrent else None
 
     _, reference = measure(model, ids, None, max_tokens=max_tokens, eos_ids=eos)
-    configs = make_configs(model, ids, reference, drafters, vocab)
+    configs = make_configs(model, ids, reference, drafters, vocab, eos)
     if recurrent and "carry" in rollbacks:
         carried = [replace(c, label=f"{c.label} carry", rollback="carry") for c in configs
-                   if c.make_drafter is not None and not c.adaptive]
+                   if c.make_drafter is not None and not c.adaptive and c.make_policy is None]
         configs = ([c for c in configs if "reforward" in rollbacks or c.make_drafter is None] + carried)
     runs: dict[str, list] = {c.label: [] for c in configs}
     plain = []
@@ -315,8 +368,11 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
                     None if recurrent else mlx_lm_speculative(model, c.mlx_lm_draft, ids, max_tokens, eos, k)
                 )
             else:
-                policy = AdaptiveLength(k_max=k) if c.adaptive else FixedLength(k)
-                stats, out = collect(run(model, ids, drafter=c.make_drafter(), policy=policy,
+                if c.make_policy is not None:
+                    policy = c.make_policy()
+                else:
+                    policy = AdaptiveLength(k_max=k) if c.adaptive else FixedLength(k)
+                stats, out = collect(run(model, ids, drafter=c.make_drafter(policy), policy=policy,
                                          max_tokens=max_tokens, eos_ids=eos, rollback=c.rollback))
                 runs[c.label].append((stats.decode_tps, out, stats))
     log(f"  {name} / {category}: done")
@@ -340,7 +396,8 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
         bound = analytic_bound(extra.block_log, cost, c.draft_step_s, reforward, carry=c.rollback == "carry")
         rows.append(Row(name, category, c.label, extra.generated, extra.drafted, extra.accepted,
                         extra.acceptance, extra.generated / tps, tps, speedup, bound,
-                        speedup / bound if bound else None, out == reference))
+                        speedup / bound if bound else None, out == reference,
+                        drafting_blocks=extra.drafting_blocks))
     return rows
 
 
@@ -363,11 +420,13 @@ def aggregate(rows: list[Row]) -> list[Row]:
             acceptance = accepted / drafted if drafted else None
             bounds = [r.bound for r in rs if r.bound]
             tps = gen / secs
+            blocks = sum(r.drafting_blocks or 0 for r in rs)
             out.append(Row(target, "ALL", config, gen, drafted if rs[0].drafted is not None else None, accepted,
                            acceptance, secs, tps, tps / base_tps,
                            statistics.median(bounds) if bounds else None,
                            (tps / base_tps) / statistics.median(bounds) if bounds else None,
-                           all(r.identical for r in rs if r.identical is not None)))
+                           all(r.identical for r in rs if r.identical is not None),
+                           drafting_blocks=blocks))
     return out
 
 
@@ -441,8 +500,9 @@ def main() -> None:
             model, tok = loaded.model, loaded.tokenizer
             cats = CATEGORIES if args.categories == "all" else {c: CATEGORIES[c] for c in args.categories.split(",")}
             prompts = {
-                c: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True), add_special_tokens=False)
+                c: tok.encode(tok.apply_chat_template(
+                    text if isinstance(text, list) else [{"role": "user", "content": text}], tokenize=False,
+                    add_generation_prompt=True), add_special_tokens=False)
                 for c, text in cats.items()
             }
             eos, vocab = set(tok.eos_token_ids), loaded.config.get("vocab_size", 0)
@@ -461,7 +521,8 @@ def main() -> None:
                                  max_tokens=args.max_tokens, repeats=args.repeats, eos=eos, vocab=vocab, log=log,
                                  rollbacks=tuple(args.rollback.split(",")))
     rows += aggregate(rows)
-    report = {"provenance": prov, "settings": vars(args), "rows": [r.__dict__ for r in rows]}
+    report = {"provenance": prov, "settings": vars(args),
+              "rows": [{**r.__dict__, "mean_accepted": r.mean_accepted} for r in rows]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print_table(rows)
@@ -470,7 +531,7 @@ def main() -> None:
 
 def print_table(rows: list[Row]) -> None:
     head = (f"{'target':24} {'category':17} {'config':26} {'gen':>4} {'drafted':>7} {'acc':>5} {'accept':>7} "
-            f"{'tok/s':>7} {'speedup':>7} {'bound':>6} {'eff':>5} same")
+            f"{'acc/blk':>7} {'tok/s':>7} {'speedup':>7} {'bound':>6} {'eff':>5} same")
     print(head)
     for r in rows:
         acc = f"{100 * r.acceptance:.0f}%" if r.acceptance is not None else "-"
@@ -478,8 +539,9 @@ def print_table(rows: list[Row]) -> None:
         eff = f"{100 * r.efficiency:.0f}%" if r.efficiency else "-"
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
         drafted = "-" if r.drafted is None else r.drafted
+        per_block = f"{r.mean_accepted:.2f}" if r.mean_accepted is not None else "-"
         print(f"{r.target[:24]:24} {r.category:17} {r.config:26} {r.generated:>4} {drafted:>7} {r.accepted:>5} "
-              f"{acc:>7} {r.decode_tps:>7.2f} {r.speedup:>6.2f}x {bound:>6} {eff:>5} {same} {r.note}")
+              f"{acc:>7} {per_block:>7} {r.decode_tps:>7.2f} {r.speedup:>6.2f}x {bound:>6} {eff:>5} {same} {r.note}")
 
 
 if __name__ == "__main__":

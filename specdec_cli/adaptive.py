@@ -8,6 +8,9 @@ the target's.
 
 from __future__ import annotations
 
+import math
+import statistics
+from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,11 +100,7 @@ class AdaptiveLength:
         timed = self._seen > self.warmup
         if self.mode == "speculate":
             self.lengths[drafted] += 1
-            if drafted:
-                if accepted == drafted == self.k:
-                    self.k = min(self.k + 1, self.k_max)
-                elif accepted < drafted:
-                    self.k = max(self.k_min, accepted + 1)
+            self._learn(drafted, accepted)
             if timed:
                 self._spec.append((emitted, seconds))
                 self._spec_accepted += accepted
@@ -125,6 +124,14 @@ class AdaptiveLength:
             self.mode = "speculate"
             self._spec, self._spec_accepted = [], 0
 
+    def _learn(self, drafted: int, accepted: int) -> None:
+        """The draft-model rule: one more after a full accept, one more than accepted after a rejection."""
+        if drafted:
+            if accepted == drafted == self.k:
+                self.k = min(self.k + 1, self.k_max)
+            elif accepted < drafted:
+                self.k = max(self.k_min, accepted + 1)
+
     def _decide(self) -> None:
         spec, plain = self._rate(self._spec), self._rate(self._plain)
         if spec < plain * (1 - self.margin):
@@ -146,9 +153,151 @@ class AdaptiveLength:
         mean = sum(k * n for k, n in self.lengths.items()) / spec_blocks if spec_blocks else 0.0
         return {
             "policy": "adaptive",
+            "length_rule": "+1/-1",
             "k_max": self.k_max,
             "draft_lengths": {str(k): n for k, n in sorted(self.lengths.items())},
             "mean_draft_length": mean,
             "switched_off": self.switched_off,
             "plain_blocks": self.plain_blocks,
         }
+
+
+# Match-length buckets (lower bounds) whose acceptance MatchLength learns, and
+# the per-token acceptance it assumes before measuring: measured over the
+# benchmark's prompt categories on SmolLM2-135M (how often the token after a
+# suffix matched over this many tokens was the model's own next token).
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+PRIOR_ACCEPTANCE = (0.2, 0.45, 0.6, 0.7, 0.8, 0.85, 0.85, 0.92, 0.95, 0.97, 0.99)
+
+
+def match_bucket(length: int) -> int:
+    """Index of the bucket of a match length (>= 1)."""
+    return bisect_right(MATCH_BUCKETS, length) - 1
+
+
+def prior_cost(t: int) -> float:
+    """A verify forward of ``t`` tokens in one-token steps, before any is timed.
+
+    A smooth upper envelope of what a 2-core x86 CPU measured (SmolLM2-135M,
+    float32, OpenBLAS: ~1.2 at 2, ~1.7 at 8, ~2.5 at 32, ~4.6 at 64, higher
+    between multiples of 16). The run rescales it by what it measures.
+    """
+    return 1.0 + 0.25 * math.log2(t) + 0.045 * (t - 1)
+
+
+@dataclass
+class MatchLength(AdaptiveLength):
+    """Draft length for lookup drafters, learned from acceptance by match length.
+
+    The drafter asks ``size(match, k)`` with the length of the suffix it
+    matched. Each drafted token i (1-based) continues a match of
+    ``match + i - 1`` tokens; the acceptance of each bucket of such lengths is
+    learned from the run (a Beta posterior around ``PRIOR_ACCEPTANCE``), and
+    the draft length chosen maximises expected tokens per verify cost,
+    ``(1 + sum_i P(first i accepted)) / cost(i + 1)``, with the cost curve
+    ``prior_cost`` scaled to what the run's blocks took against plain steps.
+    Short matches thus draft little or nothing, long ones up to ``k_max``.
+
+    A block the sizing left without drafts is a plain step and is timed as
+    one, so the speed comparison of :class:`AdaptiveLength` (switching off
+    while speculation is slower than plain decoding) needs no extra probes.
+
+    Args:
+        k_max: Most drafts per block (block size - 1).
+        prior_weight: Pseudo-observations the prior acceptance is worth.
+    """
+
+    prior_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._hits = [0] * len(MATCH_BUCKETS)
+        self._misses = [0] * len(MATCH_BUCKETS)
+        self._expected_hits = 0.0  # under PRIOR_ACCEPTANCE, over the same draft tokens
+        self._match = 0
+        self._verify: deque[tuple[int, float]] = deque(maxlen=32)
+        self.scale = 1.0
+        # Verify sizes timed in this run: seconds in plain steps (the latest
+        # blocks weigh most). Batched matmul kernels make the curve uneven
+        # (on a 2-core x86 CPU 16 tokens cost what 8 do, 12 much more).
+        self._measured: dict[int, float] = {}
+
+    def acceptance(self) -> list[float]:
+        """Per-token acceptance of each match bucket (posterior mean).
+
+        A bucket's prior is its ``PRIOR_ACCEPTANCE``, its odds scaled by how
+        much better or worse than those priors every draft of the run did
+        (text that repeats, or does not, shows at every match length), or the
+        shorter bucket's estimate if that is higher: a longer match is no
+        worse evidence until its own blocks say otherwise.
+        """
+        hits, misses = sum(self._hits), sum(self._misses)
+        odds = ((hits + 2) / (self._expected_hits + 2)) / ((misses + 2) / (hits + misses - self._expected_hits + 2))
+        out, below = [], 0.0
+        for prior, hit, miss in zip(PRIOR_ACCEPTANCE, self._hits, self._misses):
+            prior = max(odds * prior / (1 - prior + odds * prior), below)
+            below = (prior * self.prior_weight + hit) / (self.prior_weight + hit + miss)
+            out.append(below)
+        return out
+
+    def cost(self, t: int) -> float:
+        """A verify of ``t`` tokens in plain steps, as this run measured it (or the scaled prior)."""
+        seen = self._measured.get(t)
+        if seen is not None:
+            return seen
+        return 1.0 + self.scale * (prior_cost(t) - 1.0)
+
+    def size(self, match: int, k: int) -> int:
+        """Drafts for a suffix matched over ``match`` tokens, at most ``k``."""
+        self._match = match
+        if k <= 0 or match <= 0:
+            return 0
+        rates = self.acceptance()
+        best, best_k, expected, survive = 1.0, 0, 1.0, 1.0
+        for i in range(1, k + 1):
+            survive *= rates[match_bucket(match + i - 1)]
+            expected += survive
+            value = expected / self.cost(i + 1)
+            if value > best:
+                best, best_k = value, i
+        return best_k
+
+    def observe(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
+        if self.mode == "speculate" and drafted == 0:
+            # Nothing drafted: a plain step, timed as one.
+            self._seen += 1
+            self.lengths[0] += 1
+            if self._seen > self.warmup:
+                self._plain.append((emitted, seconds))
+            return
+        if self.mode == "speculate" and self._seen >= self.warmup:
+            self._verify.append((drafted + 1, seconds))
+            self._rescale()
+        super().observe(drafted, accepted, emitted, seconds)
+
+    def _learn(self, drafted: int, accepted: int) -> None:
+        for i in range(min(accepted + 1, drafted)):
+            b = match_bucket(self._match + i)
+            self._expected_hits += PRIOR_ACCEPTANCE[b]
+            if i < accepted:
+                self._hits[b] += 1
+            else:
+                self._misses[b] += 1
+
+    def _rescale(self) -> None:
+        if not self._plain:
+            return
+        rate = self._rate(self._plain)  # plain tokens per second
+        if rate <= 0:
+            return
+        ratios = [(s * rate - 1.0) / (prior_cost(t) - 1.0) for t, s in self._verify]
+        self.scale = min(3.0, max(0.2, statistics.median(ratios)))
+        t, s = self._verify[-1]
+        seen = self._measured.get(t)
+        self._measured[t] = s * rate if seen is None else 0.5 * (seen + s * rate)
+
+    def summary(self) -> dict:
+        out = super().summary()
+        out.update(length_rule="match-length", verify_cost_scale=round(self.scale, 3),
+                   acceptance_by_match={f"{b}+": round(a, 3) for b, a in zip(MATCH_BUCKETS, self.acceptance())})
+        return out

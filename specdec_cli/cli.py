@@ -31,6 +31,7 @@ app = typer.Typer(
 class DrafterKind(str, Enum):
     model = "model"
     lookup = "lookup"
+    ngram = "ngram"
 
 
 class Rollback(str, Enum):
@@ -134,14 +135,15 @@ PrefillOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Pro
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 DrafterOpt = Annotated[
     Optional[DrafterKind],
-    typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model) or prompt 'lookup' (the default without one)."),
+    typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model), prompt 'lookup' (longest match; "
+                 "the default without one) or 'ngram' (the simple n-gram lookup)."),
 ]
 DraftPMinOpt = Annotated[
     Optional[float],
     typer.Option("--draft-p-min", help="Stop drafting when the draft model's top-1 probability is below this."),
 ]
-NgramMaxOpt = Annotated[Optional[int], typer.Option("--ngram-max", help="Lookup: longest suffix matched. [default: 4]")]
-NgramMinOpt = Annotated[Optional[int], typer.Option("--ngram-min", help="Lookup: shortest suffix matched. [default: 2]")]
+NgramMaxOpt = Annotated[Optional[int], typer.Option("--ngram-max", help="--drafter ngram: longest suffix matched. [default: 4]")]
+NgramMinOpt = Annotated[Optional[int], typer.Option("--ngram-min", help="--drafter ngram: shortest suffix matched. [default: 2]")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")]
 
 
@@ -156,7 +158,8 @@ def generate(
     drafter: DrafterOpt = None,
     block_size: Annotated[
         Optional[int],
-        typer.Option("--block-size", min=1, help="Tokens verified per target forward (drafts + 1). [default: 4]"),
+        typer.Option("--block-size", min=1, help="Most tokens verified per target forward (drafts + 1). "
+                     "Default: 64 for lookup (each draft sized by its match), 4 otherwise."),
     ] = None,
     num_draft_tokens: Annotated[
         Optional[int], typer.Option("--num-draft-tokens", min=0, help="mlx-lm's spelling of block size - 1.")
@@ -173,6 +176,11 @@ def generate(
     draft_p_min: DraftPMinOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
+    lookup_history: Annotated[
+        Optional[str],
+        typer.Option("--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in "
+                     "FILE, and add this one (bounded; safe to delete; never changes the output)."),
+    ] = None,
     adaptive: Annotated[
         bool,
         typer.Option("--adaptive/--no-adaptive", help="Adapt the draft length to acceptance, and stop speculating while it is slower than plain decoding."),

@@ -14,7 +14,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import blas, bundled, doctor
-from .adaptive import AdaptiveLength, FixedLength
+from .adaptive import AdaptiveLength, FixedLength, MatchLength
 from .caches import cache_kinds
 from .compare import compare_with_plain
 from .display import (
@@ -26,7 +26,8 @@ from .display import (
     sweep_progress,
     text_view,
 )
-from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .drafters import Drafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
+from .drafters.history import tokenizer_fingerprint
 from .errors import OptionError
 from .loading import Loaded, check_same_tokenizer, load
 from .measure import SweepResult, sweep
@@ -36,8 +37,13 @@ from .stats import Stats
 
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
-DEFAULT_BLOCK_SIZE = 4
-LOOKUP_MAX, LOOKUP_MIN = 4, 2
+DRAFTER_KINDS = ("model", "lookup", "ngram")
+# Per drafter kind: the block size when none is given, and the largest
+# accepted. Lookup drafts cost nothing and are sized by their match, so its
+# blocks may be long; a model drafter pays a forward per draft.
+DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4}
+MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64}
+NGRAM_MAX, NGRAM_MIN = 4, 2
 
 
 @dataclass
@@ -54,6 +60,7 @@ class ModelOptions:
     draft_p_min: Optional[float] = None
     ngram_max: Optional[int] = None
     ngram_min: Optional[int] = None
+    lookup_history: Optional[str] = None
     dtype: Optional[str] = "auto"
     prefill_step_size: int = 2048
     rollback: str = "carry"
@@ -98,6 +105,7 @@ class Setup:
     target: Loaded
     draft: Optional[Loaded]
     prompt_ids: list[int]
+    history: Optional[LookupHistory] = None
 
     @property
     def tokenizer(self):
@@ -117,11 +125,14 @@ class Setup:
     def drafter_name(self) -> str:
         return f"model ({self.options.draft_model})" if self.draft else self.kind
 
-    def make_drafter(self) -> Drafter:
-        """A fresh drafter for one run."""
+    def make_drafter(self, policy=None) -> Drafter:
+        """A fresh drafter for one run; a lookup drafter sizes its drafts with ``policy`` when it learns."""
         opts = self.options
         if self.kind == "lookup":
-            return LookupDrafter(opts.ngram_max or LOOKUP_MAX, opts.ngram_min or LOOKUP_MIN)
+            size = policy.size if isinstance(policy, MatchLength) else None
+            return SuffixDrafter(size, self.history.outputs() if self.history else (), self.eos_ids)
+        if self.kind == "ngram":
+            return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
         return ModelDrafter(self.draft.model, vocab_size=_vocab_size(self.target.config),
                             p_min=opts.draft_p_min or 0.0)
 
@@ -145,7 +156,12 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     line = blas.note(cpu_backend=mx.default_device() == mx.cpu)
     if line:
         print_stderr([line])
-    return Setup(opts, kind, target, draft, prompt_ids)
+    history = None
+    if opts.lookup_history is not None:
+        history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
+        if history.warning:
+            print_stderr([f"warning: {history.warning}"])
+    return Setup(opts, kind, target, draft, prompt_ids, history)
 
 
 def load_target(opts: ModelOptions) -> Loaded:
@@ -165,17 +181,26 @@ def load_target(opts: ModelOptions) -> Loaded:
     return target
 
 
-def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int]) -> int:
-    """``--block-size B`` or ``--num-draft-tokens K`` (B = K + 1), not both."""
+def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str = "model") -> int:
+    """``--block-size B`` or ``--num-draft-tokens K`` (B = K + 1), not both; the kind's default and limit."""
     if block_size is not None and num_draft_tokens is not None:
         raise OptionError("give --block-size or --num-draft-tokens (= block size - 1), not both")
     if num_draft_tokens is not None:
-        return num_draft_tokens + 1
-    return DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        block_size = num_draft_tokens + 1
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE[kind]
+    check_block_size(block_size, kind, "--block-size" if num_draft_tokens is None else "--num-draft-tokens + 1")
+    return block_size
+
+
+def check_block_size(block_size: int, kind: str, option: str = "--block-size") -> None:
+    """At most the drafter kind's maximum."""
+    if block_size > MAX_BLOCK_SIZE[kind]:
+        raise OptionError(f"{option} is at most {MAX_BLOCK_SIZE[kind]} with --drafter {kind} (got {block_size})")
 
 
 def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
-    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup``."""
+    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup`` (or ``ngram``)."""
     kind = drafter or ("model" if draft_model else "lookup")
     if kind == "model" and not draft_model:
         raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
@@ -188,12 +213,14 @@ def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     """Options that only one drafter kind understands."""
     if kind != "model" and opts.draft_p_min is not None:
         raise OptionError("--draft-p-min applies to a draft model: drop it or pass --draft-model")
-    if kind != "lookup" and (opts.ngram_max is not None or opts.ngram_min is not None):
-        raise OptionError("--ngram-max/--ngram-min apply to --drafter lookup")
+    if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
+        raise OptionError("--ngram-max/--ngram-min apply to --drafter ngram (the default lookup matches any length)")
+    if kind != "lookup" and opts.lookup_history is not None:
+        raise OptionError(f"--lookup-history applies to --drafter lookup, not --drafter {kind}")
     if opts.draft_p_min is not None and not 0 <= opts.draft_p_min <= 1:
         raise OptionError("--draft-p-min must be within [0, 1]")
-    lo, hi = opts.ngram_min or LOOKUP_MIN, opts.ngram_max or LOOKUP_MAX
-    if kind == "lookup" and not 1 <= lo <= hi:
+    lo, hi = opts.ngram_min or NGRAM_MIN, opts.ngram_max or NGRAM_MAX
+    if kind == "ngram" and not 1 <= lo <= hi:
         raise OptionError(f"need 1 <= --ngram-min ({lo}) <= --ngram-max ({hi})")
 
 
@@ -248,17 +275,17 @@ def sampling_params(opts: "GenerateOptions") -> SamplingParams:
     return params
 
 
-def make_policy(adaptive: bool, block_size: int):
-    """Adaptive draft length up to block size - 1, or a fixed one."""
+def make_policy(adaptive: bool, block_size: int, kind: str = "model"):
+    """Adaptive draft length up to block size - 1 (learned by match length for lookup), or a fixed one."""
     if adaptive and block_size > 1:
-        return AdaptiveLength(k_max=block_size - 1)
+        return MatchLength(k_max=block_size - 1) if kind == "lookup" else AdaptiveLength(k_max=block_size - 1)
     return FixedLength(block_size - 1)
 
 
 def generate_command(opts: GenerateOptions) -> int:
     """Run ``specdec generate``; returns the exit code."""
-    block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens)
     kind = check_model_options(opts)
+    block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling = sampling_params(opts)
     if opts.seed is not None:
         mx.random.seed(opts.seed)
@@ -272,11 +299,11 @@ def generate_command(opts: GenerateOptions) -> int:
     detok.reset()
     view = text_view(not opts.no_live, drafter_name, opts.json_output)
     interrupted = False
-    policy = make_policy(opts.adaptive, block_size)
+    policy = make_policy(opts.adaptive, block_size, kind)
     mx.reset_peak_memory()
     try:
         events = run(
-            target.model, prompt_ids, drafter=setup.make_drafter(), policy=policy,
+            target.model, prompt_ids, drafter=setup.make_drafter(policy), policy=policy,
             max_tokens=opts.max_tokens, eos_ids=setup.eos_ids, sampling=sampling, rollback=opts.rollback,
             prefill_step_size=opts.prefill_step_size, timed=opts.verbose,
         )
@@ -297,6 +324,12 @@ def generate_command(opts: GenerateOptions) -> int:
         view.write(detok.last_segment)
         view.close()
     peak_gb = mx.get_peak_memory() / 1e9
+    if setup.history is not None:
+        setup.history.add(tokens)
+        try:
+            setup.history.save()
+        except OSError as e:
+            print_stderr([f"warning: could not save the lookup history {setup.history.path} ({e.strerror})"])
 
     comparison = None
     if opts.compare_ar and not interrupted:
@@ -387,6 +420,8 @@ def sweep_command(opts: SweepOptions) -> int:
     if opts.repeats < 1 or opts.warmup < 0:
         raise OptionError("--repeats must be >= 1 and --warmup >= 0")
     kind = check_model_options(opts)
+    for size in sizes:
+        check_block_size(size, kind, "--block-sizes")
     setup = load_setup(opts, kind)
     events = sweep(
         setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=opts.max_tokens,

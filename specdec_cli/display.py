@@ -132,6 +132,19 @@ def _histogram(stats: Stats) -> str:
     return "  ".join(f"{k}:{v}" for k, v in sorted(stats.histogram.items())) or "-"
 
 
+def _by_position(stats: Stats) -> str:
+    """Each of the first 8 positions, then pooled ranges 9-16, 17-32, ... (long lookup blocks)."""
+    drafted, accepted = stats.position_drafted, stats.position_accepted
+    parts = [f"{100 * a:.0f}%" for a in stats.acceptance_by_position[:8]]
+    lo = 8
+    while lo < len(drafted):
+        hi = min(2 * lo, len(drafted))
+        d, a = sum(drafted[lo:hi]), sum(accepted[lo:hi])
+        parts.append(f"{lo + 1}-{hi}:{100 * a / d:.0f}%" if d else f"{lo + 1}-{hi}:-")
+        lo = hi
+    return " ".join(parts)
+
+
 def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float,
                   verbose: bool = False) -> list[str]:
     """mlx-lm's three stats lines, then the speculative ones."""
@@ -147,8 +160,7 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
         f"Accepted per block (histogram): {_histogram(stats)}",
     ]
     if stats.position_drafted:
-        by_pos = " ".join(f"{100 * a:.0f}%" for a in stats.acceptance_by_position)
-        lines.append(f"Acceptance by draft position: {by_pos}")
+        lines.append(f"Acceptance by draft position: {_by_position(stats)}")
     counts = ", ".join(f"{v} {k}" for k, v in sorted(stats.rollbacks.items()))
     if stats.timed_blocks:
         lines.append(f"Rollback: {counts}; {1000 * stats.rollback_s:.1f} ms in total")
@@ -167,11 +179,21 @@ def policy_lines(summary: dict) -> list[str]:
     """What the draft-length policy did."""
     if summary.get("policy") != "adaptive":
         return []
-    lengths = "  ".join(f"{k}:{v}" for k, v in summary["draft_lengths"].items()) or "-"
-    line = (
-        f"Adaptive: draft lengths (length:blocks) {lengths}, mean {summary['mean_draft_length']:.2f} "
-        f"(max {summary['k_max']})"
-    )
+    if summary.get("length_rule") == "match-length":
+        lengths = summary["draft_lengths"]
+        blocks = sum(lengths.values())
+        drafting = blocks - lengths.get("0", 0)
+        learned = "  ".join(f"{k}:{100 * a:.0f}%" for k, a in summary["acceptance_by_match"].items())
+        line = (
+            f"Adaptive: drafts sized by match length, {drafting} of {blocks} blocks drafted, mean draft "
+            f"{summary['mean_draft_length']:.2f} (max {summary['k_max']}); acceptance by match length {learned}"
+        )
+    else:
+        lengths = "  ".join(f"{k}:{v}" for k, v in summary["draft_lengths"].items()) or "-"
+        line = (
+            f"Adaptive: draft lengths (length:blocks) {lengths}, mean {summary['mean_draft_length']:.2f} "
+            f"(max {summary['k_max']})"
+        )
     if summary["switched_off"]:
         line += (
             f"; speculation measured slower than plain and switched off {summary['switched_off']}x "

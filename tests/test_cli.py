@@ -196,7 +196,9 @@ def test_dtype_cast_runs(models):
         (["Hi", "--top-k", "5", "--min-p", "0.1"], "--top-k, --min-p only apply when sampling"),
         (["Hi", "--temp", "0.7", "--top-p", "1.5"], "--top-p must be within [0, 1]"),
         (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar proves greedy output"),
-        (["Hi", "--ngram-max", "3"], "--ngram-max/--ngram-min apply to --drafter lookup"),
+        (["Hi", "--ngram-max", "3"], "--ngram-max/--ngram-min apply to --drafter ngram"),
+        (["Hi", "--lookup-history", "h.json"], "--lookup-history applies to --drafter lookup"),
+        (["Hi", "--block-size", "33"], "--block-size is at most 32 with --drafter model"),
         (["Hi", "--draft-p-min", "1.5"], "--draft-p-min must be within [0, 1]"),
         (["Hi", "--system-prompt", "x", "--ignore-chat-template"], "--system-prompt needs the chat template"),
     ],
@@ -215,18 +217,57 @@ def test_drafter_model_without_draft_model(models):
     assert result.exit_code == 2 and "--draft-model is only used with --drafter model" in result.stderr
     result = invoke("--model", models["llama"], "Hi", "--draft-p-min", "0.5")
     assert result.exit_code == 2 and "--draft-p-min applies to a draft model" in result.stderr
-    result = invoke("--model", models["llama"], "Hi", "--ngram-min", "5", "--ngram-max", "3")
+    result = invoke("--model", models["llama"], "Hi", "--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "3")
     assert result.exit_code == 2 and "--ngram-min (5) <= --ngram-max (3)" in result.stderr
+    result = invoke("--model", models["llama"], "Hi", "--ngram-max", "3")
+    assert result.exit_code == 2 and "apply to --drafter ngram" in result.stderr
+    result = invoke("--model", models["llama"], "Hi", "--block-size", "65")
+    assert result.exit_code == 2 and "--block-size is at most 64 with --drafter lookup" in result.stderr
+    result = invoke("--model", models["llama"], "Hi", "--num-draft-tokens", "64")
+    assert result.exit_code == 2 and "at most 64" in result.stderr
 
 
 def test_prompt_lookup_is_the_default_drafter_and_exact(models):
     text = "the cat sat on the mat. the cat sat on the mat. the cat"
     result = invoke("--model", models["llama"], text, "--ignore-chat-template", "-m", "24",
-                    "--json", "--compare-ar", "--ngram-min", "1")
+                    "--json", "--compare-ar")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["drafter"] == "lookup" and report["draft_model"] is None
     assert report["drafted"] > 0 and report["compare"]["identical"]
+    # Long blocks by default, sized by the match and learned by match length.
+    assert report["block_size"] == 64 and report["adaptive"]["length_rule"] == "match-length"
+    # The simple n-gram lookup stays available for comparison.
+    result = invoke("--model", models["llama"], text, "--ignore-chat-template", "-m", "24", "--json",
+                    "--compare-ar", "--drafter", "ngram", "--ngram-min", "1", "--block-size", "64")
+    assert result.exit_code == 0, result.output
+    ngram = json.loads(result.stdout)
+    assert ngram["drafter"] == "ngram" and ngram["drafted"] > 0 and ngram["compare"]["identical"]
+    assert ngram["text"] == report["text"]
+
+
+def test_lookup_history_drafts_from_earlier_runs(models, tmp_path):
+    history = tmp_path / "history.json"
+    args = ["--model", models["llama"], "Tell me something.", "-m", "32", "--json", "--compare-ar",
+            "--lookup-history", history]
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    saved = json.loads(history.read_text())
+    assert len(saved["entries"]) == 1
+    # The same task again: the model says what it said before, and the drafts know it.
+    second = invoke(*args)
+    assert second.exit_code == 0, second.output
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert b["text"] == a["text"] and b["compare"]["identical"]
+    assert b["accepted"] >= 16 and b["accepted"] > a["accepted"]
+    assert len(json.loads(history.read_text())["entries"]) == 1  # the same output is kept once
+    # A corrupt file: a warning, the same output, and the file is rewritten.
+    history.write_text("{ not json")
+    third = invoke(*args)
+    assert third.exit_code == 0, third.output
+    assert "warning: lookup history" in third.stderr and "corrupt" in third.stderr
+    assert json.loads(third.stdout)["text"] == a["text"]
+    assert len(json.loads(history.read_text())["entries"]) == 1
 
 
 def test_adaptive_by_default_fixed_on_request(models):
@@ -415,9 +456,11 @@ def test_sweep_table_marks_the_best_block_size(models):
 
 def test_sweep_with_prompt_lookup(models):
     result = sweep("--model", models["llama"], "--drafter", "lookup", "a b a b a b a b", "--ignore-chat-template",
-                   "--block-sizes", "3", "--json", "--warmup", "0", "--ngram-min", "1")
+                   "--block-sizes", "3,64", "--json", "--warmup", "0")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["drafter"] == "lookup"
+    result = sweep("--model", models["llama"], "--drafter", "ngram", "a b a b", "--block-sizes", "65", "--warmup", "0")
+    assert result.exit_code == 2 and "--block-sizes is at most 64 with --drafter ngram" in result.stderr
 
 
 @pytest.mark.parametrize("sizes, message", [("2,x", "comma-separated integers"), ("0,2", "each >= 1"),

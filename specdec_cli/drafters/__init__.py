@@ -9,7 +9,10 @@ got verified.
 """
 
 from .base import Draft, Drafter, no_draft
-from .lookup import LookupDrafter
+from .history import LookupHistory
+from .lookup import LookupDrafter, NgramDrafter
 from .model import ModelDrafter
+from .suffix import SuffixDrafter
 
-__all__ = ["Draft", "Drafter", "LookupDrafter", "ModelDrafter", "no_draft"]
+__all__ = ["Draft", "Drafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter", "SuffixDrafter",
+           "no_draft"]

@@ -1,4 +1,7 @@
-"""Prompt lookup: draft the continuation of an earlier occurrence of the last n tokens."""
+"""N-gram prompt lookup (``--drafter ngram``): the continuation of the latest occurrence of the last n tokens.
+
+The simple kind, kept for comparison; the default lookup is :mod:`.suffix`.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from ..sampling import GREEDY, SamplingParams
 from .base import Draft, no_draft
 
 
-class LookupDrafter:
-    """Prompt-lookup drafting: continue the latest earlier occurrence of the last n tokens.
+class NgramDrafter:
+    """N-gram prompt lookup: continue the latest earlier occurrence of the last n tokens.
 
     The history is the prompt plus everything generated. For n from
     ``max_ngram`` down to ``min_ngram``, if the last n tokens occurred before,
@@ -24,7 +27,7 @@ class LookupDrafter:
         min_ngram: Shortest suffix to match (>= 1).
     """
 
-    name = "lookup"
+    name = "ngram"
     taps = None
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
@@ -95,3 +98,7 @@ class LookupDrafter:
         """Undo the last ``propose``."""
         self._pop()
         self._proposed = []
+
+
+# The name this drafter had while it was the only lookup.
+LookupDrafter = NgramDrafter

@@ -1,0 +1,228 @@
+"""Longest-match prompt lookup: a suffix automaton over earlier outputs, the prompt and the generated text.
+
+The drafter keeps an online suffix automaton (Blumer et al.) of everything it
+has seen. After each committed token the state of the longest suffix that
+occurred before is one suffix link away from the whole text's state, so
+finding the longest match costs amortised O(1) per token, whatever the
+history's length. A draft then walks the automaton's transitions from that
+state, at each step taking the continuation seen most often (the most recent
+one on a tie). After a rejected draft token, the next draft resumes the
+source past it when the target's own token matches nothing longer: a
+one-token substitution costs no extra block, and otherwise the source is
+found again as soon as one of its tokens follows the change.
+
+Every change to the automaton since the last ``propose`` is logged, and
+``cancel`` undoes them in reverse: cheap, and exact.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+import mlx.core as mx
+
+from ..sampling import GREEDY, SamplingParams
+from .base import Draft, no_draft
+
+# Counts and recency are updated along the suffix-link path of each new token,
+# at most this deep: the path is short unless the text loops (a period-p loop
+# makes it ~n/p long), and only the counts of short, already frequent
+# contexts are then left behind. It bounds the work per token.
+COUNT_DEPTH = 64
+
+
+def default_size(match: int, k: int) -> int:
+    """Draft length without a learned policy: as many tokens as the match is long (vLLM's rule)."""
+    return min(k, match)
+
+
+class SuffixDrafter:
+    """Prompt lookup by the longest matching suffix, continuations chosen by frequency.
+
+    The text is earlier runs' outputs (``history``, each ended by a separator
+    no match crosses), then the prompt, then every committed token. Each
+    ``propose`` finds the longest suffix of the text that occurred before and
+    drafts its continuation; ``size(match, k)`` decides how many of the ``k``
+    allowed tokens to draft for a match of that length (an adaptive policy's
+    ``size``, which learns it from acceptance, or :func:`default_size`).
+
+    Args:
+        size: ``(match_length, k) -> draft length``; see above.
+        history: Token sequences of earlier outputs to draft from as well.
+        stop_ids: End-of-sequence ids: a draft ends with the first one.
+    """
+
+    name = "lookup"
+    taps = None
+
+    def __init__(self, size: Optional[Callable[[int, int], int]] = None,
+                 history: Iterable[Sequence[int]] = (), stop_ids: Iterable[int] = ()):
+        self.size = size or default_size
+        self.stop_ids = frozenset(stop_ids)
+        # State arrays: transitions, suffix link, longest length, occurrence
+        # count and most recent end position. State 0 is the root.
+        self._next: list[dict[int, int]] = [{}]
+        self._link = [-1]
+        self._len = [0]
+        self._count = [0]
+        self._recent = [-1]
+        self._last = 0
+        self.text: list[int] = []
+        self.match = 0  # longest matched suffix at the last propose
+        self._log: list[tuple] = []
+        self._proposed: list[int] = []
+        self._states: list[int] = []
+        # After a rejected draft token: the state past it in its source, to
+        # resume from when the target's token starts no useful match (a
+        # one-token substitution then costs no further block).
+        self._resume: Optional[int] = None
+        self._resumed = False
+        sep = -1
+        for seq in history:
+            for t in seq:
+                self._append(int(t))
+            # A separator is never repeated, so no match spans two entries.
+            self._append(sep)
+            sep -= 1
+        self._log.clear()
+
+    # --- the automaton ---------------------------------------------------------
+
+    def _new_state(self, length: int, link: int, nxt: dict, count: int, recent: int) -> int:
+        self._next.append(nxt)
+        self._link.append(link)
+        self._len.append(length)
+        self._count.append(count)
+        self._recent.append(recent)
+        self._log.append(("state",))
+        return len(self._len) - 1
+
+    def _set_next(self, state: int, token: int, target: int) -> None:
+        self._log.append(("next", state, token, self._next[state].get(token)))
+        self._next[state][token] = target
+
+    def _set_link(self, state: int, target: int) -> None:
+        self._log.append(("link", state, self._link[state]))
+        self._link[state] = target
+
+    def _append(self, token: int) -> None:
+        """Extend the automaton by one token (amortised O(1))."""
+        pos = len(self.text)
+        self.text.append(token)
+        last = self._last
+        cur = self._new_state(self._len[last] + 1, -1, {}, 0, pos)
+        p = last
+        while p != -1 and token not in self._next[p]:
+            self._set_next(p, token, cur)
+            p = self._link[p]
+        if p == -1:
+            self._set_link(cur, 0)
+        else:
+            q = self._next[p][token]
+            if self._len[p] + 1 == self._len[q]:
+                self._set_link(cur, q)
+            else:
+                clone = self._new_state(self._len[p] + 1, self._link[q], dict(self._next[q]),
+                                        self._count[q], self._recent[q])
+                while p != -1 and self._next[p].get(token) == q:
+                    self._set_next(p, token, clone)
+                    p = self._link[p]
+                self._set_link(q, clone)
+                self._set_link(cur, clone)
+        # Every suffix of the text now also ends here: count it, note the position.
+        bumped = []
+        s = cur
+        while s > 0 and len(bumped) < COUNT_DEPTH:
+            bumped.append((s, self._recent[s]))
+            self._count[s] += 1
+            self._recent[s] = pos
+            s = self._link[s]
+        self._log.append(("append", last, bumped))
+        self._last = cur
+
+    def _undo(self) -> None:
+        """Undo every change logged since the last ``propose``, newest first."""
+        for entry in reversed(self._log):
+            kind = entry[0]
+            if kind == "append":
+                _, last, bumped = entry
+                for s, recent in bumped:
+                    self._count[s] -= 1
+                    self._recent[s] = recent
+                self._last = last
+                self.text.pop()
+            elif kind == "next":
+                _, state, token, old = entry
+                if old is None:
+                    del self._next[state][token]
+                else:
+                    self._next[state][token] = old
+            elif kind == "link":
+                self._link[entry[1]] = entry[2]
+            else:  # a state created last is removed first
+                for arr in (self._next, self._link, self._len, self._count, self._recent):
+                    arr.pop()
+        self._log.clear()
+
+    # --- drafting ----------------------------------------------------------------
+
+    def longest_match(self) -> tuple[int, int]:
+        """The state and length of the longest suffix of the text that occurred before."""
+        state = self._link[self._last]
+        return (state, self._len[state]) if state > 0 else (0, 0)
+
+    def continuation(self, state: int, k: int) -> tuple[list[int], list[int]]:
+        """Up to ``k`` tokens after ``state``, at each step the continuation seen most often; and the states after each."""
+        out: list[int] = []
+        states: list[int] = []
+        while len(out) < k:
+            nxt = self._next[state]
+            if not nxt:
+                break
+            if len(nxt) == 1:
+                token, state = next(iter(nxt.items()))
+            else:
+                token, state = max(nxt.items(), key=lambda kv: (self._count[kv[1]], self._recent[kv[1]]))
+            if token < 0:
+                break  # the end of an earlier output
+            out.append(token)
+            states.append(state)
+            if token in self.stop_ids:
+                break  # generation would end here if it is accepted
+        return out, states
+
+    def prefill(self, tokens: Sequence[int], step_size: int = 0, hidden=None) -> None:
+        """Index the prompt (all but its last token)."""
+        for t in tokens:
+            self._append(int(t))
+        self._log.clear()
+
+    def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft:
+        """Draft the continuation of the longest earlier match (deterministic: q one-hot)."""
+        self._log.clear()
+        self._append(int(last))
+        state, self.match = self.longest_match()
+        resume, self._resume = self._resume, None
+        self._resumed = self.match <= 1 and resume is not None and bool(self._next[resume])
+        if self._resumed:
+            # Weak evidence either way: sized as a one-token match.
+            state, self.match = resume, 1
+        n = self.size(self.match, k) if k > 0 and self.match > 0 else 0
+        self._proposed, self._states = self.continuation(state, n) if n > 0 else ([], [])
+        if not self._proposed:
+            return no_draft()
+        return Draft(mx.array(self._proposed, dtype=mx.uint32))
+
+    def accept(self, n: int, hidden=None) -> None:
+        """Commit the first ``n`` proposals to the text."""
+        for t in self._proposed[:n]:
+            self._append(t)
+        # Resume once: a resumed draft rejected in turn was no substitution.
+        rejected = n < len(self._proposed) and not self._resumed
+        self._resume = self._states[n] if rejected else None
+        self._proposed, self._states = [], []
+
+    def cancel(self) -> None:
+        """Undo the last ``propose`` (and an ``accept`` after it)."""
+        self._undo()
+        self._proposed, self._states, self._resume = [], [], None

@@ -1,0 +1,244 @@
+"""Longest-match prompt lookup: proposals on hand-made sequences, the learned draft length, history across runs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from helpers import GEN, PROMPT, plain, prefilled, target, tokens
+
+from specdec_cli.adaptive import MatchLength
+from specdec_cli.drafters import LookupHistory, SuffixDrafter
+from specdec_cli.drafters.history import FORMAT, VERSION
+from specdec_cli.engine import MAX_CARRY, speculative_generate_step
+
+
+def everything(match: int, k: int) -> int:
+    return k
+
+
+def drafter_after(text: list[int], **kw) -> SuffixDrafter:
+    d = SuffixDrafter(size=kw.pop("size", everything), **kw)
+    d.prefill(text)
+    return d
+
+
+def propose(text: list[int], last: int, k: int, **kw) -> list[int]:
+    return drafter_after(text, **kw).propose(last, k).tokens.tolist()
+
+
+def brute_longest_match(text: list[int]) -> int:
+    """Longest suffix of ``text`` that also ends somewhere before its end."""
+    n, best = len(text), 0
+    for length in range(1, n):
+        suffix = text[n - length:]
+        if any(text[e - length + 1: e + 1] == suffix for e in range(length - 1, n - 1)):
+            best = length
+    return best
+
+
+# --- proposals on hand-made sequences -----------------------------------------------
+
+def test_the_longest_match_wins_over_a_more_recent_shorter_one():
+    # "4 5 6" occurred once (then 20 21); "5 6" most recently continued with 30 31.
+    text = [4, 5, 6, 20, 21, 9, 5, 6, 30, 31, 4, 5]
+    d = drafter_after(text)
+    assert d.propose(6, 2).tokens.tolist() == [20, 21]
+    assert d.match == 3
+
+
+def test_frequency_breaks_ties_between_equally_long_matches():
+    # "7 8" is followed by 1 twice, by 2 once (the latest): the most frequent wins.
+    text = [7, 8, 1, 0, 7, 8, 1, 0, 3, 7, 8, 2, 0, 5, 7]
+    assert propose(text, 8, 1) == [1]
+    # With equal counts the most recent continuation wins.
+    assert propose([7, 8, 1, 0, 7, 8, 2, 0, 5, 7], 8, 1) == [2]
+    # Each later token is chosen again by frequency under the longer context:
+    # after "7 8 1", 0 followed twice and 9 once.
+    text = [7, 8, 1, 0, 7, 8, 1, 0, 7, 8, 1, 9, 4, 7]
+    assert propose(text, 8, 3) == [1, 0, 7]
+
+
+def test_longest_match_equals_brute_force_on_random_texts():
+    rng = random.Random(0)
+    for _ in range(100):
+        text = [rng.randrange(3) for _ in range(rng.randrange(2, 50))]
+        d = drafter_after(text[:-1])
+        d.propose(text[-1], 4)
+        assert d.match == brute_longest_match(text), text
+
+
+def test_drafts_stop_at_the_end_of_the_text_and_at_a_stop_token():
+    assert propose(list(range(100, 160)), 7, 5) == []            # nothing repeats
+    assert propose([1, 2, 3, 4, 5], 3, 9) == [4, 5, 3]            # runs into its own suffix
+    assert propose([1, 2, 3, 4, 5, 6], 3, 9, stop_ids=[5]) == [4, 5]
+
+
+def test_resynchronises_right_after_a_one_token_deviation():
+    source = list(range(10, 40))
+    d = drafter_after([1] + source + [2])           # the prompt quotes the source
+    assert d.propose(source[0], 8).tokens.tolist() == source[1:9]
+    # The target keeps 4 drafts, then says 99 where the source says source[5].
+    d.accept(4)
+    assert d.propose(99, 8).tokens.tolist() == source[6:14]  # at once, no extra block
+    d.accept(8)
+    # Back on the source: the longest match covers the tokens after the change.
+    assert d.propose(source[14], 4).tokens.tolist() == source[15:19]
+    assert d.match == 9
+
+
+def test_after_an_insertion_the_source_is_found_again_within_two_tokens():
+    source = list(range(10, 40))
+    d = drafter_after([1] + source + [2])
+    d.propose(source[0], 4)
+    d.accept(2)                                      # text: ... s0 s1 s2, target says 77
+    assert d.propose(77, 4).tokens.tolist() == source[4:8]  # guessed a substitution
+    d.accept(0)                                      # no: the target inserts 78 as well
+    d.propose(78, 4)
+    d.accept(0)
+    # Back to the source: one source token after the insertion is enough.
+    assert d.propose(source[3], 4).tokens.tolist() == source[4:8]
+
+
+def test_cancel_restores_the_automaton_exactly():
+    rng = random.Random(1)
+    for _ in range(50):
+        text = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        d = drafter_after(text)
+        before = (repr(d._next), list(d._link), list(d._len), list(d._count), list(d._recent), d._last, list(d.text))
+        d.propose(rng.randrange(4), 6)
+        d.accept(rng.randrange(4))       # cancel also undoes an accept after the propose
+        d.cancel()
+        after = (repr(d._next), list(d._link), list(d._len), list(d._count), list(d._recent), d._last, list(d.text))
+        assert after == before
+        # And it drafts as a fresh drafter would.
+        last = rng.randrange(4)
+        assert d.propose(last, 6).tokens.tolist() == propose(text, last, 6)
+
+
+def test_occurrence_counts_are_exact_on_ordinary_text():
+    rng = random.Random(2)
+    text = [rng.randrange(5) for _ in range(300)]
+    d = drafter_after(text)
+    for length in (1, 2, 3):
+        for start in range(0, 290, 37):
+            pattern = text[start:start + length]
+            state = 0
+            for t in pattern:
+                state = d._next[state][t]
+            occurrences = sum(text[i:i + length] == pattern for i in range(len(text) - length + 1))
+            assert d._count[state] == occurrences
+
+
+# --- the learned draft length -------------------------------------------------------
+
+def test_match_length_policy_drafts_long_for_long_matches_and_learns_from_acceptance():
+    p = MatchLength(k_max=63, window=10_000)
+    sizes = [p.size(m, 63) for m in (1, 2, 4, 8, 16, 32)]
+    assert sizes == sorted(sizes) and sizes[-1] >= 32 and sizes[0] <= 2
+    # Blocks whose drafts after 8-token matches are all rejected: it stops drafting there.
+    for _ in range(20):
+        n = p.size(8, 63)
+        p.observe(n, 0, 1, 0.01)
+    assert p.size(8, 63) == 0
+    # Never more than allowed.
+    assert p.size(40, 5) <= 5
+    q = MatchLength(k_max=63)
+    for _ in range(10):            # everything accepted at short matches: drafts grow
+        n = q.size(2, 63)
+        q.observe(n, n, n + 1, 0.01)
+    assert q.size(2, 63) > MatchLength(k_max=63).size(2, 63)
+
+
+def test_blocks_without_drafts_are_timed_as_plain_steps():
+    p = MatchLength(k_max=15, window=4, warmup=0)
+    for _ in range(10):
+        p.size(1, 15)
+        p.observe(0, 0, 1, 0.05)   # nothing to match: no draft
+    assert p.mode == "speculate" and p.switched_off == 0 and len(p._plain) == 10
+    # Drafting blocks far slower than those plain steps switch speculation off.
+    for _ in range(4):
+        p.observe(3, 1, 2, 1.0)
+    assert p.mode == "off" and p.switched_off == 1
+
+
+# --- speculative == plain with long drafts --------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+def test_long_lookup_drafts_keep_output_identical(family):
+    model = target(family, "float32")
+    n = 64
+    ref, _ = plain(model, max_tokens=n)
+    # An earlier "run" said the same with two tokens changed: drafts from it
+    # are accepted for long stretches (past gemma3's window of 8 and the
+    # carry limit) and rejected at the changes (and where the random model's
+    # own repeats suggest something else).
+    earlier = list(ref)
+    for i in (12, 40):
+        earlier[i] = (earlier[i] + 1) % 256
+    for k in (31, 63):
+        cache = prefilled(model)
+        drafter = SuffixDrafter(size=everything, history=[earlier])
+        drafter.prefill(PROMPT[:-1])
+        blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=n))
+        assert tokens(blocks) == ref, (family, k)
+        assert max(b.accepted for b in blocks) > MAX_CARRY + 8, [(b.drafted, b.accepted) for b in blocks]
+        assert any(0 < b.accepted < b.drafted for b in blocks)
+    # The default: the policy sizes drafts by their match.
+    cache = prefilled(model)
+    policy = MatchLength(k_max=63)
+    drafter = SuffixDrafter(size=policy.size, history=[earlier])
+    drafter.prefill(PROMPT[:-1])
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, policy=policy, max_tokens=n))
+    assert tokens(blocks) == ref
+    assert sum(b.accepted for b in blocks) > n // 2
+
+
+# --- history across runs ------------------------------------------------------------------
+
+def test_history_drafts_from_earlier_outputs(tmp_path):
+    earlier = list(range(200, 230))
+    d = SuffixDrafter(size=everything, history=[earlier, [5, 6, 7]])
+    d.prefill([1, 2, 3])
+    assert d.propose(200, 5).tokens.tolist() == earlier[1:6]
+    # A match never runs from one earlier output into the next.
+    d2 = SuffixDrafter(size=everything, history=[[9, 8], [7, 6]])
+    d2.prefill([1])
+    assert d2.propose(8, 5).tokens.tolist() == []
+
+
+def test_history_file_round_trip_is_bounded_and_per_tokenizer(tmp_path):
+    path = tmp_path / "sub" / "history.json"
+    h = LookupHistory.load(path, "tokA", max_tokens=10)
+    assert h.outputs() == [] and h.warning is None        # missing file: empty
+    h.add([1, 2, 3, 4])
+    h.add([5, 6, 7, 8])
+    h.add([1, 2, 3, 4])                                   # a repeat moves to the newest place
+    h.save()
+    h = LookupHistory.load(path, "tokA", max_tokens=10)
+    assert h.outputs() == [[5, 6, 7, 8], [1, 2, 3, 4]]
+    h.add([9, 10, 11, 12])                                # over 10 tokens: the oldest goes
+    h.save()
+    assert LookupHistory.load(path, "tokA", max_tokens=10).outputs() == [[1, 2, 3, 4], [9, 10, 11, 12]]
+    assert LookupHistory.load(path, "tokB", max_tokens=10).outputs() == []  # another vocabulary
+    h.add(list(range(30)))                                # longer than the bound: its tail is kept
+    assert h.outputs() == [list(range(20, 30))]
+
+
+@pytest.mark.parametrize("content", [
+    "not json {",
+    json.dumps({"format": "something else", "version": VERSION, "entries": []}),
+    json.dumps({"format": FORMAT, "version": VERSION, "entries": [{"tokenizer": "tokA", "tokens": ["x"]}]}),
+    json.dumps({"format": FORMAT, "version": VERSION, "entries": [{"tokens": [1]}]}),
+    json.dumps([1, 2, 3]),
+])
+def test_a_corrupt_history_file_is_ignored_with_a_warning_and_rewritten(tmp_path, content):
+    path = tmp_path / "history.json"
+    path.write_text(content)
+    h = LookupHistory.load(path, "tokA")
+    assert h.outputs() == [] and "ignored" in h.warning
+    h.add([1, 2])
+    h.save()
+    again = LookupHistory.load(path, "tokA")
+    assert again.warning is None and again.outputs() == [[1, 2]]
