@@ -16,6 +16,9 @@ Targets:
 Drafters:
   lookup                prompt lookup, longest match (the default: adaptive, block size 64)
   lookup:<B>            the same at a fixed block size B (drafts sized min(B-1, match))
+  lookup+history        the default lookup with a history of earlier runs (--lookup-history): the
+                        outputs of every other prompt of the run, and of a related earlier task
+                        where RELATED names one (the agent prompt with another tool error)
   ngram:<B>             the simple n-gram lookup (last 4..2 tokens), adaptive up to block size B
   ngram:<B>f            the same at a fixed block size B
   oracle:<a>            the target's own greedy continuation, each token corrupted with
@@ -92,6 +95,13 @@ CATEGORIES = {
         "village decided to keep the light burning for the sailors who still needed it."
     ),
     "edit_type_hints": (
+        "Rewrite this function with type hints:\n\n```python\ndef summarize_orders(orders, tax_rate):\n"
+        "    total = 0\n    count = 0\n    for order in orders:\n        price = order[\"price\"]\n"
+        "        quantity = order[\"quantity\"]\n        total += price * quantity\n        count += quantity\n"
+        "    tax = total * tax_rate\n    return {\"total\": total, \"tax\": tax, \"count\": count}\n```"
+    ),
+    # The same request on another function, which this small model rewrites instead of annotating.
+    "edit_rewritten": (
         "Rewrite this function with type hints. Keep everything else the same.\n\n```python\n"
         "def merge_counts(first, second, minimum):\n    result = {}\n    for key, value in first.items():\n"
         "        result[key] = value\n    for key, value in second.items():\n"
@@ -117,6 +127,17 @@ CATEGORIES = {
         "    return result\n\ndef process2(items):\n    result = []\n    for i in range(len(items)):\n"
         "        if items[i] != None:\n            result.append(items[i] * 3)\n    return result\n```"
     ),
+}
+
+# An earlier run of a related task, for the lookup+history rows: the same agent
+# conversation, where the tool had reported a different error.
+RELATED = {
+    "agent_multiturn": [
+        *CATEGORIES["agent_multiturn"][:3],
+        {"role": "user", "content": (
+            "Tool output: JSONDecodeError: Expecting value: line 1 column 1. Print the whole file again, "
+            "returning an empty dict when the file is not valid JSON.")},
+    ],
 }
 
 # Realistic shapes (~0.25B parameters): a Qwen3.5-style hybrid (3 GatedDeltaNet
@@ -302,13 +323,17 @@ def analytic_bound(blocks: list[tuple[int, int]], cost: Callable[[int], float], 
     return tokens * cost(1) / seconds if seconds else 0.0
 
 
-def make_configs(model, ids, reference, drafters, vocab, eos=()) -> list[Config]:
+def make_configs(model, ids, reference, drafters, vocab, eos=(), history=()) -> list[Config]:
     configs = []
     stop = sorted(eos)
     for spec in drafters:
         if spec == "lookup":
             # The CLI's default: adaptive by match length, blocks up to 64.
             configs.append(Config("specdec lookup B<=64", lambda policy: SuffixDrafter(policy.size, stop_ids=stop),
+                                  make_policy=lambda: MatchLength(k_max=63)))
+        elif spec == "lookup+history":
+            configs.append(Config("specdec lookup +history",
+                                  lambda policy: SuffixDrafter(policy.size, history, stop_ids=stop),
                                   make_policy=lambda: MatchLength(k_max=63)))
         elif spec.startswith("lookup:"):
             b = int(spec.split(":")[1])
@@ -339,7 +364,7 @@ def make_configs(model, ids, reference, drafters, vocab, eos=()) -> list[Config]
 
 
 def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens, repeats, eos, vocab,
-                 log, rollbacks=("reforward",)) -> list[Row]:
+                 log, rollbacks=("reforward",), history=()) -> list[Row]:
     recurrent = cache_kinds(model)["recurrent"] > 0
     k = block_size - 1
     costs: dict[tuple[int, bool], float] = {}
@@ -353,7 +378,7 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
     reforward = (lambda t: cost(t, True)) if recurrent else None
 
     _, reference = measure(model, ids, None, max_tokens=max_tokens, eos_ids=eos)
-    configs = make_configs(model, ids, reference, drafters, vocab, eos)
+    configs = make_configs(model, ids, reference, drafters, vocab, eos, history)
     if recurrent and "carry" in rollbacks:
         carried = [replace(c, label=f"{c.label} carry", rollback="carry") for c in configs
                    if c.make_drafter is not None and not c.adaptive and c.make_policy is None]
@@ -499,12 +524,12 @@ def main() -> None:
             loaded = load(what, args.dtype)
             model, tok = loaded.model, loaded.tokenizer
             cats = CATEGORIES if args.categories == "all" else {c: CATEGORIES[c] for c in args.categories.split(",")}
-            prompts = {
-                c: tok.encode(tok.apply_chat_template(
-                    text if isinstance(text, list) else [{"role": "user", "content": text}], tokenize=False,
-                    add_generation_prompt=True), add_special_tokens=False)
-                for c, text in cats.items()
-            }
+            def encode(text):
+                messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+                return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)
+
+            prompts = {c: encode(text) for c, text in cats.items()}
             eos, vocab = set(tok.eos_token_ids), loaded.config.get("vocab_size", 0)
             name = Path(what).name
         else:
@@ -516,10 +541,17 @@ def main() -> None:
             eos, name = set(), f"synthetic {what}"
         params = sum(p.size for _, p in tree_flatten(model.parameters()))
         log(f"{name}: {params / 1e6:.0f}M parameters, layer caches {cache_kinds(model)}")
+        outputs = {}
+        if "lookup+history" in drafters:
+            # What earlier runs said: every prompt's own output, and related tasks'.
+            related = {c: encode(RELATED[c]) for c in prompts if kind == "real" and c in RELATED}
+            for c, ids in [*prompts.items(), *((f"{c} (related)", ids) for c, ids in related.items())]:
+                outputs[c] = measure(model, ids, None, max_tokens=args.max_tokens, eos_ids=eos)[1]
         for category, ids in prompts.items():
+            history = [out for c, out in outputs.items() if c != category]
             rows += bench_prompt(name, category, model, ids, drafters, block_size=args.block_size,
                                  max_tokens=args.max_tokens, repeats=args.repeats, eos=eos, vocab=vocab, log=log,
-                                 rollbacks=tuple(args.rollback.split(",")))
+                                 rollbacks=tuple(args.rollback.split(",")), history=history)
     rows += aggregate(rows)
     report = {"provenance": prov, "settings": vars(args),
               "rows": [{**r.__dict__, "mean_accepted": r.mean_accepted} for r in rows]}

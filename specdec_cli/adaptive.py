@@ -13,7 +13,7 @@ import statistics
 from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Optional, Protocol
 
 
 class DraftPolicy(Protocol):
@@ -205,9 +205,13 @@ class MatchLength(AdaptiveLength):
     Args:
         k_max: Most drafts per block (block size - 1).
         prior_weight: Pseudo-observations the prior acceptance is worth.
+        costs: Verify costs already known (tokens -> one-token steps, e.g.
+            timed while warming up those shapes); they replace the prior
+            curve until the run times those sizes itself.
     """
 
     prior_weight: float = 4.0
+    costs: Optional[dict] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -220,7 +224,7 @@ class MatchLength(AdaptiveLength):
         # Verify sizes timed in this run: seconds in plain steps (the latest
         # blocks weigh most). Batched matmul kernels make the curve uneven
         # (on a 2-core x86 CPU 16 tokens cost what 8 do, 12 much more).
-        self._measured: dict[int, float] = {}
+        self._measured: dict[int, float] = dict(self.costs or {})
 
     def acceptance(self) -> list[float]:
         """Per-token acceptance of each match bucket (posterior mean).

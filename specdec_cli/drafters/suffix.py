@@ -70,6 +70,7 @@ class SuffixDrafter:
         self.text: list[int] = []
         self.match = 0  # longest matched suffix at the last propose
         self._log: list[tuple] = []
+        self._logging = False  # only what a cancel may undo is logged
         self._proposed: list[int] = []
         self._states: list[int] = []
         # After a rejected draft token: the state past it in its source, to
@@ -84,7 +85,6 @@ class SuffixDrafter:
             # A separator is never repeated, so no match spans two entries.
             self._append(sep)
             sep -= 1
-        self._log.clear()
 
     # --- the automaton ---------------------------------------------------------
 
@@ -94,15 +94,18 @@ class SuffixDrafter:
         self._len.append(length)
         self._count.append(count)
         self._recent.append(recent)
-        self._log.append(("state",))
+        if self._logging:
+            self._log.append(("state",))
         return len(self._len) - 1
 
     def _set_next(self, state: int, token: int, target: int) -> None:
-        self._log.append(("next", state, token, self._next[state].get(token)))
+        if self._logging:
+            self._log.append(("next", state, token, self._next[state].get(token)))
         self._next[state][token] = target
 
     def _set_link(self, state: int, target: int) -> None:
-        self._log.append(("link", state, self._link[state]))
+        if self._logging:
+            self._log.append(("link", state, self._link[state]))
         self._link[state] = target
 
     def _append(self, token: int) -> None:
@@ -131,13 +134,16 @@ class SuffixDrafter:
                 self._set_link(cur, clone)
         # Every suffix of the text now also ends here: count it, note the position.
         bumped = []
-        s = cur
-        while s > 0 and len(bumped) < COUNT_DEPTH:
-            bumped.append((s, self._recent[s]))
+        s, depth = cur, 0
+        while s > 0 and depth < COUNT_DEPTH:
+            if self._logging:
+                bumped.append((s, self._recent[s]))
             self._count[s] += 1
             self._recent[s] = pos
             s = self._link[s]
-        self._log.append(("append", last, bumped))
+            depth += 1
+        if self._logging:
+            self._log.append(("append", last, bumped))
         self._last = cur
 
     def _undo(self) -> None:
@@ -193,13 +199,14 @@ class SuffixDrafter:
 
     def prefill(self, tokens: Sequence[int], step_size: int = 0, hidden=None) -> None:
         """Index the prompt (all but its last token)."""
+        self._logging = False
         for t in tokens:
             self._append(int(t))
-        self._log.clear()
 
     def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft the continuation of the longest earlier match (deterministic: q one-hot)."""
         self._log.clear()
+        self._logging = True
         self._append(int(last))
         state, self.match = self.longest_match()
         resume, self._resume = self._resume, None
