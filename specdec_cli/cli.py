@@ -32,6 +32,7 @@ class DrafterKind(str, Enum):
     model = "model"
     lookup = "lookup"
     ngram = "ngram"
+    mtp = "mtp"
 
 
 class Rollback(str, Enum):
@@ -113,7 +114,7 @@ ModelOpt = Annotated[
 ]
 DraftModelOpt = Annotated[
     Optional[str],
-    typer.Option("--draft-model", help="Draft model (same tokenizer): Hub repo id or local directory."),
+    typer.Option("--draft-model", help="Draft model (same tokenizer), or an MTP head sidecar: Hub repo id or local directory."),
 ]
 PromptArg = Annotated[
     Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
@@ -136,11 +137,11 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 DrafterOpt = Annotated[
     Optional[DrafterKind],
     typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model), prompt 'lookup' (longest match; "
-                 "the default without one) or 'ngram' (the simple n-gram lookup)."),
+                 "the default without one) 'ngram' (the simple n-gram lookup), or the target's own 'mtp' head (or the sidecar --draft-model names)."),
 ]
 DraftPMinOpt = Annotated[
     Optional[float],
-    typer.Option("--draft-p-min", help="Stop drafting when the draft model's top-1 probability is below this."),
+    typer.Option("--draft-p-min", help="Stop drafting when the draft model's (or MTP head's) top-1 probability is below this."),
 ]
 NgramMaxOpt = Annotated[Optional[int], typer.Option("--ngram-max", help="--drafter ngram: longest suffix matched. [default: 4]")]
 NgramMinOpt = Annotated[Optional[int], typer.Option("--ngram-min", help="--drafter ngram: shortest suffix matched. [default: 2]")]

@@ -28,8 +28,9 @@ from .display import (
 )
 from .drafters import Drafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from .drafters.history import tokenizer_fingerprint
+from .drafters.mtp import LoadedHead, MTPDrafter
 from .errors import OptionError
-from .loading import Loaded, check_same_tokenizer, load
+from .loading import Loaded, check_same_tokenizer, is_mtp_sidecar, load, load_mtp, resolve
 from .measure import SweepResult, sweep
 from .runner import Prefilled, run
 from .sampling import SamplingParams
@@ -41,8 +42,8 @@ DRAFTER_KINDS = ("model", "lookup", "ngram")
 # Per drafter kind: the block size when none is given, and the largest
 # accepted. Lookup drafts cost nothing and are sized by their match, so its
 # blocks may be long; a model drafter pays a forward per draft.
-DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4}
-MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64}
+DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4, "mtp": 4}
+MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64, "mtp": 32}
 NGRAM_MAX, NGRAM_MIN = 4, 2
 
 
@@ -106,6 +107,7 @@ class Setup:
     draft: Optional[Loaded]
     prompt_ids: list[int]
     history: Optional[LookupHistory] = None
+    mtp: Optional[LoadedHead] = None
 
     @property
     def tokenizer(self):
@@ -123,6 +125,8 @@ class Setup:
 
     @property
     def drafter_name(self) -> str:
+        if self.kind == "mtp" and self.options.draft_model:
+            return f"mtp ({self.options.draft_model})"
         return f"model ({self.options.draft_model})" if self.draft else self.kind
 
     def make_drafter(self, policy=None) -> Drafter:
@@ -133,6 +137,8 @@ class Setup:
             return SuffixDrafter(size, self.history.outputs() if self.history else (), self.eos_ids)
         if self.kind == "ngram":
             return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
+        if self.kind == "mtp":
+            return MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
         return ModelDrafter(self.draft.model, vocab_size=_vocab_size(self.target.config),
                             p_min=opts.draft_p_min or 0.0)
 
@@ -148,9 +154,14 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     """Read the prompt, load target (and draft model), check tokenizers, encode the prompt."""
     text = read_prompt(opts.prompt_arg, opts.prompt)
     target = load_target(opts)
-    draft = None
+    draft = mtp = None
+    draft_path = resolve(opts.draft_model) if opts.draft_model else None
+    if kind == "model" and opts.drafter is None and is_mtp_sidecar(draft_path):
+        kind = "mtp"  # --draft-model names an MTP-only folder
+    if kind == "mtp":
+        mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
     if kind == "model":
-        draft = load(opts.draft_model, opts.dtype)
+        draft = load(opts.draft_model, opts.dtype, path=draft_path)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
     prompt_ids = encode_prompt(target.tokenizer, text, opts.system_prompt, opts.ignore_chat_template)
     line = blas.note(cpu_backend=mx.default_device() == mx.cpu)
@@ -161,7 +172,7 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
         if history.warning:
             print_stderr([f"warning: {history.warning}"])
-    return Setup(opts, kind, target, draft, prompt_ids, history)
+    return Setup(opts, kind, target, draft, prompt_ids, history, mtp)
 
 
 def load_target(opts: ModelOptions) -> Loaded:
@@ -200,19 +211,22 @@ def check_block_size(block_size: int, kind: str, option: str = "--block-size") -
 
 
 def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
-    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup`` (or ``ngram``)."""
+    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup`` (or ``ngram``).
+
+    ``mtp`` reads the target's own MTP head, or the sidecar ``--draft-model`` names.
+    """
     kind = drafter or ("model" if draft_model else "lookup")
     if kind == "model" and not draft_model:
         raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
-    if kind != "model" and draft_model:
-        raise OptionError(f"--draft-model is only used with --drafter model, not --drafter {kind}")
+    if kind not in ("model", "mtp") and draft_model:
+        raise OptionError(f"--draft-model is only used with --drafter model or mtp, not --drafter {kind}")
     return kind
 
 
 def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     """Options that only one drafter kind understands."""
-    if kind != "model" and opts.draft_p_min is not None:
-        raise OptionError("--draft-p-min applies to a draft model: drop it or pass --draft-model")
+    if kind not in ("model", "mtp") and opts.draft_p_min is not None:
+        raise OptionError("--draft-p-min applies to a draft model or an MTP head: drop it or pass --draft-model")
     if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
         raise OptionError("--ngram-max/--ngram-min apply to --drafter ngram (the default lookup matches any length)")
     if kind != "lookup" and opts.lookup_history is not None:
@@ -345,7 +359,7 @@ def generate_command(opts: GenerateOptions) -> int:
             "model_path": str(target.path),
             "dtype": target.dtype,
             "draft_model": opts.draft_model,
-            "drafter": kind,
+            "drafter": setup.kind,
             "block_size": block_size,
             "rollback": opts.rollback if _recurrent(target) else "trim",
             "sampling": {"temp": sampling.temp, "top_p": sampling.top_p, "top_k": sampling.top_k,

@@ -194,7 +194,8 @@ def target_parts(model: nn.Module) -> TargetParts:
         lm_head=lm_head if isinstance(lm_head, nn.Module) else None,
         hidden_size=int(getattr(args, "hidden_size", 0) or (weight.shape[-1] if weight is not None else 0)),
         num_layers=len(layers),
-        vocab_size=int(getattr(args, "vocab_size", 0) or 0),
+        # Some families keep it in a nested text config: the embedding's rows then.
+        vocab_size=int(getattr(args, "vocab_size", 0) or (weight.shape[0] if weight is not None else 0)),
         softcap=float(softcap) if softcap else None,
         embed_scale=scale,
     )

@@ -27,6 +27,7 @@ from .errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelErro
 ALLOW_PATTERNS = [
     "*.json",
     "model*.safetensors",
+    "mtp.safetensors",  # an MTP head kept beside a converted model
     "*.py",
     "tokenizer.model",
     "*.tiktoken",
@@ -124,7 +125,7 @@ def describe_dtype(model: nn.Module, config: dict) -> str:
     return max(counts, key=counts.get) if counts else "unknown"
 
 
-def load(name: str, dtype: Optional[str] = None) -> Loaded:
+def load(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) -> Loaded:
     """Load a model and its tokenizer, optionally cast to ``dtype``.
 
     Args:
@@ -132,6 +133,7 @@ def load(name: str, dtype: Optional[str] = None) -> Loaded:
         dtype: ``float32``, ``bfloat16`` or ``float16``; quantized weights are
             dequantized first. ``auto``: see :func:`resolve_dtype`. None keeps
             the stored weights.
+        path: Where ``name`` was already resolved to (no second download).
 
     Raises:
         ModelLoadError: Missing files or unreadable weights.
@@ -140,7 +142,7 @@ def load(name: str, dtype: Optional[str] = None) -> Loaded:
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
-    path = resolve(name)
+    path = resolve(name) if path is None else path
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json: pass a model directory in Hugging Face layout")
@@ -227,3 +229,50 @@ def check_same_tokenizer(target: Any, draft: Any) -> None:
     for text in SAMPLE_TEXTS:
         if target.encode(text) != draft.encode(text):
             raise TokenizerMismatchError(f"the draft tokenizer encodes {text[:24]!r}... differently: {fix}")
+
+
+def read_config(path: Path) -> dict:
+    """A model directory's config.json."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: pass a model directory in Hugging Face layout")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{file} is not valid JSON ({e})") from None
+
+
+def is_mtp_sidecar(path: Optional[Path]) -> bool:
+    """Whether the directory ``path`` is an MTP-only folder (mlx-vlm's or specdec's)."""
+    from .drafters.mtp import is_sidecar
+
+    return path is not None and (path / "config.json").is_file() and is_sidecar(read_config(path))
+
+
+def load_mtp(name: Optional[str], path: Optional[Path], target: Loaded, dtype: Optional[str] = None):
+    """Load the MTP head that drafts for ``target``, checked to fit it.
+
+    Args:
+        name: An MTP sidecar or a checkpoint carrying ``mtp.*`` tensors (repo
+            id or directory); None reads the target's own files.
+        path: Where ``name`` was resolved to.
+        target: The loaded target.
+        dtype: Cast the head as the target was cast.
+
+    Returns:
+        A :class:`~specdec_cli.drafters.mtp.LoadedHead`.
+
+    Raises:
+        UnsupportedModelError: No head, several MTP layers, or a head for another model.
+    """
+    from .drafters.mtp import load_head
+    from .hooks import target_parts
+
+    path = target.path if name is None else (path or resolve(name))
+    config = read_config(path)
+    parts = target_parts(target.model)
+    loaded = load_head(path, config, name or target.name, parts)
+    dtype = resolve_dtype(dtype)
+    if dtype is not None:
+        cast(loaded.head, DTYPES[dtype])
+    return loaded
