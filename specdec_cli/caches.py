@@ -1,13 +1,17 @@
 """Cache layout and the rollback protocol.
 
-Every attention layer gets a plain ``KVCache`` (sliding-window layers too:
-their window is applied by the mask, so a trim is always an O(1) offset move).
-Recurrent layers keep mlx-lm's ``ArraysCache``; MLX arrays are immutable, so a
-snapshot of one is a list of references and costs nothing.
+Every attention layer gets a plain ``KVCache``; a sliding-window layer gets a
+:class:`WindowKVCache`, which applies its window in the mask and keeps only the
+window plus a bounded reach for rollbacks, so a trim is always an O(1) offset
+move and memory stays O(window). Recurrent layers keep mlx-lm's
+``ArraysCache``; MLX arrays are immutable, so a snapshot of one is a list of
+references and costs nothing.
 
 The protocol is three calls on :class:`ModelCache`:
 ``snapshot()`` before a forward, ``rollback(snap, n_keep)`` after it, and
-``restore(snap)`` to undo everything since the snapshot.
+``restore(snap)`` to undo everything since the snapshot. A forward fed with
+``record="capture"`` or ``"tape"`` can instead be cut back exactly with
+``rollback_recorded(snap, n_keep)`` (recurrent layers included).
 """
 
 from __future__ import annotations
@@ -29,25 +33,112 @@ from mlx_lm.models.cache import (
 )
 
 from .errors import UnsupportedModelError
+from .hooks import RecurrentSteps, StepRecord, recurrent_steps
+
+# How far (in tokens) a restore may go below the offset at which the latest
+# forward started, unless a user of the cache asks for more (ensure_reach).
+# The engine's target needs 1 (plain decoding's queued step); a draft model
+# needs its draft length + 2 and asks for it.
+DEFAULT_REACH = 16
 
 
 class WindowKVCache(KVCache):
-    """A plain ``KVCache`` for a sliding-window layer.
+    """A sliding-window layer's cache: its window plus a bounded reach, trimmable in O(1).
 
-    It keeps every key (so a trim is an offset move even past the window) and
-    applies the window in the mask, as mlx-lm's ``RotatingKVCache`` does when a
-    model does not pass its window explicitly. Memory grows with the context
-    instead of being capped at the window: the price of O(1) rollback.
+    Keys live in a buffer that starts at position ``start``. The window is
+    applied by the mask (built for exactly the keys the buffer returns), so
+    attention sees the same unmasked keys as a full cache. When the buffer
+    fills, keys no later forward can need are dropped: those more than
+    ``window - 1 + reach`` positions before the offset at which the current
+    forward starts. A restore may therefore go back up to ``reach`` tokens
+    below the start of the latest forward; going further raises (never a
+    silently wrong mask). Memory stays under ``2 * (window + reach)`` plus the
+    tokens of one forward.
+
+    Args:
+        window: The layer's sliding window.
+        reach: How far a restore may go below the latest forward's start offset.
     """
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, reach: int = DEFAULT_REACH):
         super().__init__()
         self.window = window
+        self.reach = reach
+        self.start = 0
+        # The widest window a mask was asked for (plamo3 masks window + 1).
+        self._span = window
+
+    def _first_needed(self, offset: int) -> int:
+        return max(0, offset - (self._span - 1))
+
+    def _check(self, offset: int) -> None:
+        if self.start > self._first_needed(offset):
+            raise RuntimeError(
+                f"sliding-window cache: offset {offset} needs keys from position {self._first_needed(offset)}, "
+                f"but keys before {self.start} were dropped (rolled back further than its reach of "
+                f"{self.reach} tokens; raise it with ModelCache.ensure_reach)"
+            )
+
+    def _plan(self, n: int) -> int:
+        """Where the buffer will start once ``n`` new keys are written (no state change)."""
+        keep_from = max(self.start, self.offset - (self._span - 1) - self.reach)
+        room = self._span + self.reach
+        fits = self.keys is not None and self.offset + n - self.start <= self.keys.shape[2]
+        return self.start if fits and keep_from - self.start < room else keep_from
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
-        return create_attention_mask(
-            N, offset=self.offset, return_array=return_array, window_size=window_size or self.window
-        )
+        window = window_size or self.window
+        self._span = max(self._span, window)
+        self._check(self.offset)
+        first = self._plan(N)
+        mask = create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window)
+        # Columns of the keys this forward's buffer holds (the rest are masked anyway).
+        return mask[:, first:] if first else mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._check(self.offset)
+        n = keys.shape[2]
+        first = self._plan(n)
+        used = self.offset - self.start
+        if self.keys is None or first != self.start or self.offset + n - self.start > self.keys.shape[2]:
+            B, H, _, Dk = keys.shape
+            Dv = values.shape[3]
+            live = self.offset - first
+            cap = live + n + self._span + self.reach
+            new_k = mx.zeros((B, H, cap, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, cap, Dv), values.dtype)
+            if self.keys is not None and live > 0:
+                lo = first - self.start
+                new_k[..., :live, :] = self.keys[..., lo:used, :]
+                new_v[..., :live, :] = self.values[..., lo:used, :]
+            self.keys, self.values, self.start = new_k, new_v, first
+            used = live
+        self.keys[..., used : used + n, :] = keys
+        self.values[..., used : used + n, :] = values
+        self.offset += n
+        end = self.offset - self.start
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self._check(self.offset)
+        return n
+
+    def ensure_reach(self, reach: int) -> None:
+        self.reach = max(self.reach, reach)
+
+    @property
+    def needed_from(self) -> int:
+        """The first position the next forward attends to."""
+        return self._first_needed(self.offset)
+
+    def live(self, lo: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``lo .. offset - 1`` (``lo >= start``)."""
+        if lo < self.start:
+            raise ValueError(f"positions before {self.start} were dropped")
+        return (self.keys[..., lo - self.start : self.offset - self.start, :],
+                self.values[..., lo - self.start : self.offset - self.start, :])
 
 
 class ChunkKVCache(ChunkedKVCache):
@@ -73,7 +164,7 @@ _REFUSED = {
 }
 
 
-def _to_layout(cache: Any) -> Any:
+def _to_layout(cache: Any, reach: int = DEFAULT_REACH) -> Any:
     """Replace caches that cannot trim in O(1) by equivalent plain KV caches."""
     if isinstance(cache, RotatingKVCache):
         if cache.keep:
@@ -82,19 +173,23 @@ def _to_layout(cache: Any) -> Any:
                 f"RotatingKVCache with keep={cache.keep} (attention sinks) cannot be rebuilt as a "
                 "plain KVCache; run this model with mlx-lm's own generate"
             )
-        return WindowKVCache(cache.max_size)
+        return WindowKVCache(cache.max_size, reach)
     if type(cache) is ChunkedKVCache:
         return ChunkKVCache(cache.chunk_size)
     if type(cache) is ConcatenateKVCache:
         # Same contents as KVCache, but its trim leaves the tail in place.
         return KVCache()
     if isinstance(cache, CacheList):
-        return CacheList(*[_to_layout(c) for c in cache.caches])
+        return CacheList(*[_to_layout(c, reach) for c in cache.caches])
     return cache
 
 
-def make_cache(model: nn.Module) -> list[Any]:
+def make_cache(model: nn.Module, reach: int = DEFAULT_REACH) -> list[Any]:
     """Build the model's cache list in the all-KVCache layout.
+
+    Args:
+        model: The mlx-lm model.
+        reach: Tokens a restore may go below the latest forward's start (sliding-window layers).
 
     Raises:
         UnsupportedModelError: A layer's cache cannot be rolled back exactly.
@@ -104,7 +199,7 @@ def make_cache(model: nn.Module) -> list[Any]:
         raise UnsupportedModelError(
             f"{arch} cannot be verified exactly: {_REFUSED[arch]}; run it with plain decoding (mlx_lm.generate)"
         )
-    layout = [_to_layout(c) for c in make_prompt_cache(model)]
+    layout = [_to_layout(c, reach) for c in make_prompt_cache(model)]
     for leaf in _leaves(layout):
         _kind(leaf)  # capability check: refuse before the first token
     return layout
@@ -169,20 +264,63 @@ class ModelCache:
         self._recurrent = [c for c in leaves if _kind(c) == _RECURRENT]
         # Tokens consumed; pure-recurrent models have no offset to read it from.
         self.length = 0
+        # Hooks on the recurrent mixers: several-token forwards after the
+        # prompt use the one-token formula, and can record per-token states.
+        self.steps: RecurrentSteps | None = recurrent_steps(model) if self._recurrent else None
+        # The records of the last forward fed with record=..., and its length.
+        self._recorded: list[StepRecord] | None = None
 
     @property
     def recurrent(self) -> bool:
         """True when some layer holds recurrent state (no O(1) trim)."""
         return bool(self._recurrent)
 
-    def feed(self, tokens: mx.array) -> mx.array:
-        """Run the model on ``tokens`` (1-D), updating the caches; returns lazy logits [T, V]."""
-        logits = self.model(tokens[None], cache=self.layers)
+    @property
+    def can_record(self) -> bool:
+        """Capture and tape can roll back every recurrent layer of this model."""
+        return self.steps is not None and self.steps.covered
+
+    def ensure_reach(self, reach: int) -> None:
+        """Let restores go up to ``reach`` tokens below the latest forward's start offset."""
+        for c in self._attention:
+            if isinstance(c, WindowKVCache):
+                c.ensure_reach(reach)
+
+    def _forward(self, tokens: mx.array, mode: str) -> mx.array:
+        if self.steps is None:
+            return self.model(tokens[None], cache=self.layers)
+        with self.steps.forward(mode):
+            logits = self.model(tokens[None], cache=self.layers)
+            if mode in ("capture", "tape"):
+                self._recorded = self.steps.take(self._recurrent)
+        return logits
+
+    def feed(self, tokens: mx.array, record: str | None = None) -> mx.array:
+        """Run the model on ``tokens`` (1-D), updating the caches; returns lazy logits [T, V].
+
+        Recurrent layers compute several tokens with the formula plain decoding
+        uses for one (bit-identical states). With ``record`` (``capture`` or
+        ``tape``) the forward can then be cut back by :meth:`rollback_recorded`.
+        """
+        self._recorded = None
+        if record is not None and not self.can_record:
+            raise ValueError(f"{record} needs recurrent-layer hooks this model lacks: {self.record_problem}")
+        logits = self._forward(tokens, record or "step")
         self.length += tokens.shape[0]
         return logits[0]
 
+    @property
+    def record_problem(self) -> str | None:
+        """Why capture/tape cannot run here (None when they can)."""
+        if not self._recurrent:
+            return "the model has no recurrent layers"
+        return None if self.steps is None else self.steps.problem
+
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None) -> list:
         """Feed ``tokens`` in chunks of ``step_size``, evaluating each chunk.
+
+        The prompt goes through mlx-lm's own several-token path (as plain
+        decoding's prefill does).
 
         Args:
             tokens: Token ids.
@@ -196,8 +334,11 @@ class ModelCache:
             raise ValueError("step_size must be >= 1")
         ids = mx.array(list(tokens), dtype=mx.uint32)
         parts = []
+        self._recorded = None
         for start in range(0, ids.shape[0], step_size):
-            self.feed(ids[start : start + step_size])
+            chunk = ids[start : start + step_size]
+            self._forward(chunk, "off")
+            self.length += chunk.shape[0]
             extra = []
             if tap is not None:
                 parts.append(tap.take())
@@ -224,6 +365,7 @@ class ModelCache:
         for c, (arrays, lengths, left_padding) in zip(self._recurrent, snap.states):
             c.cache, c.lengths, c.left_padding = list(arrays), lengths, left_padding
         self.length = snap.length
+        self._recorded = None
 
     def rollback(self, snap: Snapshot, n_keep: int) -> bool:
         """Keep the first ``n_keep`` tokens fed since ``snap``, drop the rest.
@@ -247,6 +389,49 @@ class ModelCache:
             c.trim(fed - n_keep)
         self.length -= fed - n_keep
         return False
+
+    def rollback_recorded(self, snap: Snapshot, n_keep: int) -> None:
+        """Keep the first ``n_keep`` tokens of the recorded forward fed since ``snap``.
+
+        Attention layers trim; each recurrent layer takes the conv and
+        recurrent state it had after token ``n_keep`` of that forward (the
+        captured one, or replayed from the tape), as plain decoding would.
+
+        Raises:
+            RuntimeError: The last forward since ``snap`` was not recorded.
+        """
+        fed = self.length - snap.length
+        if not 0 <= n_keep <= fed:
+            raise ValueError(f"cannot keep {n_keep} of {fed} tokens")
+        records, self._recorded = self._recorded, None
+        if records is None or any(r is None or r.steps != fed for r in records):
+            raise RuntimeError("rollback_recorded needs the forward since the snapshot to be fed with record=")
+        if n_keep == fed:
+            return
+        for c in self._attention:
+            c.trim(fed - n_keep)
+        for c, r, (arrays, _, _) in zip(self._recurrent, records, snap.states):
+            if n_keep == 0:
+                c.cache = list(arrays)
+            else:
+                c[0], c[1] = r.conv_state(n_keep), r.state(n_keep)
+        self.length = snap.length + n_keep
+
+    def recording_bytes(self, tokens: int) -> dict[str, int]:
+        """Extra bytes a recorded forward of ``tokens`` holds until its rollback, per strategy."""
+        per = self.steps.bytes_per_step if self.can_record else {"capture": 0, "tape": 0}
+        return {k: v * tokens for k, v in per.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer caches hold (buffers included)."""
+        total = 0
+        for c in self._attention:
+            if c.keys is not None:
+                total += c.keys.nbytes + c.values.nbytes
+        for c in self._recurrent:
+            total += sum(a.nbytes for a in c.cache if a is not None)
+        return total
 
     def state_arrays(self) -> list[mx.array]:
         """Every array the caches hold (for ``mx.eval`` at a timing barrier)."""

@@ -42,8 +42,10 @@ class Block:
         drafted: Draft tokens the target verified.
         accepted: Drafts that matched the target (``accepted <= drafted``).
         rollback: ``none`` (full accept), ``trim`` (O(1) offset move),
-            ``reforward`` (recurrent state restored and the kept tokens re-fed)
-            or ``carry`` (restored; the kept tokens lead the next verify).
+            ``reforward`` (recurrent state restored and the kept tokens re-fed),
+            ``carry`` (restored; the kept tokens lead the next verify),
+            ``capture`` (the per-token state kept during the verify selected)
+            or ``tape`` (the recurrence alone replayed over the kept tokens).
         syncs: Host syncs the block waited on.
         finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
         times: Phase timings, only when the generator was asked for them.
@@ -73,10 +75,14 @@ def _cut(committed: list[int], eos_ids: frozenset[int], room: int) -> tuple[int,
     return len(committed), None
 
 
-ROLLBACKS = ("reforward", "carry")
+ROLLBACKS = ("reforward", "carry", "capture", "tape")
 # Carried tokens beyond this are re-fed at once: the next verify would grow
 # with every consecutive partial accept.
 MAX_CARRY = 8
+# How far the engine restores the target below the start offset of its latest
+# forward: plain decoding's queued step (the speculative loop itself only cuts
+# back to the snapshot taken right before its verify forward).
+TARGET_REACH = 1
 
 
 def speculative_generate_step(
@@ -99,11 +105,13 @@ def speculative_generate_step(
     target forward, computes the accepted length on the device and reads it
     back in one host sync.
 
-    Recurrent state cannot be trimmed. After a partial accept it is restored
-    to its snapshot, and the accepted tokens are either fed again at once
+    Recurrent state cannot be trimmed. After a partial accept it is either
+    restored to its snapshot and the accepted tokens fed again at once
     (``reforward``) or prepended to the next verify forward (``carry``: no
-    extra forward, a longer one; at most ``MAX_CARRY`` tokens wait). Attention
-    layers always trim in O(1).
+    extra forward, a longer one; at most ``MAX_CARRY`` tokens wait), or it is
+    cut back exactly from what the verify forward recorded: the state after
+    each token (``capture``) or the recurrence inputs, replayed without the
+    layer's projections (``tape``). Attention layers always trim in O(1).
 
     Args:
         last: The last prompt token (not yet fed to either cache).
@@ -114,7 +122,8 @@ def speculative_generate_step(
         policy: Chooses each block's draft length (see :mod:`specdec_cli.adaptive`).
         eos_ids: Token ids that end generation (not emitted).
         sampling: Greedy (default) or sampling options.
-        rollback: Recurrent rollback strategy, ``reforward`` or ``carry``.
+        rollback: Recurrent rollback strategy: ``reforward``, ``carry``,
+            ``capture`` or ``tape`` (the last two need ``cache.can_record``).
         timed: Add a sync after each phase and report :class:`PhaseTimes`.
         tap: Records the target's hidden states for a drafter that reads
             them (``drafter.taps``); the committed rows of each verify go to
@@ -129,6 +138,10 @@ def speculative_generate_step(
         policy = FixedLength(num_draft_tokens)
     if rollback not in ROLLBACKS:
         raise ValueError(f"rollback must be one of {ROLLBACKS}")
+    record = rollback if rollback in ("capture", "tape") and cache.recurrent else None
+    if record and not cache.can_record:
+        raise ValueError(f"--rollback {rollback} cannot run on this model ({cache.record_problem})")
+    cache.ensure_reach(TARGET_REACH)
     eos = frozenset(eos_ids)
     emitted = 0
     # Committed tokens the target has not been fed yet (carry strategy).
@@ -149,7 +162,7 @@ def speculative_generate_step(
                 snap = cache.snapshot()
                 x = mx.concatenate([carry, mx.array([last], dtype=mx.uint32), draft.tokens])
                 c = carry.shape[0]
-                logits = cache.feed(x)[c:]
+                logits = cache.feed(x, record=record)[c:]
                 hidden = tap.take() if tap is not None else None
                 if sampling.greedy:
                     n_acc, nxt = accept_greedy(logits, draft.tokens)
@@ -169,6 +182,9 @@ def speculative_generate_step(
                 elif not cache.recurrent:
                     kind = "trim"
                     cache.rollback(snap, c + n_keep)
+                elif record:
+                    kind = record
+                    cache.rollback_recorded(snap, c + n_keep)
                 elif rollback == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
                     kind, new_carry = "carry", kept
                     cache.restore(snap)

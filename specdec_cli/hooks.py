@@ -17,6 +17,9 @@ fails loudly for every covered family.
 
 from __future__ import annotations
 
+import inspect
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -298,3 +301,435 @@ class HiddenTap:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --- Recurrent layers: one-token formula in the verify, per-step states, tapes -------
+#
+# mlx-lm computes a GatedDeltaNet / Mamba2 recurrence inside a free function
+# (``gated_delta_update`` / ``ssm_update``) that returns only the final state,
+# and Mamba (v1) in its ``ssm_step`` method. To keep the state after every
+# token of a verify forward (capture), or its inputs (tape), each mixer
+# *instance* gets a one-off subclass whose methods that call the function are
+# the same code objects bound to a globals dict in which that one name is our
+# recording wrapper. The wrapper calls mlx-lm's own function, one token at a
+# time, with exactly the arguments one-token decoding passes: so the states
+# (and the Mamba2 outputs, which mlx-lm otherwise computes with its chunked
+# formula for several tokens) are bit-identical to plain decoding's, on the
+# CPU (ops path) and on Metal (mlx-lm's kernels, one token per launch) alike.
+# The conv state after token t is read from the conv1d module's input (one
+# more per-instance tap). A probe at install checks all of it on the model.
+
+_GDN, _MAMBA2, _MAMBA1 = "GatedDeltaNet", "Mamba2", "Mamba"
+# The free functions the mixers call, by the global name they call them by.
+_STEP_FUNCTIONS = {
+    "gated_delta_update": ("mlx_lm.models.gated_delta", _GDN),
+    "ssm_update": ("mlx_lm.models.ssm", _MAMBA2),
+}
+STEP_MODES = ("off", "step", "capture", "tape")
+
+
+@dataclass
+class StepRecord:
+    """What one recurrent layer recorded during one forward.
+
+    Attributes:
+        kind: ``GatedDeltaNet``, ``Mamba2`` or ``Mamba``.
+        steps: Tokens the recurrence consumed.
+        conv_input: The conv1d input ``[B, n_keep + steps, C]`` (old conv state, then the new rows).
+        n_keep: Rows of conv state the layer keeps (kernel size - 1).
+        states: Capture: the recurrent state after each token.
+        replay: Tape: recomputes the state after the first m tokens from the recorded inputs.
+        tape: Tape: the recorded recurrence inputs (for their size).
+    """
+
+    kind: str
+    n_keep: int
+    steps: int = 0
+    conv_input: Optional[mx.array] = None
+    conv_calls: int = 0
+    states: list = field(default_factory=list)
+    replay: Optional[Callable[[int], mx.array]] = None
+    tape: list = field(default_factory=list)
+    problem: Optional[str] = None
+
+    def conv_state(self, m: int) -> mx.array:
+        """The conv state after the first ``m`` tokens (as the layer would store it)."""
+        return self.conv_input[:, m : m + self.n_keep]
+
+    def state(self, m: int) -> mx.array:
+        """The recurrent state after the first ``m`` tokens (1 <= m <= steps)."""
+        return self.states[m - 1] if self.states else self.replay(m)
+
+    def tape_bytes(self) -> int:
+        return sum(a.nbytes for a in self.tape if isinstance(a, mx.array))
+
+
+def _rebind(fn: Callable, name: str, replacement: Callable) -> Callable:
+    # The same code object, looking `name` up in a copy of its module's
+    # globals where it is our wrapper: nothing shared is modified.
+    glb = dict(fn.__globals__)
+    glb[name] = replacement
+    out = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    return out
+
+
+def _calls(cls: type) -> dict[str, tuple[Callable, str]]:
+    """Methods of ``cls`` (and its bases) that call one of the step functions: name -> (fn, global)."""
+    found = {}
+    for klass in reversed(cls.__mro__):
+        if not klass.__module__.startswith("mlx_lm.models."):
+            continue
+        for name, fn in vars(klass).items():
+            if not isinstance(fn, types.FunctionType):
+                continue
+            for gname, (module, _) in _STEP_FUNCTIONS.items():
+                if gname in fn.__code__.co_names and getattr(fn.__globals__.get(gname), "__module__", None) == module:
+                    found[name] = (fn, gname)
+    return found
+
+
+def _mixer_kind(module: nn.Module) -> tuple[Optional[str], dict]:
+    cls = type(module)
+    if "_specdec_steps_base" in vars(cls) or not cls.__module__.startswith("mlx_lm.models."):
+        return None, {}
+    calls = _calls(cls)
+    kinds = {_STEP_FUNCTIONS[g][1] for _, g in calls.values()}
+    if len(kinds) == 1:
+        return kinds.pop(), calls
+    if not calls and isinstance(getattr(cls, "ssm_step", None), types.FunctionType):
+        return _MAMBA1, {}
+    return None, {}
+
+
+class RecurrentSteps:
+    """Per-instance hooks on a model's recurrent mixers (GatedDeltaNet, Mamba2, Mamba).
+
+    ``mode`` says what the next forward does: ``off`` (mlx-lm unchanged:
+    prefill), ``step`` (several tokens computed with the one-token formula, as
+    plain decoding computes them), ``capture`` (also keep every per-token
+    state) or ``tape`` (keep the recurrence inputs, replayed on demand).
+    Installed once per model by :func:`recurrent_steps`; a probe checks on the
+    model itself that the records reproduce what mlx-lm stores.
+
+    Attributes:
+        kinds: The kind of each recurrent layer cache (in layer order), None where no hook covers it.
+        problem: Why capture/tape cannot run on this model, or None.
+        bytes_per_step: Extra bytes one verified token costs with ``capture`` / ``tape``.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.mode = "off"
+        self.kinds: list[Optional[str]] = []
+        self.problem: Optional[str] = None
+        self.bytes_per_step = {"capture": 0, "tape": 0}
+        self._current: Optional[StepRecord] = None
+        self._records: dict[int, StepRecord] = {}
+        self._installed: list[nn.Module] = []
+        self._arch = type(model).__module__.rsplit(".", 1)[-1]
+        try:
+            for module in model.modules():
+                kind, calls = _mixer_kind(module)
+                if kind is not None:
+                    self._install(module, kind, calls)
+            self._probe(model)
+        except _Unsupported as e:
+            self.close()
+            self.problem = str(e)
+
+    @property
+    def covered(self) -> bool:
+        """Every recurrent layer can capture and tape."""
+        return self.problem is None
+
+    # -- installation ------------------------------------------------------------------
+
+    def _install(self, mixer: nn.Module, kind: str, calls: dict) -> None:
+        cls = type(mixer)
+        conv = getattr(mixer, "conv1d", None)
+        n_keep = getattr(mixer, "conv_kernel_size", None)
+        if not isinstance(conv, nn.Conv1d) or not isinstance(n_keep, int):
+            raise _Unsupported(f"its {cls.__name__} has no conv1d/conv_kernel_size where specdec reads the conv state")
+        try:
+            sig = inspect.signature(cls.__call__)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is None or "cache" not in sig.parameters:
+            raise _Unsupported(f"its {cls.__name__} takes no `cache` argument")
+        hook = self
+        ns: dict[str, Any] = {"_specdec_steps_base": cls}
+        for name, (fn, gname) in calls.items():
+            ns[name] = _rebind(fn, gname, _WRAPPERS[gname](hook, fn.__globals__[gname]))
+        if kind == _MAMBA1:
+            ns["ssm_step"] = _mamba1_step(hook, cls.ssm_step)
+        base_call = ns.get("__call__", cls.__call__)
+
+        def __call__(self, *args, **kwargs):
+            if hook.mode not in ("capture", "tape"):
+                return base_call(self, *args, **kwargs)
+            cache = sig.bind(self, *args, **kwargs).arguments.get("cache")
+            if cache is None:
+                return base_call(self, *args, **kwargs)
+            record = StepRecord(kind, n_keep - 1)
+            hook._current = record
+            try:
+                out = base_call(self, *args, **kwargs)
+            finally:
+                hook._current = None
+            hook._records[id(cache)] = record
+            return out
+
+        ns["__call__"] = __call__
+        mixer.__class__ = type(f"Stepped{cls.__name__}", (cls,), ns)
+        self._installed.append(mixer)
+        conv_cls = type(conv)
+
+        def conv_call(self, x, *args, **kwargs):
+            record = hook._current
+            if record is not None:
+                record.conv_input = x
+                record.conv_calls += 1
+            return conv_cls.__call__(self, x, *args, **kwargs)
+
+        conv.__class__ = type(f"Stepped{conv_cls.__name__}", (conv_cls,),
+                              {"__call__": conv_call, "_specdec_steps_base": conv_cls})
+        self._installed.append(conv)
+
+    def close(self) -> None:
+        """Give every hooked instance its own class back."""
+        for module in self._installed:
+            base = vars(type(module)).get("_specdec_steps_base")
+            if base is not None:
+                module.__class__ = base
+        self._installed.clear()
+
+    # -- one forward -------------------------------------------------------------------
+
+    @contextmanager
+    def forward(self, mode: str):
+        """Run the forwards inside the block in ``mode``; clears earlier records."""
+        if mode not in STEP_MODES:
+            raise ValueError(f"mode must be one of {STEP_MODES}")
+        self._records.clear()
+        previous, self.mode = self.mode, mode if self._installed else "off"
+        try:
+            yield self
+        finally:
+            self.mode = previous
+            self._current = None
+
+    def take(self, caches: Sequence[Any]) -> list[Optional[StepRecord]]:
+        """The records of the last forward, one per recurrent layer cache (None where missing)."""
+        out = [self._records.get(id(c)) for c in caches]
+        self._records.clear()
+        return out
+
+    # -- the capability check ----------------------------------------------------------
+
+    def _probe(self, model: nn.Module) -> None:
+        from .caches import _leaves, make_cache
+
+        layers = make_cache(model)
+        leaves = [c for c in _leaves(layers) if type(c).__name__ == "ArraysCache"]
+        if not leaves:
+            return
+        if not self._installed:
+            raise _Unsupported(f"{self._arch}'s recurrent layers are none of {_GDN}, {_MAMBA2}, {_MAMBA1} "
+                               "(the mixers specdec can hook)")
+        attention = [c for c in _leaves(layers) if hasattr(c, "trim") and c not in leaves]
+
+        def forward(mode: str, ids: list[int]) -> list:
+            with self.forward(mode):
+                mx.eval(model(mx.array([ids], dtype=mx.uint32), cache=layers))
+                return self.take(leaves)
+
+        def state() -> list:
+            return [list(c.cache) for c in leaves]
+
+        def back(saved, n) -> None:
+            for c, arrays in zip(leaves, saved):
+                c.cache = list(arrays)
+            for c in attention:
+                c.trim(n)
+
+        try:
+            forward("off", [1, 2])
+            start = state()
+            captured = forward("capture", [3, 4, 5])
+            after = state()
+            back(start, 3)
+            taped = forward("tape", [3, 4, 5])
+            back(start, 3)
+            forward("off", [3])
+            one = state()
+        except Exception as e:  # the model's own failure, or a layer the hooks misread
+            raise _Unsupported(f"the probe forward of {self._arch} failed ({type(e).__name__}: {e})") from e
+        self.kinds = [r.kind if r is not None else None for r in captured]
+        missing = [i for i, r in enumerate(captured) if r is None]
+        if missing:
+            raise _Unsupported(f"{len(missing)} of {self._arch}'s {len(leaves)} recurrent layers use a mixer "
+                               f"specdec cannot hook (covered: {_GDN}, {_MAMBA2}, {_MAMBA1})")
+        for cap, tape, final, first in zip(captured, taped, after, one):
+            name = f"{self._arch} {cap.kind}"
+            for r in (cap, tape):
+                if r.problem:
+                    raise _Unsupported(f"{name}: {r.problem}")
+                if r.steps != 3 or r.conv_calls != 1 or r.conv_input is None or r.conv_input.shape[1] != r.n_keep + 3:
+                    raise _Unsupported(f"{name}: the recurrence or its conv input was not seen once per forward")
+            exact = (
+                len(cap.states) == 3
+                and mx.array_equal(cap.conv_state(3), final[0]).item()
+                and mx.array_equal(cap.state(3), final[1]).item()
+                and mx.array_equal(tape.state(3), final[1]).item()
+                and mx.array_equal(tape.state(2), cap.state(2)).item()
+            )
+            # After one token: the stock one-token forward (a different row
+            # count in the projections, so close rather than equal in float32).
+            close = all(
+                mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-2, atol=1e-3).item()
+                for a, b in ((cap.conv_state(1), first[0]), (cap.state(1), first[1]))
+            )
+            if not (exact and close):
+                raise _Unsupported(f"{name}: the recorded per-token states do not reproduce what mlx-lm stores "
+                                   "(this mlx-lm release changed the layer)")
+            self.bytes_per_step["capture"] += cap.states[0].nbytes
+            self.bytes_per_step["tape"] += tape.tape_bytes() // 3
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _bind(fn: Callable) -> Callable[..., dict]:
+    sig = inspect.signature(fn)
+
+    def bind(*args, **kwargs) -> dict:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    return bind
+
+
+def _gdn_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
+    bind = _bind(real)
+    per_token = ("q", "k", "v", "a", "b")
+
+    def gated_delta_update(*args, **kwargs):
+        record = hook._current
+        if record is None:
+            # mlx-lm's several-token recurrence is already its one-token step in a loop.
+            return real(*args, **kwargs)
+        a = bind(*args, **kwargs)
+        if a.get("mask") is not None:
+            record.problem = "a padding mask reached the recurrence"
+        start, steps = a["state"], a["q"].shape[1]
+        record.steps = steps
+
+        def run(lo: int, hi: int, state):
+            return real(**{**a, **{n: a[n][:, lo:hi] for n in per_token}, "state": state})
+
+        if hook.mode == "capture":
+            ys, state = [], start
+            for t in range(steps):
+                y, state = run(t, t + 1, state)
+                ys.append(y)
+                record.states.append(state)
+            return mx.concatenate(ys, axis=1), state
+        record.tape = [a[n] for n in per_token]
+        record.replay = lambda m: run(0, m, start)[1]
+        return real(*args, **kwargs)
+
+    return gated_delta_update
+
+
+def _ssm_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
+    bind = _bind(real)
+    per_token = ("hidden_states", "B", "C", "dt")
+
+    def ssm_update(*args, **kwargs):
+        record = hook._current
+        if hook.mode == "off":
+            return real(*args, **kwargs)
+        a = bind(*args, **kwargs)
+        steps = a["hidden_states"].shape[1]
+        if steps == 1 and record is None:
+            return real(*args, **kwargs)
+        if a.get("mask") is not None or a.get("lengths") is not None:
+            if record is not None:
+                record.problem = "a padding mask reached the recurrence"
+            return real(*args, **kwargs)
+
+        def step(t: int, state):
+            # Exactly the call one-token decoding makes (mlx-lm's one-token formula or kernel).
+            return real(**{**a, **{n: a[n][:, t : t + 1] for n in per_token}, "state": state})
+
+        start = a["state"]
+        ys, state = [], start
+        for t in range(steps):
+            y, state = step(t, state)
+            ys.append(y)
+            if record is not None and hook.mode == "capture":
+                record.states.append(state)
+        if record is not None:
+            record.steps = steps
+            if hook.mode == "tape":
+                record.tape = [a[n] for n in per_token]
+
+                def replay(m: int):
+                    s = start
+                    for t in range(m):
+                        s = step(t, s)[1]
+                    return s
+
+                record.replay = replay
+        return mx.concatenate(ys, axis=1), state
+
+    return ssm_update
+
+
+def _mamba1_step(hook: RecurrentSteps, real: Callable) -> Callable:
+    # mlx-lm's Mamba calls ssm_step once per token; its step includes the
+    # small x_proj/dt_proj projections, so a tape replays those too.
+    def ssm_step(self, x, A, state=None):
+        y, new = real(self, x, A, state)
+        record = hook._current
+        if record is not None:
+            if x.ndim != 2:
+                record.problem = "ssm_step got several tokens at once"
+            if hook.mode == "capture":
+                record.states.append(new)
+            else:
+                if record.steps == 0:
+                    start = state
+                    tape = record.tape
+
+                    def replay(m: int):
+                        s = start
+                        for xt, At in tape[:m]:
+                            s = real(self, xt, At, s)[1]
+                        return s
+
+                    record.replay = replay
+                record.tape.append((x, A))
+            record.steps += 1
+        return y, new
+
+    return ssm_step
+
+
+_WRAPPERS = {"gated_delta_update": _gdn_wrapper, "ssm_update": _ssm_wrapper}
+
+
+def recurrent_steps(model: Any) -> Optional[RecurrentSteps]:
+    """The :class:`RecurrentSteps` of ``model``, installed (and probed) on first use.
+
+    A wrapper that forwards attribute lookups to a model gets that model's hooks
+    when they are installed; anything else that is not an ``nn.Module`` gets None.
+    """
+    steps = getattr(model, "_specdec_steps", None)
+    if steps is None and isinstance(model, nn.Module):
+        steps = RecurrentSteps(model)
+        model._specdec_steps = steps  # a plain attribute: not a parameter or child module
+    return steps

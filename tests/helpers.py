@@ -6,7 +6,7 @@ import functools
 
 import mlx.core as mx
 
-from specdec_cli.caches import ModelCache
+from specdec_cli.caches import ModelCache, WindowKVCache
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.engine import Block, plain_generate_step, speculative_generate_step
 from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
@@ -78,12 +78,16 @@ def cache_arrays(cache: ModelCache) -> list[mx.array]:
     """The meaningful contents of every layer cache, in layer order.
 
     KV caches contribute keys/values up to their offset (the buffer past it
-    is scratch); recurrent caches contribute every array they hold.
+    is scratch; a sliding-window cache, from the first position the next
+    forward attends to); recurrent caches contribute every array they hold.
     """
     out = []
     for c in cache._attention:
         out.append(mx.array(c.offset))
-        if c.keys is not None:
+        if isinstance(c, WindowKVCache):
+            if c.keys is not None:
+                out += list(c.live(c.needed_from))
+        elif c.keys is not None:
             out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
     for c in cache._recurrent:
         out += [a for a in c.cache if a is not None]

@@ -58,6 +58,9 @@ class ModelDrafter:
 
     def propose(self, last: int | mx.array, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft up to ``k`` tokens after ``last``."""
+        # Restores go back up to k - 1 drafts plus the pending tokens below the
+        # last draft forward's start: sliding-window layers must keep that reach.
+        self.cache.ensure_reach(k + len(self._pending) + 1)
         self._start = self.cache.snapshot()
         self._saved_pending = list(self._pending)
         self._pending.append(as_tokens(last))
