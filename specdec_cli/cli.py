@@ -36,14 +36,23 @@ class DrafterKind(str, Enum):
 
 
 class Rollback(str, Enum):
+    auto = "auto"
     reforward = "reforward"
     carry = "carry"
+    capture = "capture"
+    tape = "tape"
 
 
 RollbackOpt = Annotated[
     Rollback,
-    typer.Option("--rollback", help="Recurrent layers after a partial accept: re-feed the accepted tokens "
-                 "at once (reforward), or lead the next verify with them (carry)."),
+    typer.Option("--rollback", help="Recurrent layers after a partial accept: keep the state of every verified "
+                 "token (capture), replay the recurrence alone (tape), re-feed the accepted tokens at once "
+                 "(reforward) or lead the next verify with them (carry); auto measures capture and tape at start."),
+]
+RollbackCapOpt = Annotated[
+    Optional[float],
+    typer.Option("--rollback-memory-cap", min=0.0, help="Most MiB of extra state capture may hold per verify; "
+                 "over it, tape is used instead."),
 ]
 
 
@@ -188,7 +197,8 @@ def generate(
     ] = True,
     dtype: DTypeOpt = DType.auto,
     prefill_step_size: PrefillOpt = 2048,
-    rollback: RollbackOpt = Rollback.carry,
+    rollback: RollbackOpt = Rollback.auto,
+    rollback_memory_cap: RollbackCapOpt = None,
     compare_ar: Annotated[
         bool,
         typer.Option("--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not)."),
@@ -227,7 +237,8 @@ def sweep(
     ngram_min: NgramMinOpt = None,
     dtype: DTypeOpt = DType.auto,
     prefill_step_size: PrefillOpt = 2048,
-    rollback: RollbackOpt = Rollback.carry,
+    rollback: RollbackOpt = Rollback.auto,
+    rollback_memory_cap: RollbackCapOpt = None,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:

@@ -15,7 +15,6 @@ import mlx.core as mx
 
 from . import blas, bundled, doctor
 from .adaptive import AdaptiveLength, FixedLength, MatchLength
-from .caches import cache_kinds
 from .compare import compare_with_plain
 from .display import (
     comparison_lines,
@@ -32,7 +31,7 @@ from .drafters.mtp import LoadedHead, MTPDrafter
 from .errors import OptionError
 from .loading import Loaded, check_same_tokenizer, is_mtp_sidecar, load, load_mtp, resolve
 from .measure import SweepResult, sweep
-from .runner import Prefilled, run
+from .runner import Step, run
 from .sampling import SamplingParams
 from .stats import Stats
 
@@ -64,7 +63,12 @@ class ModelOptions:
     lookup_history: Optional[str] = None
     dtype: Optional[str] = "auto"
     prefill_step_size: int = 2048
-    rollback: str = "carry"
+    rollback: str = "auto"
+    rollback_memory_cap: Optional[float] = None  # MiB
+
+    @property
+    def rollback_memory_cap_bytes(self) -> Optional[int]:
+        return None if self.rollback_memory_cap is None else int(self.rollback_memory_cap * 2**20)
 
 
 @dataclass
@@ -319,11 +323,12 @@ def generate_command(opts: GenerateOptions) -> int:
         events = run(
             target.model, prompt_ids, drafter=setup.make_drafter(policy), policy=policy,
             max_tokens=opts.max_tokens, eos_ids=setup.eos_ids, sampling=sampling, rollback=opts.rollback,
-            prefill_step_size=opts.prefill_step_size, timed=opts.verbose,
+            rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
+            timed=opts.verbose,
         )
         for event in events:
-            if isinstance(event, Prefilled):
-                stats.prompt_tokens, stats.prefill_s = event.prompt_tokens, event.seconds
+            if not isinstance(event, Step):
+                stats.note(event)
                 continue
             stats.add(event.block, event.seconds)
             for tok in event.block.tokens:
@@ -361,7 +366,7 @@ def generate_command(opts: GenerateOptions) -> int:
             "draft_model": opts.draft_model,
             "drafter": setup.kind,
             "block_size": block_size,
-            "rollback": opts.rollback if _recurrent(target) else "trim",
+            "rollback": stats.rollback_choice["strategy"] if stats.rollback_choice else None,
             "sampling": {"temp": sampling.temp, "top_p": sampling.top_p, "top_k": sampling.top_k,
                          "min_p": sampling.min_p, "seed": opts.seed},
             "adaptive": policy.summary(),
@@ -385,10 +390,6 @@ def generate_command(opts: GenerateOptions) -> int:
     if comparison is not None and not comparison.identical:
         return EXIT_DIVERGED
     return 0
-
-
-def _recurrent(loaded: Loaded) -> bool:
-    return cache_kinds(loaded.model)["recurrent"] > 0
 
 
 def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
@@ -440,6 +441,7 @@ def sweep_command(opts: SweepOptions) -> int:
     events = sweep(
         setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=opts.max_tokens,
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
+        rollback_memory_cap=opts.rollback_memory_cap_bytes,
         prefill_step_size=opts.prefill_step_size,
     )
     result = None

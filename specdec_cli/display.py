@@ -166,6 +166,16 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
         lines.append(f"Rollback: {counts}; {1000 * stats.rollback_s:.1f} ms in total")
     else:
         lines.append(f"Rollback: {counts}; time not measured (--verbose times each phase)")
+    choice = stats.rollback_choice
+    if choice and choice["strategy"] != "trim":
+        how = "as asked" if choice["reason"] == "as asked" else f"{choice['requested']}: {choice['reason']}"
+        extra = ""
+        if choice["strategy"] in ("capture", "tape"):
+            held = choice[f"{choice['strategy']}_bytes"]
+            extra = f"; holds {held / 2**20:.2f} MiB per full verify"
+        lines.append(f"Rollback strategy: {choice['strategy']} ({how}){extra}")
+    if stats.cache_bytes:
+        lines.append("Cache: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in stats.cache_bytes.items()))
     if verbose and stats.phase_ms:
         ms = stats.phase_ms
         lines.append(

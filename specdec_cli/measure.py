@@ -32,15 +32,16 @@ def measure(
     max_tokens: int,
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
-    rollback: str = "carry",
+    rollback: str = "auto",
+    rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
     timed: bool = False,
 ) -> tuple[Stats, list[int]]:
     """One generation (plain when ``drafter`` is None) with a fixed block size."""
     return collect(run(
         model, prompt_ids, drafter=drafter, policy=FixedLength(block_size - 1), max_tokens=max_tokens,
-        eos_ids=eos_ids, sampling=sampling, rollback=rollback, prefill_step_size=prefill_step_size,
-        timed=timed,
+        eos_ids=eos_ids, sampling=sampling, rollback=rollback, rollback_memory_cap=rollback_memory_cap,
+        prefill_step_size=prefill_step_size, timed=timed,
     ))
 
 
@@ -103,7 +104,8 @@ def sweep(
     eos_ids: Sequence[int] = (),
     repeats: int = 1,
     warmup: int = 1,
-    rollback: str = "carry",
+    rollback: str = "auto",
+    rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
@@ -117,11 +119,12 @@ def sweep(
         eos_ids: Ids that end a run.
         repeats: Speed runs per configuration (median reported).
         warmup: Untimed runs of plain and of the first block size before measuring.
-        rollback: Recurrent rollback strategy.
+        rollback: Recurrent rollback strategy (``auto`` chooses per block size).
+        rollback_memory_cap: Most extra bytes capture may hold per verify.
         prefill_step_size: Prompt chunk size.
     """
     kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size)
-    spec_kw = dict(kw, rollback=rollback)
+    spec_kw = dict(kw, rollback=rollback, rollback_memory_cap=rollback_memory_cap)
     total = 2 * warmup + repeats * (1 + len(block_sizes)) + len(block_sizes)
     done = 0
 

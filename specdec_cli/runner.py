@@ -1,8 +1,9 @@
 """One generation from prompt ids: prefill, then the engine loop, timed.
 
-Yields :class:`Prefilled` once, then one :class:`Step` per block. Each step
-carries the seconds spent inside the engine for that block, so the time the
-consumer spends displaying is never counted as decode time.
+Yields :class:`Prefilled` once, then one :class:`Step` per block, then
+:class:`Finished` when generation ends. Each step carries the seconds spent
+inside the engine for that block, so the time the consumer spends displaying
+is never counted as decode time.
 """
 
 from __future__ import annotations
@@ -19,16 +20,33 @@ from .drafters import Drafter
 from .engine import Block, plain_generate_step, speculative_generate_step
 from .hooks import Hidden, HiddenTap
 from .errors import OptionError
+from .rollback import RollbackChoice, choose
 from .sampling import GREEDY, SamplingParams
 from .stats import Stats
 
 
 @dataclass(frozen=True)
 class Prefilled:
-    """The prompt is in the caches (target and drafter)."""
+    """The prompt is in the caches (target and drafter).
+
+    Attributes:
+        rollback: The recurrent rollback strategy chosen (speculative runs).
+    """
 
     prompt_tokens: int
     seconds: float
+    rollback: Optional[RollbackChoice] = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Generation ended; what the caches hold then.
+
+    Attributes:
+        cache_bytes: Bytes held by the layer caches, ``target`` and (model drafters) ``drafter``.
+    """
+
+    cache_bytes: dict
 
 
 @dataclass(frozen=True)
@@ -49,10 +67,11 @@ def run(
     max_tokens: int = 256,
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
-    rollback: str = "carry",
+    rollback: str = "auto",
+    rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
     timed: bool = False,
-) -> Iterator[Union[Prefilled, Step]]:
+) -> Iterator[Union[Prefilled, Step, Finished]]:
     """Prefill fresh caches with ``prompt_ids`` and generate.
 
     Args:
@@ -64,7 +83,10 @@ def run(
         max_tokens: Most tokens to emit.
         eos_ids: Ids that end generation.
         sampling: Greedy or sampling options.
-        rollback: Recurrent rollback strategy (``reforward`` or ``carry``).
+        rollback: Recurrent rollback strategy: ``auto`` (chosen after the
+            prefill, see :mod:`specdec_cli.rollback`), ``reforward``, ``carry``,
+            ``capture`` or ``tape``.
+        rollback_memory_cap: Most extra bytes capture may hold per verify.
         prefill_step_size: Prompt chunk size.
         timed: Ask the engine for per-phase timings (adds syncs).
     """
@@ -83,22 +105,33 @@ def run(
             drafter.prefill(prompt_ids[:-1], prefill_step_size, Hidden.concat(parts))
         elif drafter is not None:
             drafter.prefill(prompt_ids[:-1], prefill_step_size)
-        yield Prefilled(len(prompt_ids), time.perf_counter() - start)
+        prefill_s = time.perf_counter() - start
         last = prompt_ids[-1]
+        choice = None
+        if drafter is not None:
+            k_max = num_draft_tokens if policy is None else getattr(policy, "k_max", getattr(policy, "k", None))
+            choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap)
+        yield Prefilled(len(prompt_ids), prefill_s, choice)
         if drafter is None:
             gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
         else:
+            strategy = choice.strategy if choice.strategy != "trim" else "carry"
             gen = speculative_generate_step(
                 last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
-                max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=rollback, timed=timed,
+                max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=strategy, timed=timed,
                 tap=tap,
             )
         while True:
             start = time.perf_counter()
             block = next(gen, None)
             if block is None:
-                return
+                break
             yield Step(block, time.perf_counter() - start)
+        gen.close()  # the engine's exit (a carry flushed) happens before the caches are measured
+        sizes = {"target": cache.nbytes}
+        if isinstance(getattr(drafter, "cache", None), ModelCache):
+            sizes["drafter"] = drafter.cache.nbytes
+        yield Finished(sizes)
     finally:
         if gen is not None:
             gen.close()
@@ -110,9 +143,9 @@ def collect(events) -> tuple[Stats, list[int]]:
     """Consume a :func:`run` stream into its statistics and generated tokens."""
     stats, tokens = Stats(), []
     for event in events:
-        if isinstance(event, Prefilled):
-            stats.prompt_tokens, stats.prefill_s = event.prompt_tokens, event.seconds
-        else:
+        if isinstance(event, Step):
             stats.add(event.block, event.seconds)
             tokens += event.block.tokens
+        else:
+            stats.note(event)
     return stats, tokens

@@ -40,6 +40,19 @@ class Stats:
     verify_s: float = 0.0
     rollback_s: float = 0.0
     finish_reason: Optional[str] = None
+    # The recurrent rollback strategy chosen and why (RollbackChoice.to_dict()).
+    rollback_choice: Optional[dict] = None
+    # Bytes held by the layer caches when generation ended: target, drafter.
+    cache_bytes: dict = field(default_factory=dict)
+
+    def note(self, event) -> None:
+        """Take what a runner's ``Prefilled`` or ``Finished`` event reports."""
+        if hasattr(event, "prompt_tokens"):
+            self.prompt_tokens, self.prefill_s = event.prompt_tokens, event.seconds
+            if getattr(event, "rollback", None) is not None:
+                self.rollback_choice = event.rollback.to_dict()
+        if getattr(event, "cache_bytes", None) is not None:
+            self.cache_bytes = dict(event.cache_bytes)
 
     def add(self, block: Block, seconds: float) -> None:
         """Count one block that took ``seconds`` inside the engine."""
@@ -131,6 +144,8 @@ class Stats:
             "accepted_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "acceptance_by_position": self.acceptance_by_position,
             "rollbacks": dict(self.rollbacks),
+            "rollback_choice": self.rollback_choice,
+            "cache_bytes": self.cache_bytes,
             "rollback_s": self.rollback_s if self.timed_blocks else None,
             "phase_ms": self.phase_ms,
             "syncs_per_block": self.syncs / self.blocks if self.blocks else 0.0,
