@@ -38,8 +38,8 @@ from .hooks import RecurrentSteps, StepRecord, recurrent_steps
 # How far (in tokens) a restore may go below the offset at which the latest
 # forward started, unless a user of the cache asks for more (ensure_reach).
 # The engine's target needs 1 (plain decoding's queued step); a draft model
-# needs its draft length + 2 and asks for it.
-DEFAULT_REACH = 16
+# needs its draft length + 2 and asks for it. Going further raises.
+DEFAULT_REACH = 4
 
 
 class WindowKVCache(KVCache):

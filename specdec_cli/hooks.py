@@ -361,7 +361,8 @@ class StepRecord:
         return self.states[m - 1] if self.states else self.replay(m)
 
     def tape_bytes(self) -> int:
-        return sum(a.nbytes for a in self.tape if isinstance(a, mx.array))
+        flat = [a for t in self.tape for a in (t if isinstance(t, tuple) else (t,))]
+        return sum({id(a): a.nbytes for a in flat if isinstance(a, mx.array)}.values())
 
 
 def _rebind(fn: Callable, name: str, replacement: Callable) -> Callable:

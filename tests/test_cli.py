@@ -23,7 +23,7 @@ ANSI = re.compile(r"\x1b\[")
 JSON_FIELDS = {
     "text", "prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_tps", "blocks",
     "block_size", "drafted", "accepted", "acceptance", "mean_accepted_per_block", "drafter",
-    "rollback", "rollback_s",
+    "rollback", "rollback_s", "rollback_choice", "cache_bytes",
 }
 
 
@@ -93,14 +93,19 @@ def test_json_is_one_object_with_the_documented_fields(models):
     # Random weights may emit EOS early; otherwise the limit stops it.
     assert report["finish_reason"] in ("stop", "length")
     assert report["generated_tokens"] == 24 or report["finish_reason"] == "stop"
-    assert report["drafter"] == "model" and report["rollback"] == "carry"  # the default for hybrids
+    # auto, the default: capture or tape for a GatedDeltaNet hybrid, measured at start.
+    assert report["drafter"] == "model" and report["rollback"] in ("capture", "tape")
+    choice = report["rollback_choice"]
+    assert choice["requested"] == "auto" and choice["strategy"] == report["rollback"]
+    assert "measured" in choice["reason"] and choice["capture_bytes"] > choice["tape_bytes"] > 0
+    assert set(report["cache_bytes"]) == {"target", "drafter"} and min(report["cache_bytes"].values()) > 0
     assert report["acceptance"] == pytest.approx(report["accepted"] / report["drafted"])
     assert report["rollback_s"] is None  # only measured with --verbose
     assert "Prompt:" not in result.stderr
 
 
 def test_rollback_strategy_option(models):
-    for strategy in ("reforward", "carry"):
+    for strategy in ("reforward", "carry", "capture", "tape"):
         result = invoke(*base(models, "qwen3_5", "qwen3_5-draft"), "Hi", "--json", "--compare-ar",
                         "--rollback", strategy, "--no-adaptive")
         assert result.exit_code == 0, result.output
@@ -112,6 +117,15 @@ def test_rollback_strategy_option(models):
     assert report["rollback"] == "trim"
     result = invoke(*base(models), "Hi", "--rollback", "magic")
     assert result.exit_code == 2
+
+
+def test_rollback_memory_cap_falls_back_to_tape_and_says_so(models):
+    result = invoke(*base(models, "qwen3_5", "qwen3_5-draft"), "Hi", "--rollback", "capture",
+                    "--rollback-memory-cap", "0.001", "--no-live")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^Rollback strategy: tape \(capture: capture would hold .* over the .* cap: tape instead\)",
+                     result.stderr, re.M), result.stderr
+    assert re.search(r"^Cache: target [\d.]+ MiB, drafter [\d.]+ MiB$", result.stderr, re.M)
 
 
 def test_verbose_times_the_phases(models):

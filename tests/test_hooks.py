@@ -111,3 +111,36 @@ def test_engine_hands_over_the_committed_rows_of_its_own_forwards(family, rollba
         assert mx.abs(a - b).max().item() < 1e-4
     # The tap is off the model once the run is over.
     assert "_specdec_base" not in type(model.model.layers[0]).__dict__
+
+
+# --- recurrent-layer hooks (capture / tape / one-token-formula verify) -----------
+
+
+def test_the_step_functions_keep_the_signatures_the_hooks_bind():
+    # The wrappers re-slice these arguments per token and call mlx-lm's own
+    # function with them: a renamed or reordered argument must fail here.
+    import inspect
+
+    from mlx_lm.models import gated_delta, mamba, ssm
+
+    gdn = list(inspect.signature(gated_delta.gated_delta_update).parameters)
+    assert gdn[:9] == ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask"]
+    ssm_params = list(inspect.signature(ssm.ssm_update).parameters)
+    assert ssm_params == ["hidden_states", "A_log", "B", "C", "D", "dt", "dt_bias", "state", "time_step_limit",
+                          "mask", "lengths"]
+    assert list(inspect.signature(mamba.MambaBlock.ssm_step).parameters) == ["self", "x", "A", "state"]
+
+
+@pytest.mark.parametrize("family,kind", [("qwen3_5", "GatedDeltaNet"), ("nemotron_h", "Mamba2")])
+def test_recurrent_hooks_install_and_pass_their_probe(family, kind):
+    from specdec_cli.hooks import RecurrentSteps
+    from specdec_cli.synthetic import TINY_CONFIGS, build_model
+
+    model = build_model(TINY_CONFIGS[family], seed=3, dtype=mx.float32)
+    steps = RecurrentSteps(model)
+    try:
+        assert steps.covered, steps.problem
+        assert steps.kinds and set(steps.kinds) == {kind}
+    finally:
+        steps.close()
+    assert not any("_specdec_steps_base" in vars(type(m)) for m in model.modules())
