@@ -8,11 +8,19 @@ chosen layer *instances* (never their classes): each gets a one-off subclass
 whose ``__call__`` records its output; closing the tap gives the instance its
 class back. :func:`target_parts` finds the embedding and the lm_head.
 
-Both are capability-checked when installed (the backbone, its layer list and
+Recurrent rollback (capture / tape) needs the state of a GatedDeltaNet,
+Mamba2 or Mamba layer after every token of a verify forward, which mlx-lm
+never returns: :class:`RecurrentSteps` gives each such mixer instance a
+one-off subclass that runs mlx-lm's own recurrence one token at a time (the
+formula plain decoding uses) and records the states or their inputs.
+
+All are capability-checked when installed (the backbone, its layer list and
 its final norm are found, and the tapped final state through the lm_head
-reproduces the model's logits on a probe), so an mlx-lm release that moves
-these internals fails before the first token, and ``tests/test_hooks.py``
-fails loudly for every covered family.
+reproduces the model's logits on a probe; the recorded per-token states
+reproduce what mlx-lm stores, on a probe), so an mlx-lm release that moves
+these internals fails before the first token (or falls back, saying why),
+and ``tests/test_hooks.py`` / ``tests/test_rollback.py`` fail loudly for
+every covered family.
 """
 
 from __future__ import annotations
