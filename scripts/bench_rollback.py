@@ -104,6 +104,19 @@ def per_block(model, ids: list[int], k: int, repeats: int) -> dict:
             t = timed(lambda: one_verify(None, x[: b + a + 1]))
             if rep:
                 longer[a].append(t)
+    # The verify overhead of recording, as the median of per-round ratios
+    # (the three verifies of a round run back to back, in rotating order).
+    ratios: dict[str, list] = {"capture": [], "tape": []}
+    for rep in range(2 * repeats + 1):
+        order = ["stock", "capture", "tape"]
+        random.Random(100 + rep).shuffle(order)
+        t = {}
+        for mode in order:
+            cache.restore(snap)
+            t[mode] = timed(lambda: one_verify(None if mode == "stock" else mode, x[:b]))
+        if rep:
+            for mode in ratios:
+                ratios[mode].append(t[mode] / t["stock"])
     cache.restore(snap)
     med = statistics.median
     v_stock = med(verify["stock"])
@@ -113,6 +126,7 @@ def per_block(model, ids: list[int], k: int, repeats: int) -> dict:
     out["rollback_ms"]["carry"] = {a: (med(longer[a]) - v_stock if a < k else 0.0) for a in range(k + 1)}
     spread = {s: (max(v) - min(v)) / med(v) for s, v in verify.items()}
     out["verify_spread"] = spread  # (max - min) / median over repeats: how noisy the machine was
+    out["verify_ratio"] = {m: {"median": med(r), "quartiles": statistics.quantiles(r, n=4)} for m, r in ratios.items()}
     return out
 
 
@@ -202,6 +216,8 @@ def print_block(r: dict) -> None:
           f"({100 * (v['capture'] / v['stock'] - 1):+.1f}%), tape {v['tape']:.1f} "
           f"({100 * (v['tape'] / v['stock'] - 1):+.1f}%); spread over repeats "
           + ", ".join(f"{s} {100 * x:.0f}%" for s, x in r["verify_spread"].items()))
+    print("verify / stock verify, median of back-to-back rounds (quartiles): " + ", ".join(
+        f"{m} {q['median']:.3f} ({q['quartiles'][0]:.3f}-{q['quartiles'][2]:.3f})" for m, q in r["verify_ratio"].items()))
     print(f"{'accepted a':>10} " + " ".join(f"{s:>16}" for s in STRATEGIES))
     for a in range(k + 1):
         cells = []

@@ -116,6 +116,10 @@ class WindowKVCache(KVCache):
         self.keys[..., used : used + n, :] = keys
         self.values[..., used : used + n, :] = values
         self.offset += n
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        # What this forward's attention sees (layers sharing this cache read it here too).
         end = self.offset - self.start
         return self.keys[..., :end, :], self.values[..., :end, :]
 
