@@ -129,8 +129,11 @@ def run(
             yield Step(block, time.perf_counter() - start)
         gen.close()  # the engine's exit (a carry flushed) happens before the caches are measured
         sizes = {"target": cache.nbytes}
-        if isinstance(getattr(drafter, "cache", None), ModelCache):
-            sizes["drafter"] = drafter.cache.nbytes
+        held = getattr(drafter, "cache", None)
+        if isinstance(held, ModelCache):
+            sizes["drafter"] = held.nbytes
+        elif isinstance(held, list) and held and all(hasattr(c, "nbytes") for c in held):
+            sizes["drafter"] = sum(c.nbytes for c in held)  # a head's own KV caches (MTP)
         yield Finished(sizes)
     finally:
         if gen is not None:
