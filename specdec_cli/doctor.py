@@ -191,8 +191,11 @@ def lines(report: dict) -> list[str]:
     if hub.get("error"):
         rows.append(("hub", hub["error"]))
     else:
-        reach = {True: "reachable", False: "unreachable", None: ""}[hub["reachable"]]
-        rows.append(("hub", f"{hub['endpoint']}: {reach} ({hub['detail']})".replace(":  (", ": (")))
+        if hub["reachable"] is None:
+            rows.append(("hub", f"{hub['endpoint']}: {hub['detail']}"))
+        else:
+            reach = "reachable" if hub["reachable"] else "unreachable"
+            rows.append(("hub", f"{hub['endpoint']}: {reach} ({hub['detail']})"))
         rows.append(("hub cache", hub["cache_dir"]))
     m = report["default_model"]
     state = "intact (sizes and SHA-256 verified)" if m["intact"] else "DAMAGED: " + "; ".join(m["problems"])
