@@ -123,7 +123,7 @@ ModelOpt = Annotated[
 ]
 DraftModelOpt = Annotated[
     Optional[str],
-    typer.Option("--draft-model", help="Draft model (same tokenizer), or an MTP head sidecar: Hub repo id or local directory."),
+    typer.Option("--draft-model", help="Draft model (same tokenizer), an MTP head sidecar, or a DFlash block drafter for the target: Hub repo id or local directory."),
 ]
 PromptArg = Annotated[
     Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
@@ -150,7 +150,7 @@ DrafterOpt = Annotated[
 ]
 DraftPMinOpt = Annotated[
     Optional[float],
-    typer.Option("--draft-p-min", help="Stop drafting when the draft model's (or MTP head's) top-1 probability is below this."),
+    typer.Option("--draft-p-min", help="Stop drafting when the draft model's (MTP head's, DFlash slot's) top-1 probability is below this."),
 ]
 NgramMaxOpt = Annotated[Optional[int], typer.Option("--ngram-max", help="--drafter ngram: longest suffix matched. [default: 4]")]
 NgramMinOpt = Annotated[Optional[int], typer.Option("--ngram-min", help="--drafter ngram: shortest suffix matched. [default: 2]")]
@@ -169,7 +169,7 @@ def generate(
     block_size: Annotated[
         Optional[int],
         typer.Option("--block-size", min=1, help="Most tokens verified per target forward (drafts + 1). "
-                     "Default: 64 for lookup (each draft sized by its match), 4 otherwise."),
+                     "Default: 64 for lookup (each draft sized by its match), a DFlash drafter's own block size, 4 otherwise."),
     ] = None,
     num_draft_tokens: Annotated[
         Optional[int], typer.Option("--num-draft-tokens", min=0, help="mlx-lm's spelling of block size - 1.")

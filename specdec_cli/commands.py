@@ -25,11 +25,13 @@ from .display import (
     sweep_progress,
     text_view,
 )
-from .drafters import Drafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
+from .drafters import DFlashDrafter, Drafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
+from .drafters.dflash import check_target
 from .drafters.history import tokenizer_fingerprint
 from .drafters.mtp import LoadedHead, MTPDrafter
 from .errors import OptionError
-from .loading import Loaded, check_same_tokenizer, is_mtp_sidecar, load, load_mtp, resolve
+from .hooks import TargetParts, target_parts
+from .loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
 from .measure import SweepResult, sweep
 from .runner import Step, run
 from .sampling import SamplingParams
@@ -112,6 +114,8 @@ class Setup:
     prompt_ids: list[int]
     history: Optional[LookupHistory] = None
     mtp: Optional[LoadedHead] = None
+    # The target's embedding and lm_head, for drafters that reuse them (dflash).
+    parts: Optional[TargetParts] = None
 
     @property
     def tokenizer(self):
@@ -129,9 +133,24 @@ class Setup:
 
     @property
     def drafter_name(self) -> str:
-        if self.kind == "mtp" and self.options.draft_model:
-            return f"mtp ({self.options.draft_model})"
+        if self.kind in ("mtp", "dflash") and self.options.draft_model:
+            return f"{self.kind} ({self.options.draft_model})"
         return f"model ({self.options.draft_model})" if self.draft else self.kind
+
+    def block_size(self, requested: Optional[int], resolved: int) -> int:
+        """The block size to run. A DFlash drafter brings its own default and limit (its trained
+        block size), known only once it is loaded; ``requested`` is None when no option set one."""
+        if self.kind != "dflash":
+            return resolved
+        config = self.draft.model.config
+        if requested is None:
+            return config.default_block_size
+        if requested > config.block_size:
+            raise OptionError(
+                f"the DFlash drafter fills blocks of at most {config.block_size} tokens: "
+                f"give --block-size <= {config.block_size}"
+            )
+        return requested
 
     def make_drafter(self, policy=None) -> Drafter:
         """A fresh drafter for one run; a lookup drafter sizes its drafts with ``policy`` when it learns."""
@@ -143,6 +162,8 @@ class Setup:
             return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
         if self.kind == "mtp":
             return MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
+        if self.kind == "dflash":
+            return DFlashDrafter(self.draft.model, self.parts, p_min=opts.draft_p_min or 0.0)
         return ModelDrafter(self.draft.model, vocab_size=_vocab_size(self.target.config),
                             p_min=opts.draft_p_min or 0.0)
 
@@ -158,8 +179,15 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     """Read the prompt, load target (and draft model), check tokenizers, encode the prompt."""
     text = read_prompt(opts.prompt_arg, opts.prompt)
     target = load_target(opts)
-    draft = mtp = None
+    draft = mtp = parts = None
     draft_path = resolve(opts.draft_model) if opts.draft_model else None
+    if kind == "model" and is_dflash(draft_path):
+        # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
+        # width and vocabulary.
+        kind = "dflash"
+        draft = load_dflash(opts.draft_model, opts.dtype, path=draft_path)
+        parts = target_parts(target.model)
+        check_target(draft.model.config, parts)
     if kind == "model" and opts.drafter is None and is_mtp_sidecar(draft_path):
         kind = "mtp"  # --draft-model names an MTP-only folder
     if kind == "mtp":
@@ -176,7 +204,7 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
         if history.warning:
             print_stderr([f"warning: {history.warning}"])
-    return Setup(opts, kind, target, draft, prompt_ids, history, mtp)
+    return Setup(opts, kind, target, draft, prompt_ids, history, mtp, parts)
 
 
 def load_target(opts: ModelOptions) -> Loaded:
@@ -308,6 +336,8 @@ def generate_command(opts: GenerateOptions) -> int:
     if opts.seed is not None:
         mx.random.seed(opts.seed)
     setup = load_setup(opts, kind)
+    asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
+    kind, block_size = setup.kind, setup.block_size(asked, block_size)
     target, tokenizer, prompt_ids = setup.target, setup.tokenizer, setup.prompt_ids
     drafter_name = setup.drafter_name
 
@@ -438,6 +468,8 @@ def sweep_command(opts: SweepOptions) -> int:
     for size in sizes:
         check_block_size(size, kind, "--block-sizes")
     setup = load_setup(opts, kind)
+    for size in sizes:
+        setup.block_size(size, size)
     events = sweep(
         setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=opts.max_tokens,
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,

@@ -132,6 +132,16 @@ def _tap(module: nn.Module, sink: Callable[[mx.array], None]) -> None:
     module.__class__ = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__, "_specdec_base": cls})
 
 
+def _tap_input(module: nn.Module, sink: Callable[[mx.array], None]) -> None:
+    cls = type(module)
+
+    def __call__(self, *args, **kwargs):
+        sink(args[0] if args else next(iter(kwargs.values())))
+        return cls.__call__(self, *args, **kwargs)
+
+    module.__class__ = type(f"Probed{cls.__name__}", (cls,), {"__call__": __call__, "_specdec_base": cls})
+
+
 def _untap(module: nn.Module) -> None:
     base = type(module).__dict__.get("_specdec_base")
     if base is not None:
@@ -158,16 +168,24 @@ class TargetParts:
     softcap: Optional[float] = None
     embed_scale: Optional[float] = None
 
+    # mlx-lm's gemma3_text rounds its embed scale through bfloat16 first.
+    embed_scale_dtype: Optional[mx.Dtype] = None
+
     def embed(self, tokens: mx.array) -> mx.array:
         """Token embeddings as the target's first layer sees them ``[T, H]``."""
         h = self.embed_tokens(tokens)
         if self.embed_scale is not None:
-            h = h * mx.array(self.embed_scale, dtype=h.dtype)
+            scale = mx.array(self.embed_scale, dtype=self.embed_scale_dtype or h.dtype)
+            h = h * scale.astype(h.dtype)
         return h
+
+    def head(self, h: mx.array) -> mx.array:
+        """The target's lm_head (or tied embedding) alone, without the final softcap."""
+        return self.lm_head(h) if self.lm_head is not None else self.embed_tokens.as_linear(h)
 
     def logits(self, h: mx.array) -> mx.array:
         """The target's lm_head (tied embedding, final softcap) on final-normed states."""
-        out = self.lm_head(h) if self.lm_head is not None else self.embed_tokens.as_linear(h)
+        out = self.head(h)
         if self.softcap:
             out = mx.tanh(out / self.softcap) * self.softcap
         return out
@@ -195,9 +213,11 @@ def target_parts(model: nn.Module) -> TargetParts:
     lm_head = parent.get("lm_head") if isinstance(parent, dict) else None
     args = _args(model)
     softcap = getattr(args, "final_logit_softcapping", None)
-    scale = None
-    if type(model).__module__.rsplit(".", 1)[-1].startswith("gemma"):
+    scale, scale_dtype = None, None
+    family = type(stack).__module__.rsplit(".", 1)[-1]
+    if family.startswith("gemma") or family == "recurrent_gemma":
         scale = float(getattr(args, "hidden_size", 0) or 0) ** 0.5
+        scale_dtype = mx.bfloat16 if family == "gemma3_text" else None
     weight = embed.weight if hasattr(embed, "weight") else None
     parts = TargetParts(
         model=model,
@@ -209,19 +229,34 @@ def target_parts(model: nn.Module) -> TargetParts:
         vocab_size=int(getattr(args, "vocab_size", 0) or (weight.shape[0] if weight is not None else 0)),
         softcap=float(softcap) if softcap else None,
         embed_scale=scale,
+        embed_scale_dtype=scale_dtype,
     )
-    _probe(model, parts)
+    _probe(model, parts, layers[0])
     return parts
 
 
-def _probe(model: nn.Module, parts: TargetParts) -> None:
-    # The final-normed state through the lm_head found must give the model's logits.
+def _probe(model: nn.Module, parts: TargetParts, first: nn.Module) -> None:
+    # The final-normed state through the lm_head found must give the model's
+    # logits, and our embedding must be exactly what the first layer receives.
     from .caches import ModelCache
 
     cache = ModelCache(model)
-    with HiddenTap(model, TapSpec(final=True)) as tap:
-        logits = cache.feed(mx.array([1, 2], dtype=mx.uint32))
-        hidden = tap.take()
+    received: list = []
+    ids = mx.array([1, 2], dtype=mx.uint32)
+    _tap_input(first, received.append)
+    try:
+        with HiddenTap(model, TapSpec(final=True)) as tap:
+            logits = cache.feed(ids)
+            hidden = tap.take()
+    finally:
+        _untap(first)
+    if not received or received[0].shape[-2:] != (2, parts.hidden_size) or not mx.array_equal(
+            parts.embed(ids), received[0][0]).item():
+        raise UnsupportedModelError(
+            f"{type(model).__module__}: the token embedding specdec found is not what the first decoder "
+            "layer receives (this architecture transforms it first), so a drafter that embeds with the "
+            "target's embedding cannot run on it; use a draft model or --drafter lookup"
+        )
     ours = parts.logits(hidden.final[None])[0]
     if ours.shape != logits.shape or not mx.allclose(ours.astype(mx.float32), logits.astype(mx.float32),
                                                       rtol=1e-3, atol=1e-3).item():

@@ -176,6 +176,49 @@ def load(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) ->
     return Loaded(name, path, model, tokenizer, config, describe_dtype(model, config))
 
 
+def is_dflash(path: Optional[Path]) -> bool:
+    """True when ``path`` holds a DFlash block drafter (any DFlash architecture, DFlash2 included)."""
+    if path is None:
+        return False
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError):
+        return False
+    return any(str(a).startswith("DFlash") for a in archs)
+
+
+def load_dflash(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) -> Loaded:
+    """Load a DFlash drafter checkpoint (config.json + safetensors; no tokenizer of its own).
+
+    ``dtype`` and ``path`` as for :func:`load` (``auto`` included).
+
+    Raises:
+        ModelLoadError: Missing or unreadable files, missing weights.
+        UnsupportedModelError: DFlash2, a missing mask token id, or extras it would not use.
+    """
+    from .drafters.dflash import load_dflash_model
+
+    path = resolve(name) if path is None else path
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'} ({e})") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no .safetensors weights for the DFlash drafter")
+    weights: dict[str, mx.array] = {}
+    try:
+        for f in files:
+            weights.update(mx.load(str(f)))
+    except Exception as e:  # mlx raises plain runtime errors on bad files
+        raise ModelLoadError(f"cannot read the DFlash weights in {path} ({e})") from None
+    model = load_dflash_model(config, weights)
+    dtype = resolve_dtype(dtype)
+    if dtype is not None:
+        cast(model, DTYPES[dtype])
+    return Loaded(name, path, model, None, config, describe_dtype(model, config))
+
+
 def cast(model: nn.Module, dtype: mx.Dtype) -> None:
     """Dequantize ``model`` if needed and cast its floating weights to ``dtype``.
 

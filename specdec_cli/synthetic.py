@@ -241,3 +241,90 @@ def make_model_dir(
     if noise:
         perturb(model, noise, seed=seed + 1000)
     return save_model_dir(path, model, config)
+
+
+def dflash_config(
+    target_config: dict[str, Any],
+    *,
+    schema: str = "new",
+    layers: int = 1,
+    block_size: int = 8,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    causal: bool | None = None,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    rope: dict[str, Any] | None = None,
+    heads: tuple[int, int] = (4, 2),
+    head_dim: int = 16,
+    intermediate_size: int | None = None,
+) -> dict[str, Any]:
+    """A ``DFlashDraftModel`` config.json for ``target_config``, in either published schema.
+
+    ``schema="old"``: root ``block_size``/``rope_theta``/``rope_scaling``, ``dflash_config``
+    holding only ``mask_token_id`` and ``target_layer_ids``. ``schema="new"``: ``block_size``
+    in ``dflash_config``, RoPE in ``rope_parameters``.
+    """
+    text = target_config.get("text_config", target_config)
+    n_target = text["num_hidden_layers"]
+    ids = target_layer_ids if target_layer_ids is not None else sorted({0, n_target - 1})
+    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": text["hidden_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads[0],
+        "num_key_value_heads": heads[1],
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size or 2 * text["hidden_size"],
+        "vocab_size": text["vocab_size"],
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "num_target_layers": n_target,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "layer_types": layer_types or ["full_attention"] * layers,
+        "sliding_window": sliding_window,
+    }
+    dflash = {"mask_token_id": text["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+              "target_layer_ids": list(ids)}
+    if schema == "old":
+        cfg["block_size"] = block_size
+        cfg["rope_theta"] = rope["rope_theta"]
+        cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    else:
+        dflash["block_size"] = block_size
+        cfg["rope_parameters"] = rope
+    if causal is not None:
+        dflash["causal"] = causal
+    cfg["dflash_config"] = dflash
+    return cfg
+
+
+def save_dflash_dir(path: Path, config: dict[str, Any], seed: int = 0, prefix: str = "model.",
+                    dtype: mx.Dtype = mx.float32) -> Path:
+    """Random DFlash drafter weights in the publisher's layout (config.json + model.safetensors).
+
+    Every parameter is random (norm weights around 1), so a fidelity check
+    exercises each of them.
+    """
+    from .drafters.dflash import DFlashConfig, DFlashModel
+
+    model = DFlashModel(DFlashConfig.from_dict(config))
+    key = mx.random.key(seed)
+    leaves = tree_flatten(model.parameters())
+    keys = mx.random.split(key, len(leaves))
+    weights = {}
+    for (name, value), k in zip(leaves, keys):
+        noise = mx.random.normal(value.shape, key=k)
+        if value.ndim == 1:  # norms
+            w = 1.0 + 0.3 * noise
+        else:
+            w = noise * (value.shape[-1] ** -0.5)
+        weights[prefix + name] = w.astype(dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -113,6 +113,36 @@ def test_engine_hands_over_the_committed_rows_of_its_own_forwards(family, rollba
     assert "_specdec_base" not in type(model.model.layers[0]).__dict__
 
 
+def test_embedding_is_what_the_first_layer_receives_gemma_scale_included():
+    # gemma3_text rounds sqrt(hidden) through bfloat16 (sqrt(80) = 8.944 -> 8.9375); the
+    # embedding drafters reuse must be exactly what its first layer gets.
+    import copy
+
+    from specdec_cli.synthetic import TINY_CONFIGS, build_model
+
+    cfg = copy.deepcopy(TINY_CONFIGS["gemma3_text"])
+    cfg.update(hidden_size=80, head_dim=20, query_pre_attn_scalar=20)
+    model = build_model(cfg, seed=0)
+    parts = target_parts(model)  # the probe compares against layer 0's input
+    ids = mx.array(PROMPT[:6], dtype=mx.uint32)
+    exact = parts.embed(ids)
+    plain = parts.embed_tokens(ids) * (80**0.5)
+    assert not mx.array_equal(exact, plain).item()
+
+
+@pytest.mark.parametrize("family", ["granite", "minicpm"])
+def test_a_transformed_embedding_is_refused(family):
+    # These scale the embedding by a config multiplier before the first layer.
+    from zoo_configs import ZOO
+
+    from specdec_cli.errors import UnsupportedModelError
+    from specdec_cli.synthetic import build_model
+
+    model = build_model(ZOO[family], seed=0)
+    with pytest.raises(UnsupportedModelError, match="first decoder layer receives"):
+        target_parts(model)
+
+
 # --- recurrent-layer hooks (capture / tape / one-token-formula verify) -----------
 
 

@@ -9,10 +9,11 @@ got verified.
 """
 
 from .base import Draft, Drafter, no_draft
+from .dflash import DFlashDrafter
 from .history import LookupHistory
 from .lookup import LookupDrafter, NgramDrafter
 from .model import ModelDrafter
 from .suffix import SuffixDrafter
 
-__all__ = ["Draft", "Drafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter", "SuffixDrafter",
-           "no_draft"]
+__all__ = ["DFlashDrafter", "Draft", "Drafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter",
+           "SuffixDrafter", "no_draft"]
