@@ -159,7 +159,8 @@ def two_symbol(family: str):
     return model, target_parts(model)
 
 
-@pytest.mark.parametrize("family,rollback", [("qwen3", "carry"), ("qwen3_5", "carry"), ("qwen3_5", "reforward")])
+@pytest.mark.parametrize("family,rollback", [("qwen3", "carry"), ("qwen3_5", "carry"), ("qwen3_5", "reforward"),
+                                             ("qwen3_5", "capture"), ("qwen3_5", "tape")])
 def test_speculative_equals_plain_and_the_context_is_the_one_built_directly(family, rollback, tmp_path):
     target, parts = two_symbol(family)
     cfg = dflash_config(TINY_CONFIGS[family], layers=2, block_size=8,
