@@ -10,7 +10,8 @@ reading 5 target layers), after a prompt of --context tokens:
   c(1)      one plain target decode step (no tap)
   c(T)      a verify forward of T = block size tokens, with the hidden-state tap on
   d(bs)     one drafter forward: the block of bs slots plus one new context row
-            projected (what each block pays), drafts evaluated
+            projected (what each block pays), drafts evaluated; and, apart, the
+            target's lm_head on the bs-1 draft rows (part of d)
 
 All are medians of interleaved repeats (min and max are printed: the machine
 is shared). The analytic speedup of a block of size bs on a pure-attention
@@ -120,10 +121,21 @@ def main() -> None:
             drafter.cancel()
         return go
 
+    def head(bs: int):
+        # The target's lm_head on the bs-1 draft rows alone: the part of d(bs) the drafter
+        # borrows from the target (a large vocabulary makes it most of it on a CPU).
+        h = mx.random.normal((bs - 1, args.hidden), key=mx.random.key(2))
+        mx.eval(h)
+
+        def go() -> None:
+            mx.eval(parts.head(h))
+        return go
+
     jobs = {"decode": decode}
     for bs in sizes:
         jobs[f"verify{bs}"] = verify(bs)
         jobs[f"draft{bs}"] = draft(bs)
+        jobs[f"head{bs}"] = head(bs)
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for name, job in jobs.items():  # warm-up: first calls of new shapes compile
         job()
@@ -147,14 +159,17 @@ def main() -> None:
         v, d = statistics.median(times[f"verify{bs}"]), statistics.median(times[f"draft{bs}"])
         curve = {L: L * c1 / (d + v) for L in range(1, bs + 1)}
         v_min, d_min = min(times[f"verify{bs}"]), min(times[f"draft{bs}"])
+        lm = statistics.median(times[f"head{bs}"])
         report["blocks"][bs] = {"verify_over_decode": v / c1, "draft_over_decode": d / c1,
                                 "speedup_by_tokens_per_block": curve,
                                 "break_even_tokens_per_block": (d + v) / c1,
+                                "lm_head_over_decode": lm / c1,
                                 "from_minima": {"verify_over_decode": v_min / c1_min,
                                                 "draft_over_decode": d_min / c1_min,
                                                 "break_even_tokens_per_block": (d_min + v_min) / c1_min}}
         print(f"bs={bs:2d}: drafter forward d = {d / c1:.2f} x c(1) ({1e3 * d:.1f} ms), verify c({bs}) = "
-              f"{v / c1:.2f} x c(1); break-even at {(d + v) / c1:.2f} tokens per block")
+              f"{v / c1:.2f} x c(1); break-even at {(d + v) / c1:.2f} tokens per block; "
+              f"of d, the target's lm_head on {bs - 1} rows: {lm / c1:.2f} x c(1)")
         print(f"       (from minima: d = {d_min / c1_min:.2f}, c({bs}) = {v_min / c1_min:.2f}, "
               f"break-even {(d_min + v_min) / c1_min:.2f})")
         print("       L (tokens/block): " + "  ".join(f"{L:>5d}" for L in curve))
