@@ -16,8 +16,9 @@ The protocol is three calls on :class:`ModelCache`:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +28,7 @@ from mlx_lm.models.cache import (
     ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
     create_attention_mask,
     make_prompt_cache,
@@ -145,6 +147,19 @@ class WindowKVCache(KVCache):
                 self.values[..., lo - self.start : self.offset - self.start, :])
 
 
+class WindowQuantizedKVCache(QuantizedKVCache):
+    """``--kv-bits`` for a sliding-window layer: every key kept (quantized), the window in the mask."""
+
+    def __init__(self, window: int, group_size: int = 64, bits: int = 8):
+        super().__init__(group_size=group_size, bits=bits)
+        self.window = window
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size or self.window
+        )
+
+
 class ChunkKVCache(ChunkedKVCache):
     """mlx-lm's ``ChunkedKVCache`` (chunked attention, llama4) that keeps every key.
 
@@ -188,12 +203,36 @@ def _to_layout(cache: Any, reach: int = DEFAULT_REACH) -> Any:
     return cache
 
 
-def make_cache(model: nn.Module, reach: int = DEFAULT_REACH) -> list[Any]:
+# mx.quantize's supported settings (mlx-lm's --kv-bits / --kv-group-size).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def _quantized(cache: Any, bits: int, group_size: int) -> Any:
+    """The quantized twin of a layout cache: per-token quantization, so a trim stays an offset move."""
+    if type(cache) is KVCache:
+        return QuantizedKVCache(group_size=group_size, bits=bits)
+    if type(cache) is WindowKVCache:
+        return WindowQuantizedKVCache(cache.window, group_size=group_size, bits=bits)
+    if type(cache) is ChunkKVCache:
+        raise UnsupportedModelError(
+            "chunked attention (llama4) has no quantized KV cache in mlx-lm: drop --kv-bits"
+        )
+    if isinstance(cache, CacheList):
+        return CacheList(*[_quantized(c, bits, group_size) for c in cache.caches])
+    return cache  # recurrent state is not a KV cache: it stays as it is
+
+
+def make_cache(model: nn.Module, reach: int = DEFAULT_REACH, kv_bits: Optional[int] = None,
+               kv_group_size: int = 64) -> list[Any]:
     """Build the model's cache list in the all-KVCache layout.
 
     Args:
         model: The mlx-lm model.
         reach: Tokens a restore may go below the latest forward's start (sliding-window layers).
+        kv_bits: Quantize every attention layer's keys and values to this many
+            bits (mlx-lm's ``QuantizedKVCache``); None keeps them as computed.
+        kv_group_size: Quantization group size along the head dimension.
 
     Raises:
         UnsupportedModelError: A layer's cache cannot be rolled back exactly.
@@ -204,9 +243,33 @@ def make_cache(model: nn.Module, reach: int = DEFAULT_REACH) -> list[Any]:
             f"{arch} cannot be verified exactly: {_REFUSED[arch]}; run it with plain decoding (mlx_lm.generate)"
         )
     layout = [_to_layout(c, reach) for c in make_prompt_cache(model)]
+    if kv_bits is not None:
+        layout = [_quantized(c, kv_bits, kv_group_size) for c in layout]
     for leaf in _leaves(layout):
         _kind(leaf)  # capability check: refuse before the first token
     return layout
+
+
+def check_kv_quantization(model: nn.Module, bits: int, group_size: int) -> None:
+    """Refuse by name a model whose attention cannot read a quantized KV cache.
+
+    mlx-lm's attention helper handles ``QuantizedKVCache``; a family with its
+    own attention code may not. One two-token forward on fresh caches tells.
+
+    Raises:
+        UnsupportedModelError: Naming the family and what failed.
+    """
+    arch = type(model).__module__.rsplit(".", 1)[-1]
+    layout = make_cache(model, kv_bits=bits, kv_group_size=group_size)
+    try:
+        logits = model(mx.array([[0, 0]], dtype=mx.uint32), cache=layout)
+        mx.eval(logits)
+    except Exception as e:  # model code raises whatever its ops raise
+        detail = " ".join(str(e).split())[:200]
+        raise UnsupportedModelError(
+            f"{arch} cannot run with a quantized KV cache (--kv-bits {bits} --kv-group-size {group_size}): "
+            f"{detail}; drop --kv-bits or try another --kv-group-size"
+        ) from None
 
 
 def _leaves(caches: Sequence[Any]) -> list[Any]:
@@ -220,12 +283,16 @@ def _leaves(caches: Sequence[Any]) -> list[Any]:
 
 
 _ATTENTION, _RECURRENT = "attention", "recurrent"
+# A prefill sized by time starts with small chunks (quick on any backend) and
+# never goes below the minimum, where one forward's fixed cost would dominate.
+_FIRST_TIMED_CHUNK = 32
+_MIN_TIMED_CHUNK = 16
 
 
 def _kind(leaf: Any) -> str:
     # Exact types (or our own subclass): a subclass of KVCache in some model
     # file could override update_and_fetch and break the offset contract.
-    if type(leaf) in (KVCache, WindowKVCache, ChunkKVCache):
+    if type(leaf) in (KVCache, WindowKVCache, ChunkKVCache, QuantizedKVCache, WindowQuantizedKVCache):
         return _ATTENTION
     if type(leaf) is ArraysCache:
         return _RECURRENT
@@ -273,6 +340,8 @@ class ModelCache:
         self.steps: RecurrentSteps | None = recurrent_steps(model) if self._recurrent else None
         # The records of the last forward fed with record=..., and its length.
         self._recorded: list[StepRecord] | None = None
+        # Chunk sizes of the last prefill.
+        self.chunks: list[int] = []
 
     @property
     def recurrent(self) -> bool:
@@ -320,16 +389,26 @@ class ModelCache:
             return "the model has no recurrent layers"
         return None if self.steps is None else self.steps.problem
 
-    def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None) -> list:
-        """Feed ``tokens`` in chunks of ``step_size``, evaluating each chunk.
+    def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None, *,
+                seconds: Optional[float] = None, sizes: Optional[Sequence[int]] = None) -> list:
+        """Feed ``tokens`` in chunks, evaluating each chunk.
+
+        Chunks are ``step_size`` tokens, unless ``seconds`` sizes them by time
+        or ``sizes`` gives them. The sizes used are left in ``self.chunks``:
+        the same sizes give bit-identical caches (matmul results depend on the
+        row count), so a run compared with another one reuses them.
 
         The prompt goes through mlx-lm's own several-token path (as plain
         decoding's prefill does).
 
         Args:
             tokens: Token ids.
-            step_size: Tokens per chunk.
+            step_size: Tokens per chunk (the most, when sized by time).
             tap: A :class:`~specdec_cli.hooks.HiddenTap` on the model, or None.
+            seconds: Aim each chunk's evaluation at about this long: the size
+                adapts to the measured speed (which falls as the context
+                grows), so no single evaluation keeps the host waiting long.
+            sizes: Exact chunk sizes (a schedule from an earlier prefill).
 
         Returns:
             With a tap, the hidden states it recorded, one evaluated part per chunk.
@@ -337,12 +416,19 @@ class ModelCache:
         if step_size < 1:
             raise ValueError("step_size must be >= 1")
         ids = mx.array(list(tokens), dtype=mx.uint32)
+        n = ids.shape[0]
+        self.chunks = []
         parts = []
         self._recorded = None
-        for start in range(0, ids.shape[0], step_size):
-            chunk = ids[start : start + step_size]
-            self._forward(chunk, "off")
-            self.length += chunk.shape[0]
+        size = min(step_size, _FIRST_TIMED_CHUNK) if seconds else step_size
+        start = 0
+        while start < n:
+            if sizes is not None and len(self.chunks) < len(sizes):
+                size = sizes[len(self.chunks)]
+            size = max(1, min(size, n - start))
+            t0 = time.perf_counter()
+            self._forward(ids[start : start + size], "off")
+            self.length += size
             extra = []
             if tap is not None:
                 parts.append(tap.take())
@@ -350,6 +436,15 @@ class ModelCache:
             mx.eval(self.state_arrays(), extra)
             # Free the chunk's intermediate buffers before the next one.
             mx.clear_cache()
+            elapsed = time.perf_counter() - t0
+            self.chunks.append(size)
+            start += size
+            if seconds and sizes is None:
+                # The measured rate sets the next size, damped (x0.5 .. x2: one
+                # slow chunk on a busy machine must not collapse the rest), and
+                # never so small that each forward's fixed cost dominates.
+                want = size * seconds / max(elapsed, 1e-6)
+                size = int(min(step_size, max(_MIN_TIMED_CHUNK, size / 2, min(want, 2 * size))))
         return parts
 
     def snapshot(self) -> Snapshot:
@@ -429,20 +524,16 @@ class ModelCache:
     @property
     def nbytes(self) -> int:
         """Bytes the layer caches hold (buffers included)."""
-        total = 0
-        for c in self._attention:
-            if c.keys is not None:
-                total += c.keys.nbytes + c.values.nbytes
-        for c in self._recurrent:
-            total += sum(a.nbytes for a in c.cache if a is not None)
-        return total
+        return sum(a.nbytes for a in self.state_arrays())
 
     def state_arrays(self) -> list[mx.array]:
         """Every array the caches hold (for ``mx.eval`` at a timing barrier)."""
         arrays = []
         for c in self._attention:
             if c.keys is not None:
-                arrays += [c.keys, c.values]
+                # A quantized cache holds (data, scales, biases) tuples.
+                for x in (c.keys, c.values):
+                    arrays += list(x) if isinstance(x, (tuple, list)) else [x]
         for c in self._recurrent:
             arrays += [a for a in c.cache if a is not None]
         return arrays

@@ -1,29 +1,97 @@
 """The ``specdec`` command line: a thin Typer layer over the runner.
 
-All expected failures pass through :func:`error_boundary`: one line on stderr,
-a non-zero exit, no traceback (``--debug`` shows it).
+Every option is checked here, at the boundary (Typer ranges and callbacks,
+the range named in the error). All failures pass through one place: usage
+errors in :class:`_Group`, everything else in :func:`error_boundary`. Either
+way the user gets one line on stderr, a documented exit code, and no
+traceback (``--debug`` shows it).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import signal
 import sys
 from contextlib import contextmanager
 from enum import Enum
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from . import __version__
+from .defaults import DEFAULT_BLOCK_SIZE, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN
 from .errors import SpecdecError
 
-# Ctrl-C outside a run (while loading, say); commands define their own codes.
+# Exit codes (README "Limits and errors"); commands define 3 and return 130 themselves.
+EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a reader that went away leaves in shells
+
+
+def _err(line: str) -> None:
+    # One line, whatever the exception's message holds.
+    sys.stderr.write(" ".join(str(line).split()) + "\n")
+    sys.stderr.flush()
+
+
+def _help_option(option, panel: Optional[str] = None):
+    # -h/--help is a flag like the others (no <bool>).
+    if option is not None:
+        option.metavar = ""
+        option.rich_help_panel = panel
+    return option
+
+
+class _Command(TyperCommand):
+    def get_help_option(self, ctx):
+        return _help_option(super().get_help_option(ctx), "Output")
+
+
+class _Group(TyperGroup):
+    """Typer's group, with usage errors on one line instead of a boxed panel."""
+
+    def get_help_option(self, ctx):
+        return _help_option(super().get_help_option(ctx))
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        except Exception as e:
+            # Typer's vendored Click raises its own usage errors; we never import Click,
+            # so they are known by what they offer: a message and an exit code.
+            if not callable(getattr(e, "format_message", None)):
+                raise
+            ctx = getattr(e, "ctx", None)
+            if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+                typer.echo(ctx.get_help())
+                code = 0
+            else:
+                message = e.format_message().rstrip(".")
+                param = getattr(e, "param", None)
+                ranged = getattr(param, "_get_number_range_help_str", None)
+                span = ranged() if callable(ranged) else None
+                if span and span not in message:
+                    message += f" (range {span})"
+                where = f"; see '{ctx.command_path} -h'" if ctx is not None else ""
+                _err(f"error: {message}{where}")
+                code = getattr(e, "exit_code", EXIT_USAGE)
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Lossless speculative decoding for MLX / mlx-lm, hybrid and sliding-window models included.",
 )
 
@@ -43,19 +111,6 @@ class Rollback(str, Enum):
     tape = "tape"
 
 
-RollbackOpt = Annotated[
-    Rollback,
-    typer.Option("--rollback", help="Recurrent layers after a partial accept: keep the state of every verified "
-                 "token (capture), replay the recurrence alone (tape), re-feed the accepted tokens at once "
-                 "(reforward) or lead the next verify with them (carry); auto measures capture and tape at start."),
-]
-RollbackCapOpt = Annotated[
-    Optional[float],
-    typer.Option("--rollback-memory-cap", min=0.0, help="Most MiB of extra state capture may hold per verify; "
-                 "over it, tape is used instead."),
-]
-
-
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -63,10 +118,25 @@ class DType(str, Enum):
     float16 = "float16"
 
 
-def _err(line: str) -> None:
-    # One line, whatever the exception's message holds.
-    sys.stderr.write(" ".join(line.split()) + "\n")
-    sys.stderr.flush()
+def _quiet_stdout() -> None:
+    # The reader is gone: point stdout at /dev/null so that Python's own
+    # flush at exit does not fail a second time.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _unexpected(e: BaseException) -> str:
+    """Words for an exception nobody expected, without its class name."""
+    if isinstance(e, MemoryError):
+        return "out of memory: lower --max-tokens, shorten the prompt or pick a smaller model"
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"the system refused an operation: {e.strerror}{where}"
+    text = str(e).strip() or "no details"
+    return f"something went wrong inside specdec ({text}); run again with --debug for the traceback"
 
 
 @contextmanager
@@ -84,17 +154,39 @@ def error_boundary(debug: bool) -> Iterator[None]:
     except KeyboardInterrupt:
         _err("interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:
+        # `specdec ... | head`: the reader has what it wanted.
+        _quiet_stdout()
+        raise typer.Exit(EXIT_STDOUT_CLOSED) from None
     except Exception as e:  # the boundary: anything unexpected, still one line
         if debug:
             raise
-        _err(f"error: {type(e).__name__}: {e} (run again with --debug for the traceback)")
+        _err(f"error: {_unexpected(e)}")
         raise typer.Exit(1) from None
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM takes Ctrl-C's path: the text so far, the summary, exit 130."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(command, options_type, params: dict) -> None:
     """Run a command inside the error boundary; its parameters become its options."""
     debug = params.pop("debug")
-    with error_boundary(debug):
+    with _sigterm_as_interrupt(), error_boundary(debug):
         options = options_type(**{k: v.value if isinstance(v, Enum) else v for k, v in params.items()})
         code = command(options)
         if code:
@@ -110,102 +202,239 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+        bool, typer.Option("--version", callback=_version, is_eager=True, metavar="", help="Show the version.")
     ] = False,
 ) -> None:
     """Lossless speculative decoding for MLX / mlx-lm."""
 
 
-ModelOpt = Annotated[
-    Optional[str],
-    typer.Option("--model", help="Target model: Hub repo id or local directory. "
-                 "[default: the bundled SmolLM2-135M-Instruct, no network needed]", show_default=False),
-]
-DraftModelOpt = Annotated[
-    Optional[str],
-    typer.Option("--draft-model", help="Draft model (same tokenizer), an MTP head sidecar, or a DFlash block drafter for the target: Hub repo id or local directory."),
-]
-PromptArg = Annotated[
-    Optional[str], typer.Argument(metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)
-]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt; '-' reads stdin.")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.")]
-NoTemplateOpt = Annotated[
-    bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")
-]
-MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", min=1, help="Most tokens to generate.")]
-TempOpt = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy); > 0 samples losslessly.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed.")]
-DTypeOpt = Annotated[
-    DType,
-    typer.Option("--dtype", help="Cast both models (dequantizing if needed). auto: float32 on MLX's CPU "
-                 "backend, the checkpoint's own dtype (quantized stays quantized) on a GPU."),
-]
-PrefillOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Prompt tokens per prefill chunk.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
-DrafterOpt = Annotated[
-    Optional[DrafterKind],
-    typer.Option("--drafter", help="Who drafts: 'model' (implied by --draft-model), prompt 'lookup' (longest match; "
-                 "the default without one) 'ngram' (the simple n-gram lookup), or the target's own 'mtp' head (or the sidecar --draft-model names)."),
-]
-DraftPMinOpt = Annotated[
-    Optional[float],
-    typer.Option("--draft-p-min", help="Stop drafting when the draft model's (MTP head's, DFlash slot's) top-1 probability is below this."),
-]
-NgramMaxOpt = Annotated[Optional[int], typer.Option("--ngram-max", help="--drafter ngram: longest suffix matched. [default: 4]")]
-NgramMinOpt = Annotated[Optional[int], typer.Option("--ngram-min", help="--drafter ngram: shortest suffix matched. [default: 2]")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")]
+# --- checks at the boundary ---------------------------------------------------
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    # Ranges let NaN through (every comparison with it is false).
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _one_of(allowed: tuple[int, ...]):
+    def check(value: Optional[int]) -> Optional[int]:
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"{value} is not one of {', '.join(map(str, allowed))}")
+        return value
+
+    return check
+
+
+def _json_object(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise typer.BadParameter("""takes a JSON object, like '{"enable_thinking": false}'""")
+    return value
+
+
+# --- option declarations, grouped in help panels --------------------------------
+
+MODEL, PROMPT, DRAFTING, SAMPLING, OUTPUT, DIAGNOSTICS = (
+    "Model", "Prompt", "Drafting", "Sampling", "Output", "Diagnostics")
+FLAG = dict(metavar="")  # a flag shows as --x (or --x/--no-x), not <bool>
+
+
+def _default(text: str) -> dict:
+    # Options whose default is None (decided later) say what that means; the
+    # backslash keeps Rich from reading the brackets as markup.
+    return dict(show_default=False, help_suffix=f" \\[default: {text}]")
+
+
+OFF = dict(metavar="", **_default("off"))
+
+
+def _opt(*names: str, help: str, help_suffix: str = "", **kw) -> typer.models.OptionInfo:
+    return typer.Option(*names, help=help + help_suffix, **kw)
+
+
+ModelOpt = Annotated[Optional[str], _opt(
+    "--model", help="Target model: Hub repo id or local directory.", rich_help_panel=MODEL,
+    **_default("the bundled SmolLM2-135M-Instruct, no network needed"))]
+DraftModelOpt = Annotated[Optional[str], _opt(
+    "--draft-model", help="Draft model (same tokenizer), an MTP head sidecar, or a DFlash block drafter for "
+    "the target: Hub repo id or local directory.",
+    rich_help_panel=MODEL, **_default("none"))]
+DTypeOpt = Annotated[DType, _opt(
+    "--dtype", help="Cast both models (dequantizing if needed). auto: float32 on MLX's CPU backend, the "
+    "checkpoint's own dtype (quantized stays quantized) on a GPU.", rich_help_panel=MODEL)]
+AdapterOpt = Annotated[Optional[str], _opt(
+    "--adapter-path", help="LoRA adapters for the target (the directory mlx_lm.lora wrote).",
+    rich_help_panel=MODEL, **_default("none"))]
+TrustOpt = Annotated[bool, _opt(
+    "--trust-remote-code", help="Allow the model's own Python files (model and tokenizer).",
+    rich_help_panel=MODEL, **OFF)]
+ForceDownloadOpt = Annotated[bool, _opt(
+    "--force-download", help="Download a Hub model's files again (after a broken or cut download).",
+    rich_help_panel=MODEL, **OFF)]
+KvBitsOpt = Annotated[Optional[int], _opt(
+    "--kv-bits", callback=_one_of((2, 3, 4, 5, 6, 8)),
+    help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits (mlx-lm's QuantizedKVCache); "
+         "still exact against plain decoding with the same cache.",
+    rich_help_panel=MODEL, **_default("none, full precision"))]
+KvGroupOpt = Annotated[int, _opt(
+    "--kv-group-size", callback=_one_of((32, 64, 128)), help="Group size of --kv-bits: 32, 64 or 128.",
+    rich_help_panel=MODEL)]
+PrefillOpt = Annotated[int, _opt(
+    "--prefill-step-size", min=1, max=1 << 20,
+    help="The most prompt tokens per prefill chunk (chunks are also sized to about a second, "
+         "so Ctrl-C gets through).", rich_help_panel=MODEL)]
+
+PromptArg = Annotated[Optional[str], typer.Argument(
+    metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)]
+PromptOpt = Annotated[Optional[str], _opt(
+    "--prompt", "-p", help="The prompt; '-' reads stdin.", rich_help_panel=PROMPT, show_default=False)]
+SystemOpt = Annotated[Optional[str], _opt(
+    "--system-prompt", help="System message for the chat template.", rich_help_panel=PROMPT,
+    **_default("none"))]
+NoTemplateOpt = Annotated[bool, _opt(
+    "--ignore-chat-template", help="Use the prompt as is, without the chat template.",
+    rich_help_panel=PROMPT, **OFF)]
+TemplateConfigOpt = Annotated[Optional[str], _opt(
+    "--chat-template-config", callback=_json_object,
+    help="""JSON object for the chat template, e.g. '{"enable_thinking": false}'.""",
+    rich_help_panel=PROMPT, **_default("none"))]
+PrefillResponseOpt = Annotated[Optional[str], _opt(
+    "--prefill-response", help="The start of the assistant's reply, which generation continues.",
+    rich_help_panel=PROMPT, **_default("none"))]
+
+DrafterOpt = Annotated[Optional[DrafterKind], _opt(
+    "--drafter", help="Who drafts: a draft 'model', prompt 'lookup' (longest match), 'ngram' (the simple "
+    "n-gram lookup), or the target's own 'mtp' head (or the sidecar --draft-model names).", rich_help_panel=DRAFTING, **_default("model with --draft-model, else lookup"))]
+_LIMITS = ", ".join(f"{k} {v}" for k, v in MAX_BLOCK_SIZE.items())
+BlockSizeOpt = Annotated[Optional[int], _opt(
+    "--block-size", min=1, max=MAX_ANY_BLOCK_SIZE,
+    help=f"Most tokens verified per target forward (drafts + 1); at most {_LIMITS} (a DFlash drafter: its "
+    "trained block size).",
+    rich_help_panel=DRAFTING, **_default(", ".join(f"{k} {v}" for k, v in DEFAULT_BLOCK_SIZE.items())
+                                         + ", a DFlash drafter's own"))]
+NumDraftOpt = Annotated[Optional[int], _opt(
+    "--num-draft-tokens", min=0, max=MAX_ANY_BLOCK_SIZE - 1, help="mlx-lm's spelling of block size - 1.",
+    rich_help_panel=DRAFTING, **_default("block size - 1"))]
+DraftPMinOpt = Annotated[Optional[float], _opt(
+    "--draft-p-min", min=0.0, max=1.0, callback=_finite,
+    help="Stop drafting when the draft model's (MTP head's, DFlash slot's) top-1 probability is below this.",
+    rich_help_panel=DRAFTING, **_default("0, never stop early"))]
+NgramMaxOpt = Annotated[Optional[int], _opt(
+    "--ngram-max", min=1, max=MAX_NGRAM, help="--drafter ngram: longest suffix matched (>= --ngram-min).",
+    rich_help_panel=DRAFTING, **_default(str(NGRAM_MAX)))]
+NgramMinOpt = Annotated[Optional[int], _opt(
+    "--ngram-min", min=1, max=MAX_NGRAM, help="--drafter ngram: shortest suffix matched.",
+    rich_help_panel=DRAFTING, **_default(str(NGRAM_MIN)))]
+LookupHistoryOpt = Annotated[Optional[str], _opt(
+    "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in FILE, and "
+    "add this one (bounded; safe to delete; never changes the output).", rich_help_panel=DRAFTING,
+    **_default("none"))]
+AdaptiveOpt = Annotated[bool, _opt(
+    "--adaptive/--no-adaptive",
+    help="Adapt the draft length to acceptance; stop speculating while it is slower than plain decoding.",
+    rich_help_panel=DRAFTING, **FLAG)]
+RollbackOpt = Annotated[Rollback, _opt(
+    "--rollback", help="Recurrent layers after a partial accept: keep the state of every verified token "
+    "(capture), replay the recurrence alone (tape), re-feed the accepted tokens at once (reforward) or lead "
+    "the next verify with them (carry); auto measures capture and tape at start.", rich_help_panel=DRAFTING)]
+RollbackCapOpt = Annotated[Optional[float], _opt(
+    "--rollback-memory-cap", min=0.0, callback=_finite,
+    help="Most MiB of extra state capture may hold per verify; over it, tape is used instead.",
+    rich_help_panel=DRAFTING, **_default("no cap"))]
+
+MaxTokensOpt = Annotated[int, _opt(
+    "--max-tokens", "-m", min=1,
+    help="Most tokens to generate (fewer when the model's context ends first).", rich_help_panel=SAMPLING)]
+TempOpt = Annotated[float, _opt(
+    "--temp", min=0.0, callback=_finite, help="Sampling temperature (0 = greedy); > 0 samples losslessly.",
+    rich_help_panel=SAMPLING)]
+TopPOpt = Annotated[float, _opt(
+    "--top-p", min=0.0, max=1.0, callback=_finite, help="Nucleus sampling mass (0 = off).",
+    rich_help_panel=SAMPLING)]
+TopKOpt = Annotated[int, _opt(
+    "--top-k", min=0, max=1 << 24, help="Sample among the k most likely tokens (0 = off).",
+    rich_help_panel=SAMPLING)]
+MinPOpt = Annotated[float, _opt(
+    "--min-p", min=0.0, max=1.0, callback=_finite,
+    help="Drop tokens below min-p x the top probability (0 = off).", rich_help_panel=SAMPLING)]
+SeedOpt = Annotated[Optional[int], _opt(
+    "--seed", min=0, max=(1 << 32) - 1, help="Random seed.", rich_help_panel=SAMPLING, **_default("random"))]
+ExtraEosOpt = Annotated[Optional[List[str]], _opt(
+    "--extra-eos-token", help="Another token that ends generation (repeatable).",
+    rich_help_panel=SAMPLING, **_default("none"))]
+
+JsonOpt = Annotated[bool, _opt(
+    "--json", help="Print one JSON object on stdout, nothing else.", rich_help_panel=OUTPUT, **OFF)]
+LiveOpt = Annotated[bool, _opt(
+    "--live/--no-live", help="A live stats panel under the text (on a terminal).", rich_help_panel=OUTPUT,
+    **FLAG)]
+VerboseOpt = Annotated[bool, _opt(
+    "--verbose", help="Time each phase (adds two host syncs per block); show the memory estimate.",
+    rich_help_panel=OUTPUT, **OFF)]
+
+CompareOpt = Annotated[bool, _opt(
+    "--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not).",
+    rich_help_panel=DIAGNOSTICS, **OFF)]
+MemoryCheckOpt = Annotated[bool, _opt(
+    "--memory-check/--no-memory-check",
+    help="Refuse a run whose estimated peak memory exceeds what the device has.",
+    rich_help_panel=DIAGNOSTICS, **FLAG)]
+DebugOpt = Annotated[bool, _opt("--debug", help="Show tracebacks.", rich_help_panel=DIAGNOSTICS, **OFF)]
+
+EXIT_CODES = ("Exit codes: 0 done; 1 error; 2 bad option or input; {three}; "
+              "130 interrupted (Ctrl-C, SIGTERM); 141 stdout closed.")
 
 
 @app.command(
-    epilog="Exit codes: 0 done; 1 error; 2 bad option; 3 --compare-ar found a divergence; "
-    "130 interrupted (Ctrl-C)."
+    cls=_Command,
+    epilog=EXIT_CODES.format(three="3 --compare-ar found a divergence") + "\n\n"
+    "Example: specdec generate --model mlx-community/Qwen3-0.6B-bf16 "
+    "-p 'Summarise this: ...' --max-tokens 200 --compare-ar"
 )
 def generate(
     prompt_arg: PromptArg = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
-    drafter: DrafterOpt = None,
-    block_size: Annotated[
-        Optional[int],
-        typer.Option("--block-size", min=1, help="Most tokens verified per target forward (drafts + 1). "
-                     "Default: 64 for lookup (each draft sized by its match), a DFlash drafter's own block size, 4 otherwise."),
-    ] = None,
-    num_draft_tokens: Annotated[
-        Optional[int], typer.Option("--num-draft-tokens", min=0, help="mlx-lm's spelling of block size - 1.")
-    ] = None,
+    dtype: DTypeOpt = DType.auto,
+    adapter_path: AdapterOpt = None,
+    trust_remote_code: TrustOpt = False,
+    force_download: ForceDownloadOpt = False,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupOpt = 64,
+    prefill_step_size: PrefillOpt = 2048,
     prompt: PromptOpt = None,
     system_prompt: SystemOpt = None,
     ignore_chat_template: NoTemplateOpt = False,
-    max_tokens: MaxTokensOpt = 256,
-    temp: TempOpt = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (0 = off).")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).")] = 0,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability (0 = off).")] = 0.0,
-    seed: SeedOpt = None,
+    chat_template_config: TemplateConfigOpt = None,
+    prefill_response: PrefillResponseOpt = None,
+    drafter: DrafterOpt = None,
+    block_size: BlockSizeOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
     draft_p_min: DraftPMinOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
-    lookup_history: Annotated[
-        Optional[str],
-        typer.Option("--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in "
-                     "FILE, and add this one (bounded; safe to delete; never changes the output)."),
-    ] = None,
-    adaptive: Annotated[
-        bool,
-        typer.Option("--adaptive/--no-adaptive", help="Adapt the draft length to acceptance, and stop speculating while it is slower than plain decoding."),
-    ] = True,
-    dtype: DTypeOpt = DType.auto,
-    prefill_step_size: PrefillOpt = 2048,
+    lookup_history: LookupHistoryOpt = None,
+    adaptive: AdaptiveOpt = True,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
-    compare_ar: Annotated[
-        bool,
-        typer.Option("--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not)."),
-    ] = False,
+    max_tokens: MaxTokensOpt = 256,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    extra_eos_token: ExtraEosOpt = None,
     json_output: JsonOpt = False,
-    no_live: Annotated[bool, typer.Option("--no-live", help="Plain streamed text, no live panel.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", help="Time each phase (adds two host syncs per block).")] = False,
+    live: LiveOpt = True,
+    verbose: VerboseOpt = False,
+    compare_ar: CompareOpt = False,
+    memory_check: MemoryCheckOpt = True,
     debug: DebugOpt = False,
 ) -> None:
     """Generate text with speculative decoding."""
@@ -216,30 +445,46 @@ def generate(
 
 
 @app.command(
-    epilog="Exit codes: 0 done; 1 error; 2 bad option; 3 a speculative run was not identical to plain decoding."
+    cls=_Command,
+    epilog=EXIT_CODES.format(three="3 a speculative run was not identical to plain decoding") + "\n\n"
+    "Example: specdec sweep --model mlx-community/Qwen3-0.6B-bf16 "
+    "-p 'Summarise this: ...' --block-sizes 2,4,8 --repeats 3"
 )
 def sweep(
     prompt_arg: PromptArg = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
-    drafter: DrafterOpt = None,
-    block_sizes: Annotated[
-        str, typer.Option("--block-sizes", help="Comma-separated block sizes (tokens verified per forward).")
-    ] = "2,3,4,6,8,12,16",
+    dtype: DTypeOpt = DType.auto,
+    adapter_path: AdapterOpt = None,
+    trust_remote_code: TrustOpt = False,
+    force_download: ForceDownloadOpt = False,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupOpt = 64,
+    prefill_step_size: PrefillOpt = 2048,
     prompt: PromptOpt = None,
     system_prompt: SystemOpt = None,
     ignore_chat_template: NoTemplateOpt = False,
-    max_tokens: MaxTokensOpt = 128,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Speed runs per configuration (median).")] = 1,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed warm-up runs first.")] = 1,
+    chat_template_config: TemplateConfigOpt = None,
+    prefill_response: PrefillResponseOpt = None,
+    drafter: DrafterOpt = None,
+    block_sizes: Annotated[str, typer.Option(
+        "--block-sizes", help=f"Comma-separated block sizes (tokens verified per forward); at most {_LIMITS}.",
+        rich_help_panel=DRAFTING)] = "2,3,4,6,8,12,16",
     draft_p_min: DraftPMinOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
-    dtype: DTypeOpt = DType.auto,
-    prefill_step_size: PrefillOpt = 2048,
+    lookup_history: LookupHistoryOpt = None,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
+    max_tokens: MaxTokensOpt = 128,
+    extra_eos_token: ExtraEosOpt = None,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, max=1000, help="Speed runs per configuration (median).",
+        rich_help_panel=DIAGNOSTICS)] = 1,
+    warmup: Annotated[int, typer.Option(
+        "--warmup", min=0, max=100, help="Untimed warm-up runs first.", rich_help_panel=DIAGNOSTICS)] = 1,
     json_output: JsonOpt = False,
+    memory_check: MemoryCheckOpt = True,
     debug: DebugOpt = False,
 ) -> None:
     """Measure speed and acceptance over several block sizes, against plain decoding."""
@@ -249,7 +494,7 @@ def sweep(
     _run(sweep_command, SweepOptions, params)
 
 
-@app.command()
+@app.command(cls=_Command)
 def doctor(json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
     """Show what a bug report needs: platform, MLX device, BLAS, versions, Hub, default model."""
     params = dict(locals())
@@ -265,4 +510,3 @@ def main() -> None:
     # Before mlx is imported: the dynamic loader reads LD_PRELOAD only at start-up.
     maybe_reexec()
     app()
-

@@ -7,7 +7,9 @@ in milliseconds with a message that names the fix.
 from __future__ import annotations
 
 import json
+import logging
 import sys
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,8 +17,22 @@ import mlx.core as mx
 
 from . import blas, bundled, doctor
 from .adaptive import AdaptiveLength, FixedLength, MatchLength
+from .caches import check_kv_quantization
 from .compare import compare_with_plain
+
+# Block-size and n-gram limits live in a module without heavy imports: the CLI
+# declares its option ranges with them before MLX is loaded.
+from .defaults import (  # noqa: F401  (re-exported: the limits are commands' to check)
+    DEFAULT_BLOCK_SIZE,
+    DRAFTER_KINDS,
+    MAX_ANY_BLOCK_SIZE,
+    MAX_BLOCK_SIZE,
+    MAX_NGRAM,
+    NGRAM_MAX,
+    NGRAM_MIN,
+)
 from .display import (
+    NoText,
     comparison_lines,
     policy_lines,
     print_stderr,
@@ -29,8 +45,9 @@ from .drafters import DFlashDrafter, Drafter, LookupHistory, ModelDrafter, Ngram
 from .drafters.dflash import check_target
 from .drafters.history import tokenizer_fingerprint
 from .drafters.mtp import LoadedHead, MTPDrafter
-from .errors import OptionError
+from .errors import OptionError, SpecdecError
 from .hooks import TargetParts, target_parts
+from .limits import MemoryEstimate, context_length, device_memory, estimate_memory, gb
 from .loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
 from .measure import SweepResult, sweep
 from .runner import Step, run
@@ -39,13 +56,17 @@ from .stats import Stats
 
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
-DRAFTER_KINDS = ("model", "lookup", "ngram")
-# Per drafter kind: the block size when none is given, and the largest
-# accepted. Lookup drafts cost nothing and are sized by their match, so its
-# blocks may be long; a model drafter pays a forward per draft.
-DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4, "mtp": 4}
-MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64, "mtp": 32}
-NGRAM_MAX, NGRAM_MIN = 4, 2
+# Each prefill chunk is sized to about this long, so Ctrl-C and SIGTERM (seen
+# between evaluations, never inside one) stop a prefill within ~2 s.
+PREFILL_CHUNK_S = 1.0
+
+
+class PromptTooLongError(SpecdecError):
+    """The prompt alone does not fit in the model's context."""
+
+
+class MemoryLimitError(SpecdecError):
+    """The run's estimated peak memory exceeds what the device has."""
 
 
 @dataclass
@@ -71,6 +92,15 @@ class ModelOptions:
     @property
     def rollback_memory_cap_bytes(self) -> Optional[int]:
         return None if self.rollback_memory_cap is None else int(self.rollback_memory_cap * 2**20)
+    adapter_path: Optional[str] = None
+    trust_remote_code: bool = False
+    force_download: bool = False
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    chat_template_config: Optional[str] = None
+    prefill_response: Optional[str] = None
+    extra_eos_token: Optional[list[str]] = None
+    memory_check: bool = True
 
 
 @dataclass
@@ -88,7 +118,7 @@ class GenerateOptions(ModelOptions):
     adaptive: bool = True
     compare_ar: bool = False
     json_output: bool = False
-    no_live: bool = False
+    live: bool = True
     verbose: bool = False
 
 
@@ -179,8 +209,10 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     """Read the prompt, load target (and draft model), check tokenizers, encode the prompt."""
     text = read_prompt(opts.prompt_arg, opts.prompt)
     target = load_target(opts)
+    if opts.kv_bits is not None:
+        check_kv_quantization(target.model, opts.kv_bits, opts.kv_group_size)
     draft = mtp = parts = None
-    draft_path = resolve(opts.draft_model) if opts.draft_model else None
+    draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
     if kind == "model" and is_dflash(draft_path):
         # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
         # width and vocabulary.
@@ -193,9 +225,17 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     if kind == "mtp":
         mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
     if kind == "model":
-        draft = load(opts.draft_model, opts.dtype, path=draft_path)
+        draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
-    prompt_ids = encode_prompt(target.tokenizer, text, opts.system_prompt, opts.ignore_chat_template)
+    for token in opts.extra_eos_token or ():
+        try:
+            target.tokenizer.add_eos_token(token)
+        except ValueError:
+            raise OptionError(f"--extra-eos-token {token!r} is not a token of this tokenizer") from None
+    template = json.loads(opts.chat_template_config) if opts.chat_template_config else {}
+    prompt_ids = encode_prompt(target.tokenizer, text, _clean(opts.system_prompt, "--system-prompt"),
+                               opts.ignore_chat_template, template,
+                               _clean(opts.prefill_response, "--prefill-response"))
     line = blas.note(cpu_backend=mx.default_device() == mx.cpu)
     if line:
         print_stderr([line])
@@ -213,15 +253,59 @@ def load_target(opts: ModelOptions) -> Loaded:
     Raises:
         BundledModelError: The bundled model is missing or damaged (a broken install).
     """
+    kw = dict(adapter_path=opts.adapter_path, trust_remote_code=opts.trust_remote_code)
     if opts.model is not None:
-        return load(opts.model, opts.dtype)
+        return load(opts.model, opts.dtype, force_download=opts.force_download, **kw)
     path = bundled.require()
     try:
-        target = load(str(path), opts.dtype)
+        target = load(str(path), opts.dtype, **kw)
     except Exception as e:  # whatever a damaged file makes mlx-lm raise
-        raise bundled.BundledModelError(bundled.broken_message(f"{type(e).__name__}: {e}")) from None
+        raise bundled.BundledModelError(bundled.broken_message(str(e))) from None
     target.name = bundled.DISPLAY_NAME
     return target
+
+
+def fit_context(setup: Setup, max_tokens: int) -> tuple[int, Optional[int]]:
+    """Refuse a prompt the model's context cannot hold; cap generation at the context.
+
+    Returns:
+        The most tokens to generate, and the context length (None: unknown).
+
+    Raises:
+        PromptTooLongError: The prompt alone fills the context.
+    """
+    found = context_length(setup.target.config)
+    if found is None:
+        return max_tokens, None
+    limit, source = found
+    n = len(setup.prompt_ids)
+    if n >= limit:
+        raise PromptTooLongError(
+            f"the prompt is {n} tokens but the model's context is {limit} tokens ({source}): "
+            "shorten the prompt"
+        )
+    return min(max_tokens, limit - n), limit
+
+
+def check_memory(setup: Setup, tokens: int, chunk: int, opts: ModelOptions) -> MemoryEstimate:
+    """Estimate the run's peak memory; refuse it when the device has less.
+
+    Raises:
+        MemoryLimitError: Naming both figures and ``--no-memory-check``.
+    """
+    # A draft model's caches grow with the context; other drafters' state is small.
+    estimate = estimate_memory(setup.target.model, setup.target.config,
+                               setup.draft.model if setup.draft else None, tokens, chunk,
+                               opts.kv_bits, opts.kv_group_size, draft_cache=setup.kind == "model")
+    have = device_memory()
+    if opts.memory_check and have is not None and estimate.total > have[0]:
+        raise MemoryLimitError(
+            f"this run needs about {gb(estimate.total)} (weights {gb(estimate.weights)}, caches for "
+            f"{tokens} tokens {gb(estimate.cache)}, prefill scratch {gb(estimate.scratch)}) but the "
+            f"device has {gb(have[0])} ({have[1]}): lower --max-tokens or shorten the prompt, "
+            "or pass --no-memory-check to try anyway"
+        )
+    return estimate
 
 
 def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str = "model") -> int:
@@ -270,31 +354,103 @@ def check_drafter_options(kind: str, opts: ModelOptions) -> None:
         raise OptionError(f"need 1 <= --ngram-min ({lo}) <= --ngram-max ({hi})")
 
 
+def warn(line: str) -> None:
+    """One warning line on stderr."""
+    sys.stderr.write(f"warning: {line}\n")
+    sys.stderr.flush()
+
+
+def _decode(data: bytes, where: str) -> str:
+    """UTF-8 text from any bytes: what is not UTF-8 becomes U+FFFD, with one warning."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        warn(f"{where} is not valid UTF-8: the bytes that are not became U+FFFD")
+        return data.decode("utf-8", "replace")
+
+
+def _clean(text: Optional[str], where: str) -> Optional[str]:
+    """Text from the command line as UTF-8 (argv bytes that were not arrive as surrogates)."""
+    if text is None:
+        return None
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        data = text.encode("utf-8", "replace")
+    return _decode(data, where)
+
+
+def _stdin_bytes() -> bytes:
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is not None:
+        return buffer.read()
+    return sys.stdin.read().encode("utf-8", "surrogateescape")
+
+
 def read_prompt(prompt_arg: Optional[str], prompt: Optional[str]) -> str:
-    """The prompt text from the argument or ``-p``; ``-`` reads stdin."""
+    """The prompt text from the argument or ``-p``; ``-`` reads stdin.
+
+    Any bytes are accepted: what is not UTF-8 is replaced (one warning line).
+
+    Raises:
+        OptionError: No prompt, two prompts, or an empty one.
+    """
     if prompt_arg is not None and prompt is not None:
         raise OptionError("give the prompt once: as PROMPT or with --prompt/-p, not both")
     text = prompt if prompt is not None else prompt_arg
     if text is None:
         raise OptionError("no prompt: pass PROMPT, --prompt TEXT, or - to read stdin")
     if text == "-":
-        return sys.stdin.read()
+        text = _decode(_stdin_bytes(), "stdin")
+        if not text.strip():
+            raise OptionError("stdin was empty: pipe a prompt in, or pass it as PROMPT or --prompt TEXT")
+        return text
+    text = _clean(text, "the prompt")
+    if not text.strip():
+        raise OptionError("the prompt is empty: give some text (PROMPT, --prompt TEXT, or - for stdin)")
     # As mlx-lm does: escaped newlines and tabs typed on a command line.
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
-def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], ignore_chat_template: bool) -> list[int]:
-    """Token ids of the prompt, through the chat template when there is one."""
+@contextmanager
+def _no_length_warning():
+    # transformers warns when a text is longer than the tokenizer's
+    # model_max_length; the context check says it better, in one line.
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], ignore_chat_template: bool,
+                  template_kwargs: Optional[dict] = None, prefill_response: Optional[str] = None) -> list[int]:
+    """Token ids of the prompt, through the chat template when there is one (as mlx-lm's generate)."""
     use_template = tokenizer.has_chat_template and not ignore_chat_template
-    if system_prompt is not None and not use_template:
-        why = "--ignore-chat-template is set" if ignore_chat_template else "the tokenizer has no chat template"
-        raise OptionError(f"--system-prompt needs the chat template, but {why}: drop --system-prompt")
     if not use_template:
-        return tokenizer.encode(text)
+        why = "--ignore-chat-template is set" if ignore_chat_template else "the tokenizer has no chat template"
+        for name, value in (("--system-prompt", system_prompt), ("--prefill-response", prefill_response),
+                            ("--chat-template-config", template_kwargs or None)):
+            if value is not None:
+                raise OptionError(f"{name} needs the chat template, but {why}: drop {name}")
+        with _no_length_warning():
+            return tokenizer.encode(text)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": text})
-    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(templated, add_special_tokens=False)
+    prefill = prefill_response is not None
+    if prefill:
+        messages.append({"role": "assistant", "content": prefill_response})
+    try:
+        templated = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill,
+            **(template_kwargs or {}),
+        )
+    except Exception as e:  # jinja and tokenizer libraries raise many types
+        raise OptionError(f"the chat template failed on this prompt and its options ({e})") from None
+    with _no_length_warning():
+        return tokenizer.encode(templated, add_special_tokens=False)
 
 
 def _vocab_size(config: dict) -> Optional[int]:
@@ -340,35 +496,50 @@ def generate_command(opts: GenerateOptions) -> int:
     kind, block_size = setup.kind, setup.block_size(asked, block_size)
     target, tokenizer, prompt_ids = setup.target, setup.tokenizer, setup.prompt_ids
     drafter_name = setup.drafter_name
+    max_tokens, context = fit_context(setup, opts.max_tokens)
+    estimate = check_memory(setup, len(prompt_ids) + max_tokens, opts.prefill_step_size, opts)
+    kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size)
 
-    stats = Stats()
+    stats = Stats(prompt_tokens=len(prompt_ids))
     tokens: list[int] = []
     detok = tokenizer.detokenizer
     detok.reset()
-    view = text_view(not opts.no_live, drafter_name, opts.json_output)
     interrupted = False
     policy = make_policy(opts.adaptive, block_size, kind)
-    mx.reset_peak_memory()
+    view = NoText()
     try:
+        if opts.verbose:
+            print_stderr([f"Prefill: {len(prompt_ids)} prompt tokens, context {context or 'unknown'}; memory "
+                          f"estimate {gb(estimate.total)} (weights {gb(estimate.weights)}, caches "
+                          f"{gb(estimate.cache)}, prefill scratch {gb(estimate.scratch)})"])
+        mx.reset_peak_memory()
+        view = text_view(opts.live, drafter_name, opts.json_output)
         events = run(
             target.model, prompt_ids, drafter=setup.make_drafter(policy), policy=policy,
-            max_tokens=opts.max_tokens, eos_ids=setup.eos_ids, sampling=sampling, rollback=opts.rollback,
-            rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
-            timed=opts.verbose,
+            max_tokens=max_tokens, eos_ids=setup.eos_ids, sampling=sampling, rollback=opts.rollback,
+            rollback_memory_cap=opts.rollback_memory_cap_bytes,
+            prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S, timed=opts.verbose, **kv,
         )
-        for event in events:
-            if not isinstance(event, Step):
-                stats.note(event)
-                continue
-            stats.add(event.block, event.seconds)
-            for tok in event.block.tokens:
-                detok.add_token(tok)
-            tokens += event.block.tokens
-            view.write(detok.last_segment)
-            view.update(stats)
+        # closing(): whatever stops the loop, the run's own cleanup happens now.
+        with closing(events):
+            for event in events:
+                if not isinstance(event, Step):
+                    stats.note(event)
+                    continue
+                # The commit point: whatever ends the run, `tokens` is what was generated.
+                tokens += event.block.tokens
+                stats.add(event.block, event.seconds)
+                for tok in event.block.tokens:
+                    detok.add_token(tok)
+                view.write(detok.last_segment)
+                view.update(stats)
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        # A Ctrl-C between the lines above: show and count exactly the committed tokens.
+        for tok in tokens[len(detok.tokens):]:
+            detok.add_token(tok)
+        stats.generated = len(tokens)
         detok.finalize()
         view.write(detok.last_segment)
         view.close()
@@ -379,13 +550,21 @@ def generate_command(opts: GenerateOptions) -> int:
             setup.history.save()
         except OSError as e:
             print_stderr([f"warning: could not save the lookup history {setup.history.path} ({e.strerror})"])
+    finish = finish_reason(stats, interrupted, max_tokens < opts.max_tokens)
+    if finish == "context":
+        print_stderr([f"Stopped at the model's context: {context} tokens (prompt {len(prompt_ids)} + "
+                      f"{stats.generated} generated; --max-tokens asked for {opts.max_tokens})"])
 
     comparison = None
+    compare_interrupted = False
     if opts.compare_ar and not interrupted:
-        comparison = compare_with_plain(
-            target.model, prompt_ids, tokens, max_tokens=opts.max_tokens,
-            eos_ids=setup.eos_ids, prefill_step_size=opts.prefill_step_size,
-        )
+        try:
+            comparison = compare_with_plain(
+                target.model, prompt_ids, tokens, max_tokens=max_tokens, eos_ids=setup.eos_ids,
+                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, **kv,
+            )
+        except KeyboardInterrupt:
+            compare_interrupted = True
 
     if opts.json_output:
         report = {
@@ -401,25 +580,44 @@ def generate_command(opts: GenerateOptions) -> int:
                          "min_p": sampling.min_p, "seed": opts.seed},
             "adaptive": policy.summary(),
             "peak_memory_gb": peak_gb,
-            "interrupted": interrupted,
+            "memory_estimate_gb": estimate.total / 1e9,
+            "context_length": context,
+            "kv_bits": opts.kv_bits,
             **stats.to_dict(),
+            "finish_reason": finish,
+            "interrupted": interrupted or compare_interrupted,
         }
         if comparison is not None:
             report["compare"] = _comparison_dict(comparison, stats, tokenizer)
+        elif compare_interrupted:
+            report["compare"] = None
         sys.stdout.write(json.dumps(report) + "\n")
+        sys.stdout.flush()
     else:
         lines = [setup.model_line] + summary_lines(stats, drafter=drafter_name, block_size=block_size,
                                                    peak_gb=peak_gb, verbose=opts.verbose)
         lines += policy_lines(policy.summary())
+        lines.append(f"Finish reason: {finish}" + (" (Ctrl-C or SIGTERM)" if interrupted else ""))
         if comparison is not None:
             lines += comparison_lines(comparison, stats, lambda t: tokenizer.decode([t]))
+        if compare_interrupted:
+            lines.append("Compare: interrupted (Ctrl-C or SIGTERM) during the plain run")
         print_stderr(lines)
 
-    if interrupted:
+    if interrupted or compare_interrupted:
         return EXIT_INTERRUPTED
     if comparison is not None and not comparison.identical:
         return EXIT_DIVERGED
     return 0
+
+
+def finish_reason(stats: Stats, interrupted: bool, capped: bool) -> Optional[str]:
+    """``eos``, ``length``, ``context`` (the model's context ended it) or ``interrupted``."""
+    if interrupted:
+        return "interrupted"
+    if stats.finish_reason == "length" and capped:
+        return "context"
+    return stats.finish_reason
 
 
 def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
@@ -447,7 +645,7 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
 
 
 def parse_block_sizes(text: str) -> list[int]:
-    """``"2,3,4"`` -> ``[2, 3, 4]``: distinct block sizes >= 1, in the order given."""
+    """``"2,3,4"`` -> ``[2, 3, 4]``: distinct block sizes >= 1, in the order given (limits: check_block_size)."""
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -470,14 +668,17 @@ def sweep_command(opts: SweepOptions) -> int:
     setup = load_setup(opts, kind)
     for size in sizes:
         setup.block_size(size, size)
+    max_tokens, _ = fit_context(setup, opts.max_tokens)
+    check_memory(setup, len(setup.prompt_ids) + max_tokens, opts.prefill_step_size, opts)
     events = sweep(
-        setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=opts.max_tokens,
+        setup.target.model, setup.prompt_ids, setup.make_drafter, sizes, max_tokens=max_tokens,
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
         rollback_memory_cap=opts.rollback_memory_cap_bytes,
-        prefill_step_size=opts.prefill_step_size,
+        prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S,
+        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
     )
     result = None
-    with sweep_progress() as advance:
+    with sweep_progress() as advance, closing(events):
         for event in events:
             if isinstance(event, SweepResult):
                 result = event

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import ModelCache
+from .caches import ModelCache, make_cache
 from .runner import collect, run
 from .stats import Stats
 
@@ -48,9 +48,10 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def top2_margin(model: nn.Module, ids: Sequence[int]) -> float:
+def top2_margin(model: nn.Module, ids: Sequence[int], kv_bits: Optional[int] = None,
+                kv_group_size: int = 64) -> float:
     """Top-1 minus top-2 logit of the target's next-token prediction after ``ids``."""
-    cache = ModelCache(model)
+    cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
     cache.prefill(ids[:-1])
     logits = cache.feed(mx.array(ids[-1:], dtype=mx.uint32))[-1].astype(mx.float32)
     top = mx.topk(logits, 2)
@@ -65,16 +66,24 @@ def compare_with_plain(
     max_tokens: int,
     eos_ids: Sequence[int] = (),
     prefill_step_size: int = 2048,
+    prefill_chunks: Optional[Sequence[int]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> Comparison:
-    """Run plain greedy decoding with fresh caches and compare token by token."""
+    """Run plain greedy decoding with fresh caches and compare token by token.
+
+    ``prefill_chunks`` (the speculative run's) makes both prefills identical;
+    ``kv_bits`` gives plain decoding the same quantized KV cache.
+    """
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids,
-                               prefill_step_size=prefill_step_size))
+                               prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, **kv))
     index = first_divergence(specdec_tokens, plain)
     divergence = None
     if index is not None:
         at = lambda seq: seq[index] if index < len(seq) else None  # noqa: E731
         divergence = Divergence(
             index, at(specdec_tokens), at(plain),
-            top2_margin(model, list(prompt_ids) + plain[:index]),
+            top2_margin(model, list(prompt_ids) + plain[:index], **kv),
         )
     return Comparison(index is None, len(plain), divergence, stats)

@@ -24,7 +24,7 @@ from .measure import Progress, SweepResult
 from .stats import Stats
 
 
-def stats_panel(stats: Stats, drafter: str) -> Panel:
+def stats_panel(stats: Stats, drafter: str, width: Optional[int] = None) -> Panel:
     """The live panel: decode speed, acceptance, tokens so far."""
     grid = Table.grid(padding=(0, 2))
     grid.add_row(
@@ -33,7 +33,7 @@ def stats_panel(stats: Stats, drafter: str) -> Panel:
         f"accepted/block [bold]{stats.mean_accepted_per_block:4.2f}[/]",
         f"tokens [bold]{stats.generated}[/]",
     )
-    return Panel(grid, title=f"specdec · {drafter}", title_align="left", border_style="dim")
+    return Panel(grid, title=f"specdec · {drafter}", title_align="left", border_style="dim", width=width)
 
 
 def take_lines(buffer: str, width: int) -> tuple[list[str], str]:
@@ -61,17 +61,21 @@ class PlainText:
 
     def __init__(self, out: TextIO):
         self.out = out
+        self.wrote = False
 
     def write(self, text: str) -> None:
-        self.out.write(text)
-        self.out.flush()
+        if text:
+            self.wrote = True  # first: a Ctrl-C during the write still gets the closing newline
+            self.out.write(text)
+            self.out.flush()
 
     def update(self, stats: Stats) -> None:
         pass
 
     def close(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
+        if self.wrote:
+            self.out.write("\n")
+            self.out.flush()
 
 
 class LiveText:
@@ -89,7 +93,12 @@ class LiveText:
         self.live.start()
 
     def _render(self) -> Group:
-        return Group(Text(self.line), stats_panel(self.stats, self.drafter))
+        # Narrower than the terminal: a panel that fills the last column leaves
+        # the cursor pending a wrap, so the "^C" the terminal echoes on Ctrl-C
+        # moves it down a line and the transient erase misses the text line,
+        # which close() then prints a second time.
+        width = max(20, self.console.width - 4)
+        return Group(Text(self.line), stats_panel(self.stats, self.drafter, width))
 
     def write(self, text: str) -> None:
         done, self.line = take_lines(self.line + text, max(self.console.width, 20))
@@ -148,8 +157,11 @@ def _by_position(stats: Stats) -> str:
 def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float,
                   verbose: bool = False) -> list[str]:
     """mlx-lm's three stats lines, then the speculative ones."""
+    prompt = f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec"
+    if stats.prefill_s == 0 and not stats.blocks:
+        prompt = f"Prompt: {stats.prompt_tokens} tokens, prefill not finished"
     lines = [
-        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec",
+        prompt,
         f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec",
         f"Peak memory: {peak_gb:.3f} GB",
         f"Drafter: {drafter}, block size {block_size} ({block_size - 1} drafts)",
@@ -161,7 +173,7 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
     ]
     if stats.position_drafted:
         lines.append(f"Acceptance by draft position: {_by_position(stats)}")
-    counts = ", ".join(f"{v} {k}" for k, v in sorted(stats.rollbacks.items()))
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(stats.rollbacks.items())) or "none"
     if stats.timed_blocks:
         lines.append(f"Rollback: {counts}; {1000 * stats.rollback_s:.1f} ms in total")
     else:

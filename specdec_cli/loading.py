@@ -62,8 +62,18 @@ class Loaded:
     dtype: str = ""
 
 
-def resolve(name: str) -> Path:
+def is_local(name: str) -> bool:
+    """True when ``name`` is a path that exists (otherwise it is read as a Hub repo id)."""
+    return Path(name).expanduser().exists()
+
+
+def resolve(name: str, force_download: bool = False) -> Path:
     """Return a local directory for ``name``, downloading a Hub repo if needed.
+
+    Args:
+        name: Hub repo id or local directory.
+        force_download: Download the Hub repo's files again, even when cached
+            (a broken or truncated download).
 
     Raises:
         ModelLoadError: No such directory, repo not found, gated, or offline.
@@ -79,7 +89,8 @@ def resolve(name: str) -> Path:
             "check the path"
         )
     try:
-        return Path(huggingface_hub.snapshot_download(name, allow_patterns=ALLOW_PATTERNS))
+        return Path(huggingface_hub.snapshot_download(name, allow_patterns=ALLOW_PATTERNS,
+                                                      force_download=force_download))
     except hub_errors.GatedRepoError:
         raise ModelLoadError(
             f"{name} is gated: accept its terms on huggingface.co, then run `hf auth login` "
@@ -92,11 +103,11 @@ def resolve(name: str) -> Path:
         ) from None
     except hub_errors.RevisionNotFoundError:
         raise ModelLoadError(f"{name}: revision not found on the Hub; check the repo id") from None
-    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as e:
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError):
         # No network (or HF_HUB_OFFLINE=1) and no complete copy in the HF cache.
         raise ModelLoadError(
             f"cannot download {name}: the Hugging Face Hub is unreachable and it is not in the "
-            f"local cache ({type(e).__name__}); connect, or pass a local model directory"
+            "local cache; connect, or pass a local model directory"
         ) from None
 
 
@@ -125,7 +136,44 @@ def describe_dtype(model: nn.Module, config: dict) -> str:
     return max(counts, key=counts.get) if counts else "unknown"
 
 
-def load(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) -> Loaded:
+def _fix(name: str) -> str:
+    """How to replace broken files: download again, or rebuild the directory."""
+    if is_local(name):
+        return f"download or convert {name} again"
+    return "run again with --force-download to fetch it anew"
+
+
+def check_safetensors(file: Path) -> Optional[str]:
+    """Why ``file`` is not a complete safetensors file (None when it looks whole).
+
+    Reads only the header: its length, its JSON, and the end of the last
+    tensor it lists, against the file's size (what a cut download breaks).
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"it is {size} bytes, too short for a safetensors file"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"it is truncated ({size} bytes, its header alone needs {n + 8})"
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            return "its header is not valid safetensors JSON"
+    if not isinstance(header, dict):
+        return "its header is not valid safetensors JSON"
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets") or ()) == 2]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"it is truncated ({size} bytes of {need})"
+    return None
+
+
+def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] = None,
+         trust_remote_code: bool = False, force_download: bool = False,
+         path: Optional[Path] = None) -> Loaded:
     """Load a model and its tokenizer, optionally cast to ``dtype``.
 
     Args:
@@ -133,6 +181,10 @@ def load(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) ->
         dtype: ``float32``, ``bfloat16`` or ``float16``; quantized weights are
             dequantized first. ``auto``: see :func:`resolve_dtype`. None keeps
             the stored weights.
+        adapter_path: LoRA (or DoRA / full) adapters trained with
+            ``mlx_lm.lora``, applied with mlx-lm's own ``load_adapters``.
+        trust_remote_code: Allow a model's own Python files (model and tokenizer).
+        force_download: Download a Hub repo's files again.
         path: Where ``name`` was already resolved to (no second download).
 
     Raises:
@@ -142,20 +194,26 @@ def load(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) ->
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
-    path = resolve(name) if path is None else path
+    path = resolve(name, force_download) if path is None else path
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json: pass a model directory in Hugging Face layout")
-    if not list(path.glob("model*.safetensors")):
+    weights = sorted(path.glob("model*.safetensors"))
+    if not weights:
         raise ModelLoadError(
             f"{path} has no model*.safetensors weights: convert the model with `mlx_lm.convert`"
         )
+    for file in weights:
+        why = check_safetensors(file)
+        if why:
+            raise ModelLoadError(f"the weight file {file} is broken: {why}; {_fix(name)}")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{config_file} is not valid JSON ({e})") from None
+        model_config = json.loads(config_file.read_text())
+        model_type = model_config.get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ModelLoadError(f"{config_file} is not a valid JSON config ({e}); {_fix(name)}") from None
     try:
-        model, config = load_model(path)
+        model, config = load_model(path, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "not supported" in str(e):
             import mlx_lm
@@ -164,9 +222,19 @@ def load(name: str, dtype: Optional[str] = None, path: Optional[Path] = None) ->
                 f"mlx-lm {mlx_lm.__version__} cannot load architecture {model_type!r}: "
                 "pick a model mlx-lm supports or upgrade mlx-lm"
             ) from None
+        if "trust_remote_code" in str(e):
+            raise ModelLoadError(
+                f"{name} builds its architecture with its own Python file "
+                f"({model_config.get('model_file')}): pass --trust-remote-code if you trust it"
+            ) from None
         raise ModelLoadError(f"cannot load {name}: {e}") from None
+    except Exception as e:  # unreadable tensors: MLX raises several types
+        raise ModelLoadError(f"cannot read the weights of {name} ({e}); {_fix(name)}") from None
+    if adapter_path is not None:
+        model = _load_adapters(model, adapter_path)
     try:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        extra = {"trust_remote_code": True} if trust_remote_code else None
+        tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # tokenizer libraries raise many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {e}") from None
     make_cache(model)  # capability check before anything runs
@@ -217,6 +285,24 @@ def load_dflash(name: str, dtype: Optional[str] = None, path: Optional[Path] = N
     if dtype is not None:
         cast(model, DTYPES[dtype])
     return Loaded(name, path, model, None, config, describe_dtype(model, config))
+
+
+def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
+    """mlx-lm's own adapter loading (``mlx_lm.lora``'s output directory)."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    path = Path(adapter_path).expanduser()
+    for need in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / need).is_file():
+            raise ModelLoadError(
+                f"--adapter-path {adapter_path} has no {need}: pass the directory mlx_lm.lora wrote"
+            )
+    try:
+        model = load_adapters(model, str(path))
+    except Exception as e:  # shapes or names that do not fit this model
+        raise ModelLoadError(f"the adapters in {adapter_path} do not fit this model ({e})") from None
+    model.eval()
+    return model
 
 
 def cast(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -36,12 +36,16 @@ def measure(
     rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
     timed: bool = False,
+    **run_options,
 ) -> tuple[Stats, list[int]]:
-    """One generation (plain when ``drafter`` is None) with a fixed block size."""
+    """One generation (plain when ``drafter`` is None) with a fixed block size.
+
+    ``run_options`` go to :func:`~specdec_cli.runner.run` (prefill sizing, KV quantization).
+    """
     return collect(run(
         model, prompt_ids, drafter=drafter, policy=FixedLength(block_size - 1), max_tokens=max_tokens,
         eos_ids=eos_ids, sampling=sampling, rollback=rollback, rollback_memory_cap=rollback_memory_cap,
-        prefill_step_size=prefill_step_size, timed=timed,
+        prefill_step_size=prefill_step_size, timed=timed, **run_options,
     ))
 
 
@@ -107,6 +111,9 @@ def sweep(
     rollback: str = "auto",
     rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
+    prefill_seconds: Optional[float] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
 
@@ -122,8 +129,17 @@ def sweep(
         rollback: Recurrent rollback strategy (``auto`` chooses per block size).
         rollback_memory_cap: Most extra bytes capture may hold per verify.
         prefill_step_size: Prompt chunk size.
+        prefill_seconds: Size the first run's prefill chunks by time; every
+            other run reuses its sizes, so all of them start from identical caches.
+        kv_bits: Quantized KV cache for the target (None: off).
+        kv_group_size: Its group size.
     """
-    kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size)
+    kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size,
+              kv_bits=kv_bits, kv_group_size=kv_group_size)
+    if prefill_seconds is not None:
+        # One timed prefill fixes the chunk sizes for every run.
+        first, _ = measure(model, prompt_ids, None, **dict(kw, max_tokens=1), prefill_seconds=prefill_seconds)
+        kw["prefill_chunks"] = first.prefill_chunks
     spec_kw = dict(kw, rollback=rollback, rollback_memory_cap=rollback_memory_cap)
     total = 2 * warmup + repeats * (1 + len(block_sizes)) + len(block_sizes)
     done = 0

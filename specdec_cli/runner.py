@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.nn as nn
 
 from .adaptive import DraftPolicy
-from .caches import ModelCache
+from .caches import ModelCache, make_cache
 from .drafters import Drafter
 from .engine import Block, plain_generate_step, speculative_generate_step
 from .hooks import Hidden, HiddenTap
@@ -36,6 +36,8 @@ class Prefilled:
     prompt_tokens: int
     seconds: float
     rollback: Optional[RollbackChoice] = None
+    # The target's prefill chunk sizes: pass them back to reproduce its caches bit for bit.
+    chunks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,10 @@ def run(
     rollback: str = "auto",
     rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
+    prefill_seconds: Optional[float] = None,
+    prefill_chunks: Optional[Sequence[int]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
     timed: bool = False,
 ) -> Iterator[Union[Prefilled, Step, Finished]]:
     """Prefill fresh caches with ``prompt_ids`` and generate.
@@ -87,12 +93,18 @@ def run(
             prefill, see :mod:`specdec_cli.rollback`), ``reforward``, ``carry``,
             ``capture`` or ``tape``.
         rollback_memory_cap: Most extra bytes capture may hold per verify.
-        prefill_step_size: Prompt chunk size.
+        prefill_step_size: Prompt chunk size (the most, when sized by time).
+        prefill_seconds: Size prefill chunks to about this many seconds each,
+            so that nothing waits long on one evaluation (a signal, say).
+        prefill_chunks: Exact chunk sizes, from an earlier run's
+            :class:`Prefilled` (same sizes, bit-identical caches).
+        kv_bits: Quantize the target's KV cache to this many bits (None: off).
+        kv_group_size: Group size of the KV quantization.
         timed: Ask the engine for per-phase timings (adds syncs).
     """
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
-    cache = ModelCache(model)
+    cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
     # A drafter that reads the target's hidden states gets them from the
     # target's own forwards; the tap comes off the model when the run ends.
     specs = getattr(drafter, "taps", None)
@@ -100,18 +112,22 @@ def run(
     gen = None
     try:
         start = time.perf_counter()
-        parts = cache.prefill(prompt_ids[:-1], prefill_step_size, tap)
+        parts = cache.prefill(prompt_ids[:-1], prefill_step_size, tap, seconds=prefill_seconds,
+                              sizes=prefill_chunks)
+        # The drafter is smaller than the target: the target's largest timed
+        # chunk bounds how long one of its chunks takes.
+        step = min(prefill_step_size, max(cache.chunks, default=prefill_step_size))
         if tap is not None:
-            drafter.prefill(prompt_ids[:-1], prefill_step_size, Hidden.concat(parts))
+            drafter.prefill(prompt_ids[:-1], step, Hidden.concat(parts))
         elif drafter is not None:
-            drafter.prefill(prompt_ids[:-1], prefill_step_size)
+            drafter.prefill(prompt_ids[:-1], step)
         prefill_s = time.perf_counter() - start
         last = prompt_ids[-1]
         choice = None
         if drafter is not None:
             k_max = num_draft_tokens if policy is None else getattr(policy, "k_max", getattr(policy, "k", None))
             choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap)
-        yield Prefilled(len(prompt_ids), prefill_s, choice)
+        yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks))
         if drafter is None:
             gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
         else:

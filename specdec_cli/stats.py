@@ -44,11 +44,14 @@ class Stats:
     rollback_choice: Optional[dict] = None
     # Bytes held by the layer caches when generation ended: target, drafter.
     cache_bytes: dict = field(default_factory=dict)
+    # The target's prefill chunk sizes (to reproduce its caches in a second run).
+    prefill_chunks: tuple = ()
 
     def note(self, event) -> None:
         """Take what a runner's ``Prefilled`` or ``Finished`` event reports."""
         if hasattr(event, "prompt_tokens"):
             self.prompt_tokens, self.prefill_s = event.prompt_tokens, event.seconds
+            self.prefill_chunks = tuple(getattr(event, "chunks", ()))
             if getattr(event, "rollback", None) is not None:
                 self.rollback_choice = event.rollback.to_dict()
         if getattr(event, "cache_bytes", None) is not None:
@@ -59,7 +62,9 @@ class Stats:
         self.decode_s += seconds
         self.generated += len(block.tokens)
         self.syncs += block.syncs
-        self.finish_reason = block.finish_reason or self.finish_reason
+        # The engine says "stop" for an EOS, as mlx-lm does; reports say "eos".
+        reason = "eos" if block.finish_reason == "stop" else block.finish_reason
+        self.finish_reason = reason or self.finish_reason
         self.block_log.append((block.drafted, block.accepted))
         if block.drafted:
             self.drafted += block.drafted

@@ -8,10 +8,10 @@ from helpers import PROMPT, max_cache_diff, prefilled, target
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
     CacheList,
     ConcatenateKVCache,
     KVCache,
-    QuantizedKVCache,
     RotatingKVCache,
 )
 
@@ -72,9 +72,9 @@ def test_concatenate_cache_becomes_kv_cache():
 @pytest.mark.parametrize(
     "cache, name",
     [
-        (QuantizedKVCache(), "QuantizedKVCache"),
+        (BatchKVCache([0]), "BatchKVCache"),
         (RotatingKVCache(max_size=8, keep=4), "keep=4"),
-        (CacheList(KVCache(), QuantizedKVCache()), "QuantizedKVCache"),
+        (CacheList(KVCache(), BatchKVCache([0])), "BatchKVCache"),
     ],
 )
 def test_caches_that_cannot_roll_back_are_refused_by_name(cache, name):
