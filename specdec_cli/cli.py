@@ -509,4 +509,7 @@ def main() -> None:
 
     # Before mlx is imported: the dynamic loader reads LD_PRELOAD only at start-up.
     maybe_reexec()
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # a Ctrl-C after the command's own boundary (parsing, exiting)
+        sys.exit(EXIT_INTERRUPTED)

@@ -190,15 +190,15 @@ def test_ctrl_c_during_decoding_prints_the_text_once(models, looping, sig):
 
 def test_ctrl_c_with_json_gives_one_object(models, looping):
     prompt, reference = looping
-    proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "1500", "--json",
-                   "--verbose"])
+    proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "4000", "--json",
+                   "--verbose", "--no-adaptive", "--block-size", "2"])
     _wait_for(proc.stderr, b"Prefill:")
-    time.sleep(1.0)  # into decoding (1500 tokens take several seconds)
+    time.sleep(1.0)  # into decoding (4000 tokens two at a time take several seconds)
     out, err, _ = _interrupt(proc)
     assert proc.returncode == 130, err
     report = json.loads(out)  # all of stdout is one object
     assert report["finish_reason"] == "interrupted" and report["interrupted"] is True
-    assert 0 < report["generated_tokens"] < 1500
+    assert 0 < report["generated_tokens"] < 4000
     assert report["text"] == reference(report["generated_tokens"])
 
 
