@@ -6,9 +6,9 @@ On the random-weight Qwen3.5-style hybrid of ``scripts/bench.py`` (12 layers:
 embeddings) with its MTP head built from the same config (one gated attention
 layer + dense MLP; drafting also runs the target's 1024 x 32000 lm_head):
 
-1. costs, measured side by side in interleaved rounds (each the best of a few
-   calls, 128-token context; the model uses the median over rounds of each
-   cost divided by that round's c(1)): c(T) = a target forward of T
+1. costs, measured side by side (128-token context; each cost is timed right
+   after a target decode step c(1), and the model uses the median over rounds
+   of that ratio, robust to a shared machine's drifting load): c(T) = a target forward of T
    tokens with the hidden-state tap on, d(T) = an MTP step over T pairs plus
    the logits of the last (the first step of a block feeds the n + 1 pairs the
    last verify committed; the chain steps feed one), and the lm_head alone;
@@ -23,7 +23,7 @@ layer + dense MLP; drafting also runs the target's 1024 x 32000 lm_head):
    runs interleaved, median of repeats; one more run timed per phase.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        python scripts/bench_mtp.py --rounds 5 --repeats 3 --out bench-results/mtp.json
+        python scripts/bench_mtp.py --rounds 15 --repeats 5 --out bench-results/mtp.json
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ class OracleMTP(MTPDrafter):
         self.consumed -= 1
 
 
-def timer(fn, calls: int = 3) -> float:
-    fn()  # warm
+def timer(fn, calls: int = 3, warm: bool = True) -> float:
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(calls):
         start = time.perf_counter()
@@ -146,7 +147,7 @@ def analytic(a: float, k: int, c, d) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of cost measurements")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of cost measurements (each cost next to a c(1))")
     ap.add_argument("--repeats", type=int, default=3, help="end-to-end runs per acceptance (median)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3, help="drafts per block for the end-to-end check")
@@ -168,40 +169,49 @@ def main() -> None:
     rng = random.Random(0)
     ids = [rng.randrange(head_config.vocab_size) for _ in range(128)]
 
-    K_MAX = 6
+    K_MAX = 5
     target_step, mtp_step, lm_head, tap = cost_functions(model, head, parts, ids, K_MAX)
     keys = [("c", t) for t in range(1, 2 * K_MAX + 3)] + [("d", t) for t in range(1, K_MAX + 2)] + [("lm_head", 1)]
-    samples: dict = {key: [] for key in keys}
+    fns = {key: target_step(key[1]) if key[0] == "c" else mtp_step(key[1]) if key[0] == "d" else lm_head
+           for key in keys}
+    for fn in fns.values():
+        fn()  # warm
+    # The machine is shared and its load drifts: each cost is timed right after
+    # a target decode step c(1), and the median over rounds of that pair's
+    # ratio is what the model uses.
+    ratios: dict = {key: [] for key in keys}
+    c1_ms = []
     for r in range(args.rounds):
-        for kind, t in keys:
-            fn = target_step(t) if kind == "c" else mtp_step(t) if kind == "d" else lm_head
-            samples[kind, t].append(timer(fn))
+        for key in keys:
+            base = timer(fns["c", 1], calls=1, warm=False)
+            ratios[key].append(timer(fns[key], calls=1, warm=False) / base)
+            c1_ms.append(1e3 * base)
         log(f"  cost round {r + 1}/{args.rounds}")
     tap.close()
-    # The machine is shared: each round's costs are taken relative to that
-    # round's c(1), and the medians of those ratios are what the model uses.
-    rel = {key: statistics.median(v / c1 for v, c1 in zip(vs, samples["c", 1])) for key, vs in samples.items()}
-    spread = {key: (max(r) - min(r)) / statistics.median(r) for key, vs in samples.items()
-              if (r := [v / c1 for v, c1 in zip(vs, samples["c", 1])]) and key != ("c", 1)}
+    rel = {key: statistics.median(v) for key, v in ratios.items()}
+    q = lambda v: statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3  # noqa: E731
+    spread = {f"{k}({t})": (q(v)[2] - q(v)[0]) / statistics.median(v) for (k, t), v in ratios.items()
+              if (k, t) != ("c", 1)}
     c = lambda t: rel["c", t]  # noqa: E731
     d = lambda t: rel["d", t]  # noqa: E731
 
     costs = {
-        "target_step_ms_median": 1e3 * statistics.median(samples["c", 1]),
-        "target_step_ms_by_round": [1e3 * v for v in samples["c", 1]],
+        "target_step_ms_median": statistics.median(c1_ms),
+        "target_step_ms_quartiles": q(c1_ms),
         "target_forward_over_step": {t: c(t) for t in range(1, 2 * K_MAX + 3)},
         "mtp_step_over_target_step_by_pairs": {t: d(t) for t in range(1, K_MAX + 2)},
         "mtp_step_over_target_step": d(1),
         "lm_head_share_of_mtp_step": rel["lm_head", 1] / d(1),
-        "ratio_spread_between_rounds": {f"{k}({t})": v for (k, t), v in spread.items()},
+        "ratio_interquartile_over_median": spread,
     }
     acc_grid = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    acceptances = [float(x) for x in args.acceptances.split(",") if x]
     table = {k: {a: analytic(a, k, c, d) for a in acc_grid} for k in range(1, K_MAX + 1)}
 
     # End-to-end check at controlled acceptance.
     _, reference = collect(run(model, ids, max_tokens=args.max_tokens))
     measured = []
-    for a in [float(x) for x in args.acceptances.split(",")]:
+    for a in acceptances:
         ratios, acc = [], []
         for rep in range(args.repeats):
             plain, _ = collect(run(model, ids, max_tokens=args.max_tokens))
@@ -222,15 +232,15 @@ def main() -> None:
                          "phase_ms": timed.phase_ms, "plain_ms_per_token": 1e3 / plain.decode_tps})
         log(f"  a={a}: speedup {statistics.median(ratios):.2f}x (acceptance {a_seen:.2f})")
 
-    sp = costs["ratio_spread_between_rounds"]
-    print(f"MTP draft step / target decode step: {d(1):.3f} (median of {args.rounds} rounds, spread "
+    sp = costs["ratio_interquartile_over_median"]
+    print(f"MTP draft step / target decode step: {d(1):.3f} (median of {args.rounds} rounds, interquartile "
           f"{100 * sp['d(1)']:.0f}%; c(1) {costs['target_step_ms_median']:.1f} ms; the lm_head is "
           f"{100 * costs['lm_head_share_of_mtp_step']:.0f}% of the MTP step)")
     print("first MTP step over n pairs / c(1): " + "  ".join(
         f"{t}:{v:.3f}" for t, v in costs["mtp_step_over_target_step_by_pairs"].items()))
     print("target forward of T tokens / c(1): " + "  ".join(
         f"{t}:{v:.2f}" for t, v in costs["target_forward_over_step"].items()))
-    print(f"largest spread of a ratio between rounds: {100 * max(sp.values()):.0f}% of its median")
+    print(f"widest interquartile range of a ratio: {100 * max(sp.values()):.0f}% of its median")
     print("\nanalytic speedup (rows: drafts per block K; columns: per-token acceptance a)")
     print("K  " + " ".join(f"{a:>5.1f}" for a in acc_grid))
     for k, row in table.items():
