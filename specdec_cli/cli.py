@@ -201,11 +201,21 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, metavar="", help="Show the version.")
     ] = False,
 ) -> None:
     """Lossless speculative decoding for MLX / mlx-lm."""
+    from .backend import backend_problem
+
+    problem, fatal = backend_problem()
+    # doctor still runs: it is where a broken install gets reported.
+    fatal = fatal and ctx.invoked_subcommand != "doctor"
+    if problem:
+        _err(f"{'error' if fatal else 'warning'}: {problem}")
+        if fatal:
+            raise typer.Exit(1)
 
 
 # --- checks at the boundary ---------------------------------------------------

@@ -18,7 +18,7 @@ import mlx.core as mx
 from . import blas, bundled, doctor
 from .adaptive import AdaptiveLength, FixedLength, MatchLength
 from .caches import check_kv_quantization
-from .compare import compare_with_plain
+from .compare import DIVERGED, compare_with_plain
 
 # Block-size and n-gram limits live in a module without heavy imports: the CLI
 # declares its option ranges with them before MLX is loaded.
@@ -560,7 +560,7 @@ def generate_command(opts: GenerateOptions) -> int:
     if opts.compare_ar and not interrupted:
         try:
             comparison = compare_with_plain(
-                target.model, prompt_ids, tokens, max_tokens=max_tokens, eos_ids=setup.eos_ids,
+                target.model, prompt_ids, tokens, stats.trace, max_tokens=max_tokens, eos_ids=setup.eos_ids,
                 prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, **kv,
             )
         except KeyboardInterrupt:
@@ -606,7 +606,7 @@ def generate_command(opts: GenerateOptions) -> int:
 
     if interrupted or compare_interrupted:
         return EXIT_INTERRUPTED
-    if comparison is not None and not comparison.identical:
+    if comparison is not None and not comparison.ok:
         return EXIT_DIVERGED
     return 0
 
@@ -633,10 +633,19 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
             "specdec_token": token(d.specdec_token),
             "plain_token": token(d.plain_token),
             "top2_margin": d.top2_margin,
+            "verify_rows": d.rows,
+            "verify_row": d.row,
+            "verify_token": token(d.verify_token),
+            "reproduced": d.reproduced,
+            "replay_mismatch": d.mismatch,
         }
     ar_tps = cmp.plain.decode_tps
     return {
         "identical": cmp.identical,
+        "verdict": cmp.verdict,
+        # Log-probability units, as greedy selection compares them.
+        "margin": cmp.divergence.margin if cmp.divergence else None,
+        "difference": cmp.divergence.difference if cmp.divergence else None,
         "tokens": cmp.tokens,
         "first_divergence": divergence,
         "ar_decode_tps": ar_tps,
@@ -691,8 +700,8 @@ def sweep_command(opts: SweepOptions) -> int:
     else:
         print_stderr([setup.model_line])
         print_sweep(result, setup.drafter_name)
-    if not all(row.identical for row in result.rows):
-        print_stderr(["error: a speculative run differed from plain decoding (see the 'identical' column)"])
+    if any(row.verdict == DIVERGED for row in result.rows):
+        print_stderr(["error: a speculative run diverged from plain decoding (see the 'same' column)"])
         return EXIT_DIVERGED
     return 0
 

@@ -1,4 +1,21 @@
-"""``--compare-ar``: plain greedy decoding on the same prompt ids, side by side."""
+"""``--compare-ar``: plain greedy decoding on the same prompt ids, side by side, and a verdict.
+
+When the outputs differ, the target's prediction at the first differing
+position is computed again both ways: the one-token path plain decoding took
+(prefill, then one token per forward), and the speculative path, replayed
+from the run's record of blocks (each verify forward with its row count, the
+rollback each block reports; the engine itself is not used). Verdicts:
+
+- ``identical``: the same tokens;
+- ``rounding tie``: each path reproduces its own run's token, so the two
+  computations of the same numbers disagree about the two tokens by at least
+  the margin between them: plain decoding would itself flip with the other
+  kernel, not a bug;
+- ``diverged``: anything else (a path does not reproduce its run): a bug.
+
+The quantities are the ones greedy selection compares: log-probabilities in
+the model's dtype (see :func:`specdec_cli.sampling.greedy`).
+"""
 
 from __future__ import annotations
 
@@ -9,25 +26,68 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .caches import ModelCache, make_cache
+from .engine import Block
 from .runner import collect, run
+from .sampling import greedy
 from .stats import Stats
+
+IDENTICAL, TIE, DIVERGED = "identical", "rounding tie", "diverged"
+RECORDED = ("capture", "tape")
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """The target's prediction at one position, computed both ways.
+
+    Attributes:
+        rows: Rows of the verify forward (T) the speculative run used there.
+        row: Row within it that predicted the position.
+        one_row: Log-probabilities from the one-token path (plain decoding's), float32.
+        verify: Log-probabilities from the replayed speculative path, float32.
+    """
+
+    rows: int
+    row: int
+    one_row: mx.array
+    verify: mx.array
 
 
 @dataclass(frozen=True)
 class Divergence:
-    """Where speculative and plain output first differ.
+    """Where speculative and plain output first differ, and why.
 
     Attributes:
         index: Position in the generated tokens.
         specdec_token: Token speculative decoding produced there (None: it ended).
         plain_token: Token plain decoding produced there (None: it ended).
-        top2_margin: Target's top-1 minus top-2 logit at that position (one-token decode).
+        top2_margin: Target's top-1 minus top-2 log-probability there (one-token path).
+        verdict: ``rounding tie`` or ``diverged``.
+        margin: Plain's token minus the speculative one, in the one-token
+            path's log-probabilities (the top-2 margin when the speculative
+            token is the runner-up); None when a token is unknown.
+        difference: How much the two paths disagree on that gap: the
+            one-token path's gap minus the speculative path's, in absolute value.
+        rows: Rows of the verify forward that produced the speculative token.
+        row: Its row within that forward.
+        verify_token: The token the recomputed verify path picks.
+        reproduced: Each recomputed path picks its own run's token, and the
+            replay found every speculative token where its forwards put it.
+        mismatch: First position where the speculative run's own forwards,
+            replayed, pick another token than it emitted (a bug), or None.
     """
 
     index: int
     specdec_token: Optional[int]
     plain_token: Optional[int]
     top2_margin: Optional[float]
+    verdict: str = DIVERGED
+    margin: Optional[float] = None
+    difference: Optional[float] = None
+    rows: int = 1
+    row: int = 0
+    verify_token: Optional[int] = None
+    reproduced: bool = False
+    mismatch: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +99,16 @@ class Comparison:
     divergence: Optional[Divergence]
     plain: Stats
 
+    @property
+    def verdict(self) -> str:
+        """``identical``, ``rounding tie`` or ``diverged``."""
+        return IDENTICAL if self.identical else self.divergence.verdict
+
+    @property
+    def ok(self) -> bool:
+        """Identical, or different only by a proven rounding tie."""
+        return self.verdict != DIVERGED
+
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     """Index of the first difference between two token lists (None if equal)."""
@@ -48,20 +118,212 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def top2_margin(model: nn.Module, ids: Sequence[int], kv_bits: Optional[int] = None,
-                kv_group_size: int = 64) -> float:
-    """Top-1 minus top-2 logit of the target's next-token prediction after ``ids``."""
-    cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
-    cache.prefill(ids[:-1])
-    logits = cache.feed(mx.array(ids[-1:], dtype=mx.uint32))[-1].astype(mx.float32)
-    top = mx.topk(logits, 2)
-    return (top.max() - top.min()).item()
+def _logprobs(logits: mx.array) -> mx.array:
+    # As greedy selection computes them: in the model's dtype.
+    return (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
+
+
+def _ids(tokens: Sequence[int]) -> mx.array:
+    return mx.array(list(tokens), dtype=mx.uint32)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The speculative run's target forwards, computed again from its record.
+
+    Attributes:
+        rows: Rows of the verify forward that predicted the asked position.
+        row: The row within it.
+        logprobs: Log-probabilities there (float32).
+        mismatch: First generated position whose token is not what the
+            replayed forwards pick (None: every block checks out).
+    """
+
+    rows: int
+    row: int
+    logprobs: Optional[mx.array]
+    mismatch: Optional[int]
+
+
+def _fresh(model: nn.Module, prompt_ids: Sequence[int], prefill_step_size: int,
+           prefill_chunks: Optional[Sequence[int]], kv_bits: Optional[int], kv_group_size: int) -> ModelCache:
+    # The runs' own cache kind and prefill chunks: the same sizes give the same bits.
+    layers = make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None
+    cache = ModelCache(model, layers)
+    cache.prefill(prompt_ids[:-1], prefill_step_size, sizes=prefill_chunks or None)
+    return cache
+
+
+def replay(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    tokens: Sequence[int],
+    trace: Sequence[Block],
+    index: int,
+    *,
+    eos_ids: Sequence[int] = (),
+    prefill_step_size: int = 2048,
+    prefill_chunks: Optional[Sequence[int]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+) -> Replay:
+    """Recompute every target forward of a greedy speculative run and check its tokens.
+
+    Each block's verify forward runs again with its row count (carried
+    tokens, last, the drafts that were kept; the rows after them, which
+    cannot change the kept ones, padded), then the rollback the block reports.
+    Every kept token must be the greedy pick of its row: the engine's
+    bookkeeping is not used, so an engine that kept a wrong row or token is
+    caught here, wherever rounding ties put the output.
+
+    Args:
+        model: The target.
+        prompt_ids: Prompt token ids.
+        tokens: The speculative run's output.
+        trace: Its blocks, in order.
+        index: The generated position whose prediction to return.
+        eos_ids: Ids that ended the run.
+        prefill_step_size: Prompt chunk size the run used.
+        prefill_chunks: The run's prefill chunk sizes.
+        kv_bits: The run's KV-cache quantization (None: none).
+        kv_group_size: Its group size.
+    """
+    cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size)
+    eos = frozenset(eos_ids)
+    # A run that cut recurrent layers back from recorded states fed every verify recorded.
+    record = next((b.rollback for b in trace if b.rollback in RECORDED), None)
+    carry: list[int] = []
+    last = prompt_ids[-1]
+    emitted = 0
+    found: tuple[int, int, Optional[mx.array]] = (0, 0, None)
+    for block in trace:
+        keep = len(block.tokens) + (block.finish_reason == "stop")  # committed tokens kept
+        k, c = block.drafted, len(carry)
+        if block.carry != c or block.verify_len != c + 1 + k or keep > k + 1:
+            return Replay(*found, emitted)  # the record does not add up
+        x = carry + [last] + list(tokens[emitted : emitted + min(k, keep - 1)])
+        x += [0] * (block.verify_len - len(x))
+        snap = cache.snapshot()
+        logits = cache.feed(_ids(x), record=record)
+        picks = greedy(logits[c : c + keep]).tolist()
+        if emitted <= index < emitted + keep:
+            row = c + index - emitted
+            found = (block.verify_len, row, _logprobs(logits[row]))
+        want = list(tokens[emitted : emitted + len(block.tokens)])
+        if picks[: len(want)] != want or (block.finish_reason == "stop" and picks[-1] not in eos):
+            bad = next((i for i, (p, w) in enumerate(zip(picks, want)) if p != w), len(want))
+            return Replay(*found, emitted + bad)
+        n = c + keep  # rows the target keeps: carry, last, the kept drafts
+        carry = []
+        if block.rollback == "trim":
+            cache.rollback(snap, n)
+        elif block.rollback == "carry":
+            cache.restore(snap)
+            carry = x[:n]
+        elif block.rollback in RECORDED:
+            cache.rollback_recorded(snap, n)
+        elif block.rollback == "reforward":
+            if cache.rollback(snap, n):
+                cache.feed(_ids(x[:n]))
+        elif n != len(x):
+            return Replay(*found, emitted)
+        mx.eval(cache.state_arrays())
+        if block.finish_reason:
+            break
+        last = want[-1]
+        emitted += len(block.tokens)
+    return Replay(*found, None)
+
+
+def one_token(
+    model: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], index: int, *, prefill_step_size: int = 2048,
+    prefill_chunks: Optional[Sequence[int]] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+) -> mx.array:
+    """Plain decoding's prediction of generated token ``index``, computed again (one token per forward)."""
+    cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size)
+    for t in [prompt_ids[-1], *tokens[:index]]:
+        logits = cache.feed(_ids([t]))[-1]
+        mx.eval(logits, cache.state_arrays())
+    return _logprobs(logits)
+
+
+def recompute(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    tokens: Sequence[int],
+    trace: Sequence[Block],
+    index: int,
+    *,
+    eos_ids: Sequence[int] = (),
+    **run_options,
+) -> tuple[Recomputed, Optional[int]]:
+    """The prediction of generated token ``index`` by the one-token and the speculative path.
+
+    ``run_options``: ``prefill_step_size``, ``prefill_chunks``, ``kv_bits``,
+    ``kv_group_size`` as the runs used them.
+
+    Returns:
+        Both predictions, and the replay's first mismatching position (None
+        when the speculative run's every token is what its forwards pick).
+    """
+    again = replay(model, prompt_ids, tokens, trace, index, eos_ids=eos_ids, **run_options)
+    one = one_token(model, prompt_ids, tokens, index, **run_options)
+    verify = again.logprobs if again.logprobs is not None else mx.full(one.shape, float("nan"))
+    return Recomputed(again.rows, again.row, one, verify), again.mismatch
+
+
+def explain(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    specdec_tokens: Sequence[int],
+    plain_tokens: Sequence[int],
+    trace: Sequence[Block],
+    *,
+    eos_ids: Sequence[int] = (),
+    **run_options,
+) -> Optional[Divergence]:
+    """The first divergence between the two outputs and its verdict (None when identical).
+
+    Args:
+        model: The target.
+        prompt_ids: Prompt token ids.
+        specdec_tokens: Speculative output.
+        plain_tokens: Plain decoding's output.
+        trace: The speculative run's blocks, in order.
+        eos_ids: Ids that ended the runs.
+        run_options: ``prefill_step_size``, ``prefill_chunks``, ``kv_bits``,
+            ``kv_group_size`` as the runs used them.
+    """
+    index = first_divergence(specdec_tokens, plain_tokens)
+    if index is None:
+        return None
+    at = lambda seq: seq[index] if index < len(seq) else None  # noqa: E731
+    spec_tok, plain_tok = at(specdec_tokens), at(plain_tokens)
+    rec, mismatch = recompute(model, prompt_ids, specdec_tokens, trace, index, eos_ids=eos_ids, **run_options)
+    one, ver = rec.one_row, rec.verify
+    top = mx.topk(one, 2)
+    top2 = (top.max() - top.min()).item()
+    one_pick, ver_pick = mx.argmax(one).item(), mx.argmax(ver).item()
+    # A run that ended there picked an EOS.
+    plain_pick = plain_tok if plain_tok is not None else (one_pick if one_pick in eos_ids else None)
+    spec_pick = spec_tok if spec_tok is not None else (ver_pick if ver_pick in eos_ids else None)
+    reproduced = (plain_pick is not None and one_pick == plain_pick and spec_pick is not None
+                  and ver_pick == spec_pick and mismatch is None)
+    margin = difference = None
+    if plain_pick is not None and spec_pick is not None:
+        margin = (one[plain_pick] - one[spec_pick]).item()
+        gap = (ver[plain_pick] - ver[spec_pick]).item()
+        difference = abs(margin - gap) if gap == gap else None  # NaN: nothing recomputed
+    tie = reproduced and difference is not None and 0 < difference and margin <= difference
+    return Divergence(index, spec_tok, plain_tok, top2, TIE if tie else DIVERGED, margin, difference,
+                      rec.rows, rec.row, ver_pick, reproduced, mismatch)
 
 
 def compare_with_plain(
     model: nn.Module,
     prompt_ids: Sequence[int],
     specdec_tokens: Sequence[int],
+    trace: Sequence[Block] = (),
     *,
     max_tokens: int,
     eos_ids: Sequence[int] = (),
@@ -70,20 +332,16 @@ def compare_with_plain(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
 ) -> Comparison:
-    """Run plain greedy decoding with fresh caches and compare token by token.
+    """Run plain greedy decoding with fresh caches, compare token by token, explain a difference.
 
     ``prefill_chunks`` (the speculative run's) makes both prefills identical;
-    ``kv_bits`` gives plain decoding the same quantized KV cache.
+    ``kv_bits`` gives plain decoding the same quantized KV cache. Plain
+    decoding runs warm: its one shape was warmed before the speculative run
+    timed anything.
     """
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids,
                                prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, **kv))
-    index = first_divergence(specdec_tokens, plain)
-    divergence = None
-    if index is not None:
-        at = lambda seq: seq[index] if index < len(seq) else None  # noqa: E731
-        divergence = Divergence(
-            index, at(specdec_tokens), at(plain),
-            top2_margin(model, list(prompt_ids) + plain[:index], **kv),
-        )
-    return Comparison(index is None, len(plain), divergence, stats)
+    divergence = explain(model, prompt_ids, specdec_tokens, plain, trace, eos_ids=eos_ids,
+                         prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, **kv)
+    return Comparison(divergence is None, len(plain), divergence, stats)

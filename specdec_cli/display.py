@@ -164,6 +164,7 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
         prompt,
         f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec",
         f"Peak memory: {peak_gb:.3f} GB",
+        warmup_line(stats),
         f"Drafter: {drafter}, block size {block_size} ({block_size - 1} drafts)",
         f"Drafted: {stats.drafted}, accepted: {stats.accepted}, "
         f"acceptance: {100 * stats.acceptance:.1f}% (accepted / drafted)",
@@ -195,6 +196,25 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
             f"rollback {ms['rollback_ms']:.2f} ms; host syncs {stats.syncs / max(stats.blocks, 1):.2f}"
         )
     return lines
+
+
+def _rows(rows: tuple) -> str:
+    if not rows:
+        return "none"
+    lo, hi = min(rows), max(rows)
+    return str(lo) if lo == hi else (f"{lo}-{hi}" if len(rows) == hi - lo + 1 else ",".join(map(str, rows)))
+
+
+def warmup_line(stats: Stats) -> str:
+    """How long the untimed warm-up took and what it ran."""
+    target, drafter = stats.warmup_rows
+    if target or drafter:
+        what = f"target rows {_rows(target)}" + (f", drafter rows {_rows(drafter)}" if drafter else "")
+    else:
+        what = "every shape had run already"
+    if stats.warmup_free:
+        what += "; a first run measured as fast as the second: this backend compiles nothing per shape"
+    return f"Warm-up: {stats.warmup_s:.3f} s before timing, not in tokens-per-sec ({what})"
 
 
 def policy_lines(summary: dict) -> list[str]:
@@ -238,10 +258,26 @@ def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
         def show(tok: Optional[int]) -> str:
             return "end of output" if tok is None else f"{tok} {decode(tok)!r}"
 
-        lines.append(
-            f"Compare: DIVERGED at token {d.index}: specdec {show(d.specdec_token)}, "
-            f"plain {show(d.plain_token)}; target top-2 logit margin there {d.top2_margin:.6g}"
-        )
+        where = (f"at token {d.index}: specdec {show(d.specdec_token)}, plain {show(d.plain_token)}; "
+                 f"recomputed at that position, the one-token and the {d.rows}-row verify path "
+                 f"(row {d.row}) differ by {d.difference:.3g}")
+        margin = "unknown" if d.margin is None else f"{d.margin:.3g}"
+        if d.verdict == "rounding tie":
+            lines.append(
+                f"Compare: rounding tie {where}, at least the margin between the two tokens ({margin}; "
+                f"top-2 logit margin {d.top2_margin:.3g}): plain decoding would itself flip with the "
+                "batched kernel, not a bug"
+            )
+        else:
+            if d.mismatch is not None:
+                why = (f"; the speculative run's own verify forwards, replayed, pick another token at "
+                       f"token {d.mismatch} than it emitted")
+            else:
+                why = "" if d.reproduced else "; a recomputed path does not reproduce its run's token"
+            lines.append(
+                f"Compare: DIVERGED {where}, less than the margin between the two tokens ({margin}; "
+                f"top-2 logit margin {d.top2_margin:.6g}){why}: a bug"
+            )
     lines.append(
         f"Plain decoding: {cmp.plain.decode_tps:.3f} tokens-per-sec; speedup {speedup:.2f}x"
     )
@@ -274,6 +310,9 @@ def _speed_bar(speedup: float, best: float, width: int = 12) -> str:
     return "█" * max(1, round(width * speedup / best)) if best > 0 else ""
 
 
+_SAME = {"identical": "yes", "rounding tie": "tie", "diverged": "NO"}
+
+
 def print_sweep(result: SweepResult, drafter: str) -> None:
     """The sweep table on stdout: one row per block size, the best one marked."""
     table = Table(
@@ -290,7 +329,7 @@ def print_sweep(result: SweepResult, drafter: str) -> None:
             f"{r.block_size}{mark}", f"{r.decode_tps:.2f}", f"{r.speedup:.2f}x", _speed_bar(r.speedup, best),
             f"{100 * r.acceptance:.1f}%", f"{r.mean_accepted_per_block:.2f}", f"{r.draft_ms:.1f}",
             f"{r.verify_ms:.1f}", f"{r.rollback_ms:.1f}", f"{r.syncs_per_block:.2f}",
-            "yes" if r.identical else "NO",
+            _SAME[r.verdict],
         )
     console = Console(highlight=False)
     if not console.is_terminal:

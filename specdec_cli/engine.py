@@ -21,7 +21,7 @@ from .adaptive import DraftPolicy, FixedLength
 from .caches import ModelCache
 from .drafters import Drafter
 from .hooks import HiddenTap
-from .sampling import GREEDY, SamplingParams, accept_greedy, accept_sampled, choose
+from .sampling import GREEDY, SamplingParams, accept_greedy, accept_sampled, choose, greedy, log_probs
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,10 @@ class Block:
         syncs: Host syncs the block waited on.
         finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
         times: Phase timings, only when the generator was asked for them.
+        verify_len: Rows of the target forward (carried tokens + last + drafts).
+        carry: Carried tokens leading it; the row predicting this block's
+            i-th token is ``carry + i``. Both let ``--compare-ar`` recompute a
+            position exactly as the verify computed it.
     """
 
     tokens: tuple[int, ...]
@@ -58,6 +62,8 @@ class Block:
     syncs: int
     finish_reason: Optional[str] = None
     times: Optional[PhaseTimes] = None
+    verify_len: int = 1
+    carry: int = 0
 
     @property
     def block_size(self) -> int:
@@ -221,7 +227,7 @@ def speculative_generate_step(
             emitted += len(tokens)
             policy.observe(k, n, len(tokens), t3 - t0)
             times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
-            yield Block(tuple(tokens), k, n, kind, syncs, finish, times)
+            yield Block(tuple(tokens), k, n, kind, syncs, finish, times, c + 1 + k, c)
             if finish:
                 return
     finally:
@@ -231,6 +237,69 @@ def speculative_generate_step(
             cache.feed(carry)
         if tap is not None:
             tap.clear()
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """What :func:`warm_up` ran.
+
+    Attributes:
+        target_rows: Row counts the target ran on throwaway tokens.
+        drafter_rows: Row counts the drafter ran.
+        free: True when the backend measured a shape's first run no slower
+            than its second, so the remaining shapes were skipped.
+    """
+
+    target_rows: tuple[int, ...] = ()
+    drafter_rows: tuple[int, ...] = ()
+    free: bool = False
+
+
+def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry") -> list[int]:
+    """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets."""
+    extra = MAX_CARRY if recurrent and rollback == "carry" else 0
+    return list(range(1, max_draft + 2 + extra))
+
+
+def warm_up(
+    cache: ModelCache,
+    drafter: Optional[Drafter] = None,
+    *,
+    max_draft: int = 0,
+    sampling: SamplingParams = GREEDY,
+    rollback: str = "carry",
+    tap: Optional[HiddenTap] = None,
+    probe: bool = True,
+) -> Warmup:
+    """Run every shape the coming generation can use once, leaving all state as it was.
+
+    A shape's first run in a process compiles its kernels (on GPUs); doing it
+    here keeps that out of tok/s, the adaptive policy's measurements and
+    ``--compare-ar``'s ratio. Target and drafter caches are restored exactly;
+    no random numbers are drawn.
+
+    Args:
+        cache: The target's prefilled caches.
+        drafter: A prefilled drafter (warms its own shapes through ``warm_up``
+            when it has one), or None for plain decoding.
+        max_draft: Most drafts per block (0 for plain decoding).
+        sampling: The token selection that follows each forward.
+        rollback: Recurrent rollback strategy (carry lengthens verifies).
+        tap: The target's hidden-state tap; cleared after.
+        probe: Skip the remaining shapes once a first run measures free
+            (see :meth:`ModelCache.warm`); False runs them all.
+    """
+    head = greedy if sampling.greedy else (lambda logits: log_probs(logits, sampling))
+    try:
+        rows = cache.warm(verify_rows(max_draft, cache.recurrent, rollback), head, probe)
+    finally:
+        if tap is not None:
+            tap.clear()
+    drafted: tuple[int, ...] = ()
+    hook = getattr(drafter, "warm_up", None)
+    if hook is not None and max_draft > 0:
+        drafted = tuple(hook(max_draft, sampling, probe) or ())
+    return Warmup(rows, drafted, cache.warm_free)
 
 
 def plain_generate_step(

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import mlx.nn as nn
 
 from .adaptive import FixedLength
+from .compare import IDENTICAL, explain
 from .drafters import Drafter
 from .runner import collect, run
 from .sampling import GREEDY, SamplingParams
@@ -63,6 +64,8 @@ class SweepRow:
     rollback_ms: float
     syncs_per_block: float
     identical: bool
+    verdict: str = "identical"
+    warmup_s: float = 0.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -125,7 +128,9 @@ def sweep(
         max_tokens: Tokens per run.
         eos_ids: Ids that end a run.
         repeats: Speed runs per configuration (median reported).
-        warmup: Untimed runs of plain and of the first block size before measuring.
+        warmup: Untimed runs of plain and of the first block size before measuring
+            (every run also warms the shapes it can use before its timing starts,
+            so this is no longer needed for fair figures).
         rollback: Recurrent rollback strategy (``auto`` chooses per block size).
         rollback_memory_cap: Most extra bytes capture may hold per verify.
         prefill_step_size: Prompt chunk size.
@@ -158,7 +163,18 @@ def sweep(
     plain_tps: list[float] = []
     spec: dict[int, list[Stats]] = {b: [] for b in block_sizes}
     reference: list[int] = []
-    identical = {b: True for b in block_sizes}
+    verdict = {b: IDENTICAL for b in block_sizes}
+    warm_s = {b: 0.0 for b in block_sizes}
+
+    def judge(b: int, stats: Stats, out: list[int]) -> None:
+        # The first difference per block size is explained (recomputed both ways).
+        if out != reference and verdict[b] == IDENTICAL:
+            d = explain(model, prompt_ids, out, reference, stats.trace, eos_ids=eos_ids,
+                        prefill_step_size=prefill_step_size, prefill_chunks=kw.get("prefill_chunks"),
+                        kv_bits=kv_bits, kv_group_size=kv_group_size)
+            verdict[b] = d.verdict
+        warm_s[b] += stats.warmup_s
+
     for _ in range(repeats):
         stats, reference = measure(model, prompt_ids, None, **kw)
         plain_tps.append(stats.decode_tps)
@@ -166,13 +182,13 @@ def sweep(
         for b in block_sizes:
             stats, out = measure(model, prompt_ids, make_drafter(), b, **spec_kw)
             spec[b].append(stats)
-            identical[b] &= out == reference
+            judge(b, stats, out)
             yield step(f"block {b}")
 
     rows = []
     for b in block_sizes:
         timed, out = measure(model, prompt_ids, make_drafter(), b, timed=True, **spec_kw)
-        identical[b] &= out == reference
+        judge(b, timed, out)
         yield step(f"block {b} (phase timing)")
         runs = spec[b]
         ms = timed.phase_ms or {"draft_ms": 0.0, "verify_ms": 0.0, "rollback_ms": 0.0}
@@ -186,6 +202,8 @@ def sweep(
             verify_ms=ms["verify_ms"],
             rollback_ms=ms["rollback_ms"],
             syncs_per_block=runs[0].syncs / max(runs[0].blocks, 1),
-            identical=identical[b],
+            identical=verdict[b] == IDENTICAL,
+            verdict=verdict[b],
+            warmup_s=warm_s[b],
         ))
     yield SweepResult(statistics.median(plain_tps), rows, len(reference))

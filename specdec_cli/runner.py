@@ -1,9 +1,9 @@
-"""One generation from prompt ids: prefill, then the engine loop, timed.
+"""One generation from prompt ids: prefill, warm-up, then the engine loop, timed.
 
-Yields :class:`Prefilled` once, then one :class:`Step` per block, then
-:class:`Finished` when generation ends. Each step carries the seconds spent
-inside the engine for that block, so the time the consumer spends displaying
-is never counted as decode time.
+Yields :class:`Prefilled` once, :class:`Warmed` once, then one :class:`Step`
+per block, then :class:`Finished` when generation ends. Each step carries the
+seconds spent inside the engine for that block, so the time the consumer
+spends displaying is never counted as decode time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mlx.nn as nn
 from .adaptive import DraftPolicy
 from .caches import ModelCache, make_cache
 from .drafters import Drafter
-from .engine import Block, plain_generate_step, speculative_generate_step
+from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, warm_up
 from .hooks import Hidden, HiddenTap
 from .errors import OptionError
 from .rollback import RollbackChoice, choose
@@ -52,6 +52,19 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Warmed:
+    """Every shape the run can use has run once (kernels compiled), caches unchanged.
+
+    Attributes:
+        seconds: Wall time of the warm-up (not part of prefill or decode time).
+        what: The row counts run, target and drafter.
+    """
+
+    seconds: float
+    what: Warmup
+
+
+@dataclass(frozen=True)
 class Step:
     """One engine block and the seconds the engine spent on it."""
 
@@ -77,7 +90,8 @@ def run(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     timed: bool = False,
-) -> Iterator[Union[Prefilled, Step, Finished]]:
+    warmup: bool = True,
+) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill fresh caches with ``prompt_ids`` and generate.
 
     Args:
@@ -101,6 +115,8 @@ def run(
         kv_bits: Quantize the target's KV cache to this many bits (None: off).
         kv_group_size: Group size of the KV quantization.
         timed: Ask the engine for per-phase timings (adds syncs).
+        warmup: Run every shape once before decoding (see
+            :func:`~specdec_cli.engine.warm_up`), timed apart.
     """
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
@@ -128,10 +144,16 @@ def run(
             k_max = num_draft_tokens if policy is None else getattr(policy, "k_max", getattr(policy, "k", None))
             choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap)
         yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks))
+        strategy = None if choice is None else (choice.strategy if choice.strategy != "trim" else "carry")
+        if warmup:
+            start = time.perf_counter()
+            max_draft = 0 if drafter is None else _max_draft(policy, num_draft_tokens)
+            what = warm_up(cache, drafter, max_draft=max_draft, sampling=sampling, rollback=strategy or "carry",
+                           tap=tap)
+            yield Warmed(time.perf_counter() - start, what)
         if drafter is None:
             gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
         else:
-            strategy = choice.strategy if choice.strategy != "trim" else "carry"
             gen = speculative_generate_step(
                 last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
                 max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=strategy, timed=timed,
@@ -156,6 +178,13 @@ def run(
             gen.close()
         if tap is not None:
             tap.close()
+
+
+def _max_draft(policy: Optional[DraftPolicy], num_draft_tokens: int) -> int:
+    """The most drafts a block can have under ``policy``."""
+    if policy is None:
+        return num_draft_tokens
+    return getattr(policy, "k_max", getattr(policy, "k", num_draft_tokens))
 
 
 def collect(events) -> tuple[Stats, list[int]]:

@@ -6,7 +6,9 @@
 - tokens per block = generated / target forwards (blocks);
 - decode tok/s = generated / time spent inside the engine (display excluded);
 - prompt tok/s = prompt tokens / prefill time (target and drafter), timed
-  apart from decoding.
+  apart from decoding;
+- warm-up = seconds spent running each shape once before decoding (kernel
+  compilation), in neither prefill nor decode time.
 """
 
 from __future__ import annotations
@@ -46,16 +48,30 @@ class Stats:
     cache_bytes: dict = field(default_factory=dict)
     # The target's prefill chunk sizes (to reproduce its caches in a second run).
     prefill_chunks: tuple = ()
+    warmup_s: float = 0.0
+    # Row counts warmed (target, drafter) and whether the backend measured free.
+    warmup_rows: tuple = ((), ())
+    warmup_free: bool = False
+    # Every block, in order (what --compare-ar needs to recompute a position).
+    trace: list = field(default_factory=list, repr=False)
 
     def note(self, event) -> None:
-        """Take what a runner's ``Prefilled`` or ``Finished`` event reports."""
+        """Take what a runner's ``Prefilled``, ``Warmed`` or ``Finished`` event reports."""
         if hasattr(event, "prompt_tokens"):
             self.prompt_tokens, self.prefill_s = event.prompt_tokens, event.seconds
             self.prefill_chunks = tuple(getattr(event, "chunks", ()))
             if getattr(event, "rollback", None) is not None:
                 self.rollback_choice = event.rollback.to_dict()
+        if getattr(event, "what", None) is not None:
+            self.warm(event)
         if getattr(event, "cache_bytes", None) is not None:
             self.cache_bytes = dict(event.cache_bytes)
+
+    def warm(self, event) -> None:
+        """Record a :class:`~specdec_cli.runner.Warmed` event."""
+        self.warmup_s += event.seconds
+        self.warmup_rows = (event.what.target_rows, event.what.drafter_rows)
+        self.warmup_free = event.what.free
 
     def add(self, block: Block, seconds: float) -> None:
         """Count one block that took ``seconds`` inside the engine."""
@@ -66,6 +82,7 @@ class Stats:
         reason = "eos" if block.finish_reason == "stop" else block.finish_reason
         self.finish_reason = reason or self.finish_reason
         self.block_log.append((block.drafted, block.accepted))
+        self.trace.append(block)
         if block.drafted:
             self.drafted += block.drafted
             self.accepted += block.accepted
@@ -138,6 +155,7 @@ class Stats:
             "generated_tokens": self.generated,
             "prefill_s": self.prefill_s,
             "prompt_tps": self.prompt_tps,
+            "warmup_s": self.warmup_s,
             "decode_s": self.decode_s,
             "decode_tps": self.decode_tps,
             "blocks": self.blocks,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import GEN, PROMPT, plain, prefilled, target, tokens
+from helpers import GEN, PROMPT, assert_exact, kernels_agree, plain, prefilled, target, tokens
 
 from specdec_cli.engine import speculative_generate_step
 
@@ -29,13 +29,17 @@ def oracle_run(family: str, a: float, k: int = 4):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_oracle_drafter_controls_acceptance_and_keeps_output_exact(family):
+    model = target(family, "float32")
     full, ref = oracle_run(family, 1.0)
-    assert tokens(full) == ref and all(b.accepted == b.drafted for b in full)
+    assert_exact(model, "float32", full, ref)
     none, _ = oracle_run(family, 0.0)
-    assert tokens(none) == ref and sum(b.accepted for b in none) == 0
+    assert_exact(model, "float32", none, ref)
     half, _ = oracle_run(family, 0.6)
-    assert tokens(half) == ref
+    assert_exact(model, "float32", half, ref)
     assert 0 < sum(b.accepted for b in half) < sum(b.drafted for b in half)
+    if kernels_agree("float32"):  # else a rounding tie may leave the oracle's script
+        assert all(b.accepted == b.drafted for b in full)
+        assert sum(b.accepted for b in none) == 0
 
 
 def test_analytic_bound():

@@ -503,5 +503,8 @@ def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
     monkeypatch.setattr(measure_module, "run", corrupt)
     result = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0", "--json")
     assert result.exit_code == 3
-    assert json.loads(result.stdout)["rows"][0]["identical"] is False
-    assert "differed from plain decoding" in result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    assert row["identical"] is False and row["verdict"] == "diverged"
+    assert "diverged from plain decoding" in result.stderr
+    table = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0")
+    assert table.exit_code == 3 and re.search(r"│\s+NO\s+│", table.stdout)

@@ -16,6 +16,8 @@ import mlx.core as mx
 import pytest
 from helpers import (
     DTYPES,
+    assert_exact,
+    kernels_agree,
     FAMILIES,
     fed,
     GEN,
@@ -38,6 +40,9 @@ KS = range(1, 9)
 
 
 def cache_tolerance(family: str, dtype: str) -> float:
+    if not kernels_agree(dtype):
+        # Batched and one-row kernels round apart (GPUs): a few ulps of the dtype.
+        return 1e-3 if dtype == "float32" else 2**-4
     return 1e-5 if dtype == "float32" else 0.0
 
 
@@ -58,7 +63,7 @@ def test_speculative_equals_plain_with_partial_accepts(family, dtype):
     ref, _ = plain(model)
     for k in KS:
         blocks, _, _ = speculative(model, draft, k)
-        assert tokens(blocks) == ref, f"K={k}"
+        assert_exact(model, dtype, blocks, ref)
         assert sum(len(b.tokens) for b in blocks) == GEN
         partial = [b for b in blocks if 0 < b.drafted and b.accepted < b.drafted]
         assert partial, f"K={k}: the noisy drafter never got rejected"
@@ -72,8 +77,9 @@ def test_drafter_equal_to_target_accepts_everything(family, dtype):
     ref, _ = plain(model)
     for k in KS:
         blocks, _, _ = speculative(model, model, k)
-        assert tokens(blocks) == ref, f"K={k}"
-        assert all(b.accepted == b.drafted for b in blocks), f"K={k}"
+        assert_exact(model, dtype, blocks, ref)
+        if kernels_agree(dtype):  # else the one-row drafter and the T-row verify may round apart
+            assert all(b.accepted == b.drafted for b in blocks), f"K={k}"
         assert all(b.rollback == "none" for b in blocks[:-1])
         # Every block but the truncated last one drafts K tokens.
         assert all(b.drafted == k for b in blocks[:-1])
@@ -229,7 +235,8 @@ def test_carry_equals_plain_with_partial_accepts(family, dtype):
     ref, ref_cache = plain(model)
     for k in KS:
         blocks, cache, _ = speculative(model, draft, k, rollback="carry")
-        assert tokens(blocks) == ref, f"K={k}"
+        assert_exact(model, dtype, blocks, ref)
+        assert all(b.verify_len == b.carry + 1 + b.drafted and b.carry <= 8 for b in blocks)
         kinds = {b.rollback for b in blocks}
         assert "carry" in kinds and kinds <= {"none", "carry", "reforward"}, kinds
         assert max_cache_diff(cache, ref_cache) <= cache_tolerance(family, dtype)

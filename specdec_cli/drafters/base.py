@@ -51,6 +51,10 @@ class Drafter(Protocol):
     with ``prefill``, then ``[last, d1 .. dn]`` with each ``accept(n)``.
     Rejected positions never reach the drafter. Drafters whose ``taps`` is
     None are called without the ``hidden`` argument.
+
+    Optionally, ``warm_up(k, params, probe)`` runs each forward shape the drafter
+    can use once, before anything is timed, and leaves its state exactly as
+    it was (see ``ModelCache.warm``); it returns the row counts it ran.
     """
 
     name: str

@@ -56,6 +56,14 @@ class ModelDrafter:
         """Feed the prompt (all but its last token)."""
         self.cache.prefill(tokens, step_size)
 
+    def warm_up(self, k: int, params: SamplingParams = GREEDY, probe: bool = True) -> tuple[int, ...]:
+        """Run the drafter's forward shapes once (1 row, and 2 when a bonus draft is pending); state unchanged."""
+        def head(logits: mx.array) -> mx.array:
+            logits = logits[-1:, : self.vocab_size]
+            return greedy(logits) if params.greedy else log_probs(logits, params)
+
+        return self.cache.warm([1, 2], head, probe)
+
     def propose(self, last: int | mx.array, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft up to ``k`` tokens after ``last``."""
         # Restores go back up to k - 1 drafts plus the pending tokens below the

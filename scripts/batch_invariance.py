@@ -1,0 +1,136 @@
+"""Which operations give a T-row verify other bits than T one-row decode steps, on this backend.
+
+For each op and dtype: are the T-row results bit-identical to the T one-row
+results (T = 2..16), the largest difference, and the time of one T-row call
+against T one-row calls. Then the same for whole models: the logits of a
+T-row forward against T one-token forwards over the same cache.
+
+  python scripts/batch_invariance.py [--model DIR] [--json OUT]
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python scripts/batch_invariance.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+TS = (2, 3, 4, 8, 16)
+
+
+def timed(f, reps=20):
+    mx.eval(f())
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(f())
+    return (time.perf_counter() - start) / reps
+
+
+def rows_vs_one(f, x):
+    batched = f(x)
+    one = mx.concatenate([f(x[i: i + 1]) for i in range(x.shape[0])])
+    mx.eval(batched, one)
+    same = mx.array_equal(batched, one).item()
+    diff = mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()
+    return same, diff
+
+
+def ops(dtype, h=576, o=1536):
+    """Per-op probes at SmolLM2-135M's sizes (hidden 576, MLP 1536, head dim 64)."""
+    dt = getattr(mx, dtype)
+    k = mx.random.key(0)
+    w = (mx.random.normal((o, h), key=k) / h**0.5).astype(dt)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    nw = mx.ones((h,), dtype=dt)
+    lnb = mx.zeros((h,), dtype=dt)
+    out = {}
+    table = {
+        "matmul": lambda r: r @ w.T,
+        "quantized_matmul 4-bit": lambda r: mx.quantized_matmul(r, wq, s, b, transpose=True, group_size=64, bits=4),
+        "rms_norm": lambda r: mx.fast.rms_norm(r, nw, 1e-5),
+        "layer_norm": lambda r: mx.fast.layer_norm(r, nw, lnb, 1e-5),
+        "softmax": lambda r: mx.softmax(r, axis=-1),
+        "logsumexp": lambda r: mx.logsumexp(r, axis=-1, keepdims=True),
+    }
+    for name, f in table.items():
+        res = []
+        for t in TS:
+            x = mx.random.normal((t, h), key=mx.random.split(k, 20)[t]).astype(dt)
+            same, diff = rows_vs_one(f, x)
+            res.append({"T": t, "same": same, "max_diff": diff})
+        x = mx.random.normal((16, h), key=k).astype(dt)
+        cost = timed(lambda: f(x)) / (16 * timed(lambda: f(x[:1])))
+        out[name] = {"all_same": all(r["same"] for r in res), "max_diff": max(r["max_diff"] for r in res),
+                     "rows16_vs_16_one_rows_time": cost}
+    # Attention: T queries over a cache of 100 + T keys, causal, against one query at a time.
+    heads, d, past = 9, 64, 100
+    res = []
+    for t in TS:
+        k1, k2, k3 = mx.random.split(mx.random.key(t), 3)
+        q = mx.random.normal((1, heads, t, d), key=k1).astype(dt)
+        kv = [mx.random.normal((1, heads // 3, past + t, d), key=kk).astype(dt) for kk in (k2, k3)]
+        batched = mx.fast.scaled_dot_product_attention(q, *kv, scale=d**-0.5, mask="causal")
+        one = mx.concatenate([mx.fast.scaled_dot_product_attention(
+            q[:, :, i: i + 1], kv[0][:, :, : past + i + 1], kv[1][:, :, : past + i + 1], scale=d**-0.5)
+            for i in range(t)], axis=2)
+        same = mx.array_equal(batched, one).item()
+        res.append({"T": t, "same": same,
+                    "max_diff": mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()})
+    out["scaled_dot_product_attention (GQA 9/3, causal)"] = {
+        "all_same": all(r["same"] for r in res), "max_diff": max(r["max_diff"] for r in res)}
+    return out
+
+
+def model_check(path, dtype):
+    from specdec_cli.caches import ModelCache
+    from specdec_cli.loading import load
+
+    model = load(path, None if dtype == "as-shipped" else dtype).model
+    ids = list(range(1000, 1060))
+    res = []
+    for t in TS:
+        cache = ModelCache(model)
+        cache.prefill(ids)
+        snap = cache.snapshot()
+        x = list(range(2000, 2000 + t))
+        batched = cache.feed(mx.array(x, dtype=mx.uint32))
+        mx.eval(batched)
+        cache.restore(snap)
+        one = mx.concatenate([cache.feed(mx.array([v], dtype=mx.uint32)) for v in x])
+        mx.eval(one)
+        res.append({"T": t, "same": mx.array_equal(batched, one).item(),
+                    "max_diff": mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()})
+    return {"all_same": all(r["same"] for r in res), "max_diff": max(r["max_diff"] for r in res), "by_T": res}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    report = {"device": str(mx.default_device()), "mlx": mx.__version__,
+              "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""), "ops": {}, "models": {}}
+    for dtype in ("float32", "bfloat16", "float16"):
+        report["ops"][dtype] = ops(dtype)
+        for name, r in report["ops"][dtype].items():
+            extra = f", 16 rows cost {r['rows16_vs_16_one_rows_time']:.2f}x of 16 one-row calls" \
+                if "rows16_vs_16_one_rows_time" in r else ""
+            print(f"{dtype:9} {name:48} {'same' if r['all_same'] else 'DIFFERENT'} (max diff {r['max_diff']:.3g}){extra}")
+    if args.model:
+        for dtype in ("float32", "bfloat16", "as-shipped"):
+            r = report["models"][dtype] = model_check(args.model, dtype)
+            print(f"model {dtype:12} T-row logits vs one-token: {'same' if r['all_same'] else 'DIFFERENT'} "
+                  f"(max diff {r['max_diff']:.3g}; same at T = {[x['T'] for x in r['by_T'] if x['same']]})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
