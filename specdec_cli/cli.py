@@ -297,7 +297,7 @@ KvGroupOpt = Annotated[int, _opt(
     rich_help_panel=MODEL)]
 PrefillOpt = Annotated[int, _opt(
     "--prefill-step-size", min=1, max=1 << 20,
-    help="The most prompt tokens per prefill chunk (chunks are also sized to about a second, "
+    help="The most prompt tokens per prefill chunk (chunks are also sized to about half a second, "
          "so Ctrl-C gets through).", rich_help_panel=MODEL)]
 
 PromptArg = Annotated[Optional[str], typer.Argument(

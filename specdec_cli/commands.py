@@ -58,7 +58,7 @@ EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
 # Each prefill chunk is sized to about this long, so Ctrl-C and SIGTERM (seen
 # between evaluations, never inside one) stop a prefill within ~2 s.
-PREFILL_CHUNK_S = 1.0
+PREFILL_CHUNK_S = 0.5
 
 
 class PromptTooLongError(SpecdecError):

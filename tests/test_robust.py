@@ -476,3 +476,23 @@ def test_trust_remote_code(models, tmp_path):
     result = generate("--model", custom, "Hi", "-m", "2")
     assert result.exit_code == 1 and "pass --trust-remote-code" in one_line(result)
     assert generate("--model", custom, "Hi", "-m", "2", "--trust-remote-code").exit_code == 0
+
+
+def test_the_live_panel_leaves_room_for_the_echoed_ctrl_c():
+    # A panel as wide as the terminal leaves the cursor pending a wrap: the "^C" the
+    # terminal echoes then moves it a line down, the transient erase misses the text
+    # line and it was printed twice. The panel stays narrower than the terminal.
+    import io
+
+    from rich.console import Console
+
+    from specdec_cli.display import LiveText
+    from specdec_cli.stats import Stats
+
+    console = Console(file=io.StringIO(), width=80, force_terminal=True)
+    view = LiveText(console, "lookup")
+    view.update(Stats())
+    lines = console.render_lines(view._render(), console.options, pad=False)
+    view.live.stop()
+    widths = [len("".join(seg.text for seg in line).rstrip()) for line in lines]
+    assert max(widths) <= 80 - 2 and len(widths) == 4  # the text line, then the 3-line panel
