@@ -149,7 +149,8 @@ def _by_position(stats: Stats) -> str:
     while lo < len(drafted):
         hi = min(2 * lo, len(drafted))
         d, a = sum(drafted[lo:hi]), sum(accepted[lo:hi])
-        parts.append(f"{lo + 1}-{hi}:{100 * a / d:.0f}%" if d else f"{lo + 1}-{hi}:-")
+        span = f"{lo + 1}-{hi}" if hi > lo + 1 else f"{hi}"
+        parts.append(f"{span}:{100 * a / d:.0f}%" if d else f"{span}:-")
         lo = hi
     return " ".join(parts)
 
