@@ -312,14 +312,9 @@ def cache_kinds(model: nn.Module) -> dict[str, int]:
 
 
 # Row counts each model has already run in this process (MLX compiles a
-# shape's kernels once per process). ``FREE`` marks a model whose first use of
-# a shape measured no slower than its second.
-# Keyed by id: modules are dicts, so unhashable; the weak reference drops the
-# entry with the model.
+# shape's kernels once per process). Keyed by id: modules are dicts, so
+# unhashable; the weak reference drops the entry with the model.
 _RAN: dict[int, tuple[Callable[[], Any], set]] = {}
-FREE = "free"
-# A shape's first run counts as free when within this of its second run.
-_FREE_RATIO, _FREE_SLACK_S = 1.25, 0.002
 
 
 def _ran_shapes(model: Any) -> set:
@@ -367,11 +362,6 @@ class ModelCache:
         # Chunk sizes of the last prefill.
         self.chunks: list[int] = []
         self._ran = _ran_shapes(model)
-
-    @property
-    def warm_free(self) -> bool:
-        """True when this model's first run of a new shape measured as fast as a later one."""
-        return FREE in self._ran
 
     @property
     def recurrent(self) -> bool:
@@ -557,57 +547,33 @@ class ModelCache:
         """Bytes the layer caches hold (buffers included)."""
         return sum(a.nbytes for a in self.state_arrays())
 
-    def warm(self, sizes: Sequence[int], head: Optional[Callable[[mx.array], Any]] = None,
-             probe: bool = True) -> tuple[int, ...]:
+    def warm(self, sizes: Sequence[int], head: Optional[Callable[[mx.array], Any]] = None) -> tuple[int, ...]:
         """Run each row count in ``sizes`` once on throwaway tokens, then restore.
 
         MLX compiles a shape's kernels the first time it runs in a process;
         this moves that cost out of whatever is timed next. The caches end
         exactly as they were (snapshot / restore). Row counts this model has
-        already run in this process are skipped. The smallest new one of
-        several rows runs first, twice: when its first run was no slower than
-        its second, the backend compiles nothing per shape (MLX's CPU backend)
-        and the rest are skipped.
+        already run in this process are skipped.
 
         Args:
             sizes: Row counts (forward lengths) to run.
             head: Applied to the logits inside the same evaluation (the
                 token selection the real step runs after the forward).
-            probe: Stop after the first shape when it measures free (False:
-                run every new shape).
 
         Returns:
             The row counts run (empty when all were warm already).
         """
-        seen = self._ran
-        todo = sorted({t for t in sizes if t not in seen and t > 0}, reverse=True)
-        # The probe: the cheapest several-row shape (a GPU compiles new kernels for it; one
-        # row may run kernels built ahead of time).
-        multi = [t for t in todo if t > 1]
-        if multi:
-            todo.remove(multi[-1])
-            todo.insert(0, multi[-1])
-        if (probe and FREE in seen) or not todo:
+        todo = sorted({t for t in sizes if t not in self._ran and t > 0}, reverse=True)
+        if not todo:
             return ()
         snap = self.snapshot()
-        done = []
-
-        def once(t: int) -> float:
-            start = time.perf_counter()
+        for t in todo:
             try:
                 logits = self.feed(mx.zeros((t,), dtype=mx.uint32))
                 mx.eval(logits if head is None else head(logits), self.state_arrays())
             finally:
                 self.restore(snap)
-            return time.perf_counter() - start
-
-        for i, t in enumerate(todo):
-            cold = once(t)
-            done.append(t)
-            if probe and i == 0 and cold <= _FREE_RATIO * once(t) + _FREE_SLACK_S:
-                seen.add(FREE)
-                break
-        return tuple(done)
+        return tuple(todo)
 
     def state_arrays(self) -> list[mx.array]:
         """Every array the caches hold (for ``mx.eval`` at a timing barrier)."""

@@ -209,12 +209,12 @@ def _rows(rows: tuple) -> str:
 def warmup_line(stats: Stats) -> str:
     """How long the untimed warm-up took and what it ran."""
     target, drafter = stats.warmup_rows
+    if stats.warmup_free:
+        return "Warm-up: none needed (MLX's CPU backend compiles no kernels per shape)"
     if target or drafter:
         what = f"target rows {_rows(target)}" + (f", drafter rows {_rows(drafter)}" if drafter else "")
     else:
         what = "every shape had run already"
-    if stats.warmup_free:
-        what += "; a first run measured as fast as the second: this backend compiles nothing per shape"
     return f"Warm-up: {stats.warmup_s:.3f} s before timing, not in tokens-per-sec ({what})"
 
 

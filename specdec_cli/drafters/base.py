@@ -52,7 +52,7 @@ class Drafter(Protocol):
     Rejected positions never reach the drafter. Drafters whose ``taps`` is
     None are called without the ``hidden`` argument.
 
-    Optionally, ``warm_up(k, params, probe)`` runs each forward shape the drafter
+    Optionally, ``warm_up(k, params)`` runs each forward shape the drafter
     can use once, before anything is timed, and leaves its state exactly as
     it was (see ``ModelCache.warm``); it returns the row counts it ran.
     """

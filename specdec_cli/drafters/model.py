@@ -56,13 +56,13 @@ class ModelDrafter:
         """Feed the prompt (all but its last token)."""
         self.cache.prefill(tokens, step_size)
 
-    def warm_up(self, k: int, params: SamplingParams = GREEDY, probe: bool = True) -> tuple[int, ...]:
+    def warm_up(self, k: int, params: SamplingParams = GREEDY) -> tuple[int, ...]:
         """Run the drafter's forward shapes once (1 row, and 2 when a bonus draft is pending); state unchanged."""
         def head(logits: mx.array) -> mx.array:
             logits = logits[-1:, : self.vocab_size]
             return greedy(logits) if params.greedy else log_probs(logits, params)
 
-        return self.cache.warm([1, 2], head, probe)
+        return self.cache.warm([1, 2], head)
 
     def propose(self, last: int | mx.array, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft up to ``k`` tokens after ``last``."""
