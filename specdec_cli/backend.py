@@ -1,21 +1,25 @@
 """Which MLX backend is installed, checked without importing MLX.
 
 On Linux, MLX's backend is a separate distribution (``mlx-cpu``,
-``mlx-cuda-13`` or ``mlx-cuda-12``, chosen with an extra). Each installs the
-same file, ``mlx/lib/libmlx.so``: with two installed, whichever was installed
-last is the backend, and uninstalling either deletes the library under the
-other.
+``mlx-cuda-13`` or ``mlx-cuda-12``). ``pip install .`` brings the CPU one; the
+``cuda`` / ``cuda12`` extras add a GPU one. Each installs the same file,
+``mlx/lib/libmlx.so``: with two installed, the one installed last is the
+backend, which :func:`active_backend` reads from the file itself (its size
+and hash against each distribution's install record).
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
+from base64 import urlsafe_b64encode
 from importlib import metadata
 from typing import Optional
 
 BACKENDS = {"mlx-cpu": "cpu", "mlx-cuda-13": "cuda", "mlx-cuda-12": "cuda12"}
-INSTALL = ("pip install 'specdec-cli[cpu]' for the CPU, 'specdec-cli[cuda]' for an NVIDIA GPU "
-           "(CUDA 13), or 'specdec-cli[cuda12]' (CUDA 12)")
+INSTALL = ("pip install . (or 'specdec-cli') for the CPU; add the extra [cuda] for an NVIDIA GPU "
+           "(CUDA 13) or [cuda12] (CUDA 12)")
+_LIBRARY = "mlx/lib/libmlx.so"
 
 
 def installed_backends() -> list[str]:
@@ -30,6 +34,39 @@ def installed_backends() -> list[str]:
     return found
 
 
+def _record(name: str):
+    for f in metadata.distribution(name).files or ():
+        if f.as_posix() == _LIBRARY:
+            return f
+    return None
+
+
+def active_backend(found: list[str]) -> Optional[str]:
+    """Which of the installed backends owns the ``libmlx.so`` in place (None: unknown)."""
+    records = {name: _record(name) for name in found}
+    records = {n: r for n, r in records.items() if r is not None}
+    if not records:
+        return None
+    path = next(iter(records.values())).locate()
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return None
+    same_size = [n for n, r in records.items() if r.size == size]
+    if len(same_size) == 1:
+        return same_size[0]
+    digest = None
+    for name in same_size:
+        hash_ = records[name].hash
+        if hash_ is None or hash_.mode != "sha256":
+            continue
+        if digest is None:
+            digest = urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+        if hash_.value == digest:
+            return name
+    return None
+
+
 def backend_problem() -> tuple[Optional[str], bool]:
     """A one-line problem with the installed MLX backend, and whether it is fatal."""
     if sys.platform != "linux":
@@ -37,8 +74,12 @@ def backend_problem() -> tuple[Optional[str], bool]:
     found = installed_backends()
     if not found:
         return f"MLX has no backend installed: {INSTALL}", True
-    if len(found) > 1:
-        names = " ".join(found)
-        return (f"{' and '.join(found)} are all installed and overwrite each other's mlx/lib/libmlx.so "
-                f"(the last installed wins); keep one: pip uninstall -y {names}, then {INSTALL}"), False
+    gpus = [n for n in found if n != "mlx-cpu"]
+    if len(gpus) > 1:
+        return (f"{' and '.join(gpus)} are both installed and overwrite each other's {_LIBRARY}: "
+                f"keep one (pip uninstall -y {' '.join(gpus)}, then pip install '.[cuda]' or '.[cuda12]')"), False
+    if gpus and active_backend(found) == "mlx-cpu":
+        # The CPU build was installed after the GPU one: its library is the one in place.
+        return (f"{gpus[0]} is installed but the CPU build's {_LIBRARY} is in place (the last installed "
+                f"wins), so MLX runs on the CPU: pip install --force-reinstall --no-deps {gpus[0]}"), False
     return None, False

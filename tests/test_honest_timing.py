@@ -271,7 +271,30 @@ def test_missing_or_doubled_mlx_backend_is_named(dirs, monkeypatch):
     monkeypatch.setattr(backend, "installed_backends", lambda: [])
     result = generate(dirs, "Hello")
     assert result.exit_code == 1 and "MLX has no backend installed" in result.stderr
-    assert "specdec-cli[cuda]" in result.stderr and "Traceback" not in result.output
+    assert "[cuda]" in result.stderr and "pip install ." in result.stderr and "Traceback" not in result.output
+    # The CUDA install (CPU build + GPU build): quiet while the GPU library is in place ...
     monkeypatch.setattr(backend, "installed_backends", lambda: ["mlx-cpu", "mlx-cuda-13"])
+    monkeypatch.setattr(backend, "active_backend", lambda found: "mlx-cuda-13")
     result = generate(dirs, "Hello", "-m", "4")
-    assert result.exit_code == 0 and "warning: mlx-cpu and mlx-cuda-13 are all installed" in result.stderr
+    assert result.exit_code == 0 and "warning" not in result.stderr
+    # ... and one line naming the fix when the CPU build was installed last.
+    monkeypatch.setattr(backend, "active_backend", lambda found: "mlx-cpu")
+    result = generate(dirs, "Hello", "-m", "4")
+    assert result.exit_code == 0
+    assert "warning: mlx-cuda-13 is installed but the CPU build" in result.stderr
+    assert "pip install --force-reinstall --no-deps mlx-cuda-13" in result.stderr
+
+
+def test_active_backend_is_read_from_the_library_in_place():
+    import specdec_cli.backend as backend
+
+    import sys
+
+    if sys.platform != "linux":
+        pytest.skip("MLX's backend is a separate distribution on Linux only")
+    found = backend.installed_backends()
+    assert found, "the test environment has no MLX backend distribution"
+    # The library in place belongs to one of them, found from its install record.
+    assert backend.active_backend(found) in found
+    if found == ["mlx-cpu"]:
+        assert backend.backend_problem() == (None, False)
