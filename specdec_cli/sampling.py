@@ -73,6 +73,21 @@ def sample(logprobs: mx.array) -> mx.array:
     return mx.random.categorical(logprobs).astype(mx.uint32)
 
 
+def draw(logits: mx.array, params: SamplingParams) -> tuple[mx.array, Optional[mx.array]]:
+    """A drafter's tokens for each row, and its log q (None when greedy: q is one-hot)."""
+    if params.greedy:
+        return greedy(logits), None
+    lp = log_probs(logits, params)
+    return sample(lp), lp
+
+
+def top_probability(logits: mx.array, logprobs: Optional[mx.array]) -> mx.array:
+    """Each row's top-1 probability (for p-min), from ``draw``'s log q when it has one."""
+    if logprobs is None:
+        return mx.softmax(logits.astype(mx.float32), axis=-1).max(-1)
+    return mx.exp(logprobs.max(-1))
+
+
 def choose(logits: mx.array, params: SamplingParams) -> mx.array:
     """Next tokens from raw logits: greedy or sampled."""
     return greedy(logits) if params.greedy else sample(log_probs(logits, params))

@@ -26,8 +26,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..hooks import Hidden, TapSpec, TargetParts
-from ..sampling import GREEDY, SamplingParams, greedy, log_probs, sample
+from ..sampling import GREEDY, SamplingParams, draw, top_probability
 from .base import Draft, no_draft
+from .layers import MLP
 
 ARCHITECTURE = "DFlashDraftModel"
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -224,17 +225,6 @@ def check_target(config: DFlashConfig, parts: TargetParts) -> None:
         )
 
 
-class _MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer: int):
         super().__init__()
@@ -285,7 +275,7 @@ class _Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer: int):
         super().__init__()
         self.self_attn = _Attention(cfg, layer)
-        self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -442,14 +432,10 @@ class DFlashDrafter:
         if k <= 0:
             return no_draft()
         logits = self.block_logits(last, k)
-        if params.greedy:
-            tokens, lp = greedy(logits), None
-        else:
-            lp = log_probs(logits, params)
-            tokens = sample(lp)
+        tokens, lp = draw(logits, params)
         if self.p_min <= 0:
             return Draft(tokens, lp)
-        top = mx.softmax(logits.astype(mx.float32), axis=-1).max(-1) if lp is None else mx.exp(lp.max(-1))
+        top = top_probability(logits, lp)
         m = mx.cumprod((top >= self.p_min).astype(mx.int32)).sum().item()
         if m == 0:
             return Draft(mx.array([], dtype=mx.uint32), None, 1)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..caches import ModelCache, Snapshot
-from ..sampling import GREEDY, SamplingParams, greedy, log_probs, sample
+from ..sampling import GREEDY, SamplingParams, draw, greedy, log_probs, top_probability
 from .base import Draft, as_tokens, no_draft
 
 
@@ -81,13 +81,9 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.cache.feed(x)[-1:, : self.vocab_size]
             self._after.append(self.cache.snapshot())
-            if params.greedy:
-                x, lp = greedy(logits), None
-            else:
-                lp = log_probs(logits, params)
-                x = sample(lp)
+            x, lp = draw(logits, params)
             if self.p_min > 0:
-                top = mx.softmax(logits.astype(mx.float32), axis=-1).max() if lp is None else mx.exp(lp.max())
+                top = top_probability(logits, lp)
                 syncs += 1
                 if top.item() < self.p_min:
                     break  # the state after the last kept draft is _after[-1]

@@ -43,8 +43,9 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..hooks import Hidden, TapSpec, TargetParts
-from ..sampling import GREEDY, SamplingParams, greedy, log_probs, sample
+from ..sampling import GREEDY, SamplingParams, draw, top_probability
 from .base import Draft, as_tokens, no_draft
+from .layers import MLP
 
 # config.json model_type of MTP-only folders: mlx-vlm's converted sidecar, and ours.
 SIDECAR_TYPES = ("qwen3_5_mtp", "specdec_mtp")
@@ -201,19 +202,6 @@ class Attention(nn.Module):
         if self.gated:
             out = out * mx.sigmoid(gate)
         return self.o_proj(out)
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoE(nn.Module):
@@ -377,13 +365,9 @@ class MTPDrafter:
             if i:
                 out = self._feed(out, self._drafts[-1])
             logits = self.parts.logits(out)
-            if params.greedy:
-                x, lp = greedy(logits), None
-            else:
-                lp = log_probs(logits, params)
-                x = sample(lp)
+            x, lp = draw(logits, params)
             if self.p_min > 0:
-                top = mx.softmax(logits.astype(mx.float32), axis=-1).max() if lp is None else mx.exp(lp.max())
+                top = top_probability(logits, lp)
                 syncs += 1
                 if top.item() < self.p_min:
                     break
