@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from .errors import UnsupportedModelError
 
@@ -91,6 +92,14 @@ class Hidden:
         final = None if parts[0].final is None else mx.concatenate([p.final for p in parts])
         return Hidden(layers, final)
 
+
+
+def _cache_leaves(caches: Sequence[Any]) -> list[Any]:
+    # mlx-lm's CacheList nests the caches of one layer.
+    out = []
+    for c in caches:
+        out.extend(_cache_leaves(c.caches) if hasattr(c, "caches") and isinstance(c.caches, (list, tuple)) else [c])
+    return out
 
 def _get(obj: Any, dotted: str) -> Any:
     for name in dotted.split("."):
@@ -238,15 +247,14 @@ def target_parts(model: nn.Module) -> TargetParts:
 def _probe(model: nn.Module, parts: TargetParts, first: nn.Module) -> None:
     # The final-normed state through the lm_head found must give the model's
     # logits, and our embedding must be exactly what the first layer receives.
-    from .caches import ModelCache
-
-    cache = ModelCache(model)
+    # mlx-lm's own caches: the probe needs no rollback (and hooks never import caches.py).
+    cache = make_prompt_cache(model)
     received: list = []
     ids = mx.array([1, 2], dtype=mx.uint32)
     _tap_input(first, received.append)
     try:
         with HiddenTap(model, TapSpec(final=True)) as tap:
-            logits = cache.feed(ids)
+            logits = model(ids[None], cache=cache)[0]
             hidden = tap.take()
     finally:
         _untap(first)
@@ -572,16 +580,14 @@ class RecurrentSteps:
     # -- the capability check ----------------------------------------------------------
 
     def _probe(self, model: nn.Module) -> None:
-        from .caches import _leaves, make_cache
-
-        layers = make_cache(model)
-        leaves = [c for c in _leaves(layers) if type(c).__name__ == "ArraysCache"]
+        layers = make_prompt_cache(model)
+        leaves = [c for c in _cache_leaves(layers) if type(c).__name__ == "ArraysCache"]
         if not leaves:
             return
         if not self._installed:
             raise _Unsupported(f"{self._arch}'s recurrent layers are none of {_GDN}, {_MAMBA2}, {_MAMBA1} "
                                "(the mixers specdec can hook)")
-        attention = [c for c in _leaves(layers) if hasattr(c, "trim") and c not in leaves]
+        attention = [c for c in _cache_leaves(layers) if hasattr(c, "trim") and c not in leaves]
 
         def forward(mode: str, ids: list[int]) -> list:
             with self.forward(mode):
