@@ -17,6 +17,8 @@ from .errors import ModelLoadError
 
 NAME = "smollm2-135m-instruct"
 DISPLAY_NAME = "SmolLM2-135M-Instruct (bundled)"
+# The MTP drafter head distilled for it (specdec distill), a specdec_mtp sidecar.
+HEAD_NAME = "smollm2-135m-instruct-mtp"
 # specdec-cli installs from a clone or a wheel, not from PyPI by name.
 REINSTALL = "python3 -m pip install --force-reinstall --no-deps ."
 
@@ -53,6 +55,20 @@ def model_dir() -> Path:
     # The package is a regular directory on disk (setuptools never zips it), so the
     # Traversable is a real path mlx-lm can open.
     return Path(str(resources.files("specdec_cli") / "models" / NAME))
+
+
+def head_dir() -> Path | None:
+    """The bundled model's distilled drafter head, if this install has one."""
+    path = Path(str(resources.files("specdec_cli") / "models" / HEAD_NAME))
+    return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+
+
+def is_bundled(path: Path) -> bool:
+    """Whether ``path`` is the bundled model's directory."""
+    try:
+        return path.resolve() == model_dir().resolve()
+    except OSError:
+        return False
 
 
 def check_files(directory: Path | None = None, *, full: bool = False) -> list[FileCheck]:

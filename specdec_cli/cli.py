@@ -101,6 +101,7 @@ class DrafterKind(str, Enum):
     lookup = "lookup"
     ngram = "ngram"
     mtp = "mtp"
+    auto = "auto"
 
 
 class Rollback(str, Enum):
@@ -320,7 +321,8 @@ PrefillResponseOpt = Annotated[Optional[str], _opt(
 
 DrafterOpt = Annotated[Optional[DrafterKind], _opt(
     "--drafter", help="Who drafts: a draft 'model', prompt 'lookup' (longest match), 'ngram' (the simple "
-    "n-gram lookup), or the target's own 'mtp' head (or the sidecar --draft-model names).", rich_help_panel=DRAFTING, **_default("model with --draft-model, else lookup"))]
+    "n-gram lookup), the target's own 'mtp' head (or the sidecar --draft-model names), or 'auto': the best "
+    "available (says which).", rich_help_panel=DRAFTING, **_default("model with --draft-model, else lookup"))]
 _LIMITS = ", ".join(f"{k} {v}" for k, v in MAX_BLOCK_SIZE.items())
 BlockSizeOpt = Annotated[Optional[int], _opt(
     "--block-size", min=1, max=MAX_ANY_BLOCK_SIZE,
@@ -502,6 +504,56 @@ def sweep(
     from .commands import SweepOptions, sweep_command
 
     _run(sweep_command, SweepOptions, params)
+
+
+TRAINING = "Training"
+
+
+@app.command(
+    cls=_Command,
+    epilog="Exit codes: 0 done; 1 error; 2 bad option or input; 130 interrupted (the best head so far is "
+    "written).\n\nExample: specdec distill --out my-head --steps 400, then specdec generate --draft-model my-head -p '...'"
+)
+def distill(
+    out: Annotated[Optional[str], typer.Option(
+        "--out", help="Directory to write the head to (a specdec_mtp sidecar: config.json, model.safetensors, "
+        "README.md); an earlier head there is replaced.", rich_help_panel=MODEL, show_default=False)] = None,
+    model: ModelOpt = None,
+    dtype: DTypeOpt = DType.auto,
+    trust_remote_code: TrustOpt = False,
+    force_download: ForceDownloadOpt = False,
+    data: Annotated[Optional[str], _opt(
+        "--data", help="Training text: text files, a directory of them, or JSONL lines with \"prompt\" or "
+        "\"messages\" (the model answers them) or \"text\".", rich_help_panel=TRAINING,
+        **_default("the model's own answers to built-in seed prompts"))] = None,
+    data_tokens: Annotated[int, typer.Option(
+        "--data-tokens", min=256, max=10_000_000, help="Corpus size in tokens.", rich_help_panel=TRAINING)] = 40_000,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=1_000_000, help="Optimizer steps.",
+                                       rich_help_panel=TRAINING)] = 400,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=1024, help="Windows per step.",
+                                            rich_help_panel=TRAINING)] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=8, max=8192, help="Positions per window.",
+                                         rich_help_panel=TRAINING)] = 128,
+    lr: Annotated[float, typer.Option("--lr", min=1e-7, max=1.0, callback=_finite,
+                                      help="Peak learning rate (AdamW, warm-up then cosine decay).",
+                                      rich_help_panel=TRAINING)] = 1e-3,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the data, the initialisation and the "
+                                      "window order.", rich_help_panel=TRAINING)] = 0,
+    depth: Annotated[int, typer.Option("--depth", min=1, max=8, help="Chained draft positions trained (drafting "
+                                       "feeds the head its own outputs).", rich_help_panel=TRAINING)] = 3,
+    draft_vocab: Annotated[int, typer.Option(
+        "--draft-vocab", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the training text "
+        "(the head's lm_head costs N/V as much); 0: the whole vocabulary.", rich_help_panel=TRAINING)] = 8192,
+    measure: Annotated[bool, typer.Option(
+        "--measure/--no-measure", help="Measure the head's acceptance on held-out prompts after training.",
+        rich_help_panel=DIAGNOSTICS)] = True,
+    debug: DebugOpt = False,
+) -> None:
+    """Train a drafter head for a model by self-distillation (the model's own distributions are the labels)."""
+    params = dict(locals())
+    from .distill_command import DistillCommandOptions, distill_command
+
+    _run(distill_command, DistillCommandOptions, params)
 
 
 @app.command(cls=_Command)

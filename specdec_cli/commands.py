@@ -11,6 +11,7 @@ import logging
 import sys
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -163,13 +164,21 @@ class Setup:
 
     @property
     def drafter_name(self) -> str:
-        if self.kind in ("mtp", "dflash") and self.options.draft_model:
+        if self.kind == "mtp" and self.mtp is not None and self.mtp.source != self.target.name:
+            return f"mtp ({self.mtp.source})"
+        if self.kind == "dflash" and self.options.draft_model:
             return f"{self.kind} ({self.options.draft_model})"
         return f"model ({self.options.draft_model})" if self.draft else self.kind
 
     def block_size(self, requested: Optional[int], resolved: int) -> int:
         """The block size to run. A DFlash drafter brings its own default and limit (its trained
-        block size), known only once it is loaded; ``requested`` is None when no option set one."""
+        block size), known only once it is loaded, as does the kind ``--drafter auto`` picks;
+        ``requested`` is None when no option set one."""
+        if self.options.drafter == "auto" and self.kind != "dflash":
+            if requested is None:
+                return DEFAULT_BLOCK_SIZE[self.kind]
+            check_block_size(requested, self.kind)
+            return requested
         if self.kind != "dflash":
             return resolved
         config = self.draft.model.config
@@ -213,6 +222,10 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         check_kv_quantization(target.model, opts.kv_bits, opts.kv_group_size)
     draft = mtp = parts = None
     draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
+    head_path = None
+    if kind == "auto":
+        kind, head_path, why = choose_drafter(target, draft_path)
+        print_stderr([f"drafter: auto -> {kind} ({why})"])
     if kind == "model" and is_dflash(draft_path):
         # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
         # width and vocabulary.
@@ -220,9 +233,12 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         draft = load_dflash(opts.draft_model, opts.dtype, path=draft_path)
         parts = target_parts(target.model)
         check_target(draft.model.config, parts)
-    if kind == "model" and opts.drafter is None and is_mtp_sidecar(draft_path):
+    if kind == "model" and opts.drafter in (None, "auto") and is_mtp_sidecar(draft_path):
         kind = "mtp"  # --draft-model names an MTP-only folder
-    if kind == "mtp":
+    if kind == "mtp" and head_path is not None:
+        mtp = load_mtp(str(head_path), head_path, target, opts.dtype)
+        mtp.source = "bundled head"
+    elif kind == "mtp":
         mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
     if kind == "model":
         draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
@@ -245,6 +261,34 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         if history.warning:
             print_stderr([f"warning: {history.warning}"])
     return Setup(opts, kind, target, draft, prompt_ids, history, mtp, parts)
+
+
+def choose_drafter(target: Loaded, draft_path: Optional[Path]) -> tuple[str, Optional[Path], str]:
+    """What ``--drafter auto`` runs: the drafter kind, a head to load, and why.
+
+    A drafter named with ``--draft-model`` comes first (a DFlash or MTP
+    checkpoint, or a draft model), then the target's own MTP head, then a
+    head bundled for the target, then prompt lookup.
+    """
+    if draft_path is not None:
+        if is_dflash(draft_path):
+            return "dflash", None, "the DFlash drafter --draft-model names"
+        if is_mtp_sidecar(draft_path):
+            return "mtp", None, "the MTP head --draft-model names"
+        return "model", None, "the draft model --draft-model names"
+    if has_own_head(target):
+        return "mtp", None, "the model's own MTP head"
+    head = bundled.head_dir()
+    if head is not None and bundled.is_bundled(target.path):
+        return "mtp", head, "the head distilled for the bundled model"
+    return "lookup", None, "no drafter for this model"
+
+
+def has_own_head(target: Loaded) -> bool:
+    """Whether the target's checkpoint carries ``mtp.*`` tensors of a family specdec builds heads for."""
+    from .drafters.mtp import QWEN_FAMILIES, mtp_tensor_files
+
+    return target.config.get("model_type") in QWEN_FAMILIES and bool(mtp_tensor_files(target.path))
 
 
 def load_target(opts: ModelOptions) -> Loaded:
@@ -334,14 +378,18 @@ def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
     kind = drafter or ("model" if draft_model else "lookup")
     if kind == "model" and not draft_model:
         raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
-    if kind not in ("model", "mtp") and draft_model:
-        raise OptionError(f"--draft-model is only used with --drafter model or mtp, not --drafter {kind}")
+    if kind not in ("model", "mtp", "auto") and draft_model:
+        raise OptionError(f"--draft-model is only used with --drafter model, mtp or auto, not --drafter {kind}")
     return kind
 
 
 def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     """Options that only one drafter kind understands."""
-    if kind not in ("model", "mtp") and opts.draft_p_min is not None:
+    if kind == "auto" and (opts.ngram_max is not None or opts.ngram_min is not None
+                           or opts.lookup_history is not None):
+        raise OptionError("--ngram-*/--lookup-history apply to one lookup drafter: name it with --drafter "
+                          "lookup or ngram instead of auto")
+    if kind not in ("model", "mtp", "auto") and opts.draft_p_min is not None:
         raise OptionError("--draft-p-min applies to a draft model or an MTP head: drop it or pass --draft-model")
     if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
         raise OptionError("--ngram-max/--ngram-min apply to --drafter ngram (the default lookup matches any length)")

@@ -194,10 +194,37 @@ class TargetParts:
 
     def logits(self, h: mx.array) -> mx.array:
         """The target's lm_head (tied embedding, final softcap) on final-normed states."""
-        out = self.head(h)
+        return self._cap(self.head(h))
+
+    def _cap(self, out: mx.array) -> mx.array:
         if self.softcap:
             out = mx.tanh(out / self.softcap) * self.softcap
         return out
+
+    def sub_logits(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """The target's logits of the tokens ``ids`` only: ``logits(h)[..., ids]`` at ``len(ids)/V`` the cost.
+
+        The lm_head's rows (quantized ones with their scales and biases) are
+        gathered once; a drafter with a reduced vocabulary calls the result.
+        """
+        module = self.lm_head if self.lm_head is not None else self.embed_tokens
+        rows = {k: module[k][ids] for k in ("weight", "scales", "biases", "bias") if k in module}
+        mx.eval(rows)
+        if "scales" in rows:
+            if rows.get("bias") is not None:
+                raise UnsupportedModelError("a quantized lm_head with a bias cannot be restricted to a draft vocabulary")
+            quant = dict(group_size=module.group_size, bits=module.bits, mode=getattr(module, "mode", "affine"))
+
+            def sub(h: mx.array) -> mx.array:
+                return self._cap(mx.quantized_matmul(h, rows["weight"], rows["scales"], rows.get("biases"),
+                                                     transpose=True, **quant))
+        else:
+            w, b = rows["weight"], rows.get("bias")
+
+            def sub(h: mx.array) -> mx.array:
+                out = h @ w.T
+                return self._cap(out if b is None else out + b)
+        return sub
 
 
 def _args(model: nn.Module) -> Any:

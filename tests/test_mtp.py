@@ -255,15 +255,17 @@ def test_one_token_prompt_and_cancel_keep_the_pairs_aligned():
     assert drafter.propose(PROMPT[-1], 3).tokens.tolist() == first
 
 
-def test_sampling_with_an_mtp_head_is_lossless():
+@pytest.mark.parametrize("draft_vocab", [0, 8])
+def test_sampling_with_an_mtp_head_is_lossless(draft_vocab):
     # A plain attention + MLP head (no Qwen gate, no q/k norm, full RoPE) on the
-    # 16-token llama of test_sampling: q is the head's own distribution.
+    # 16-token llama of test_sampling: q is the head's own distribution, over
+    # every token or (draft_vocab 8) over the even ones only, zero elsewhere.
     from test_sampling import PLAIN, POSITIONS, PROMPT as SPROMPT, VOCAB, chi_square, exact_marginals, models
 
     model, _ = models()
     parts = target_parts(model)
     config = MTPConfig(hidden_size=32, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, intermediate_size=64)
+                       head_dim=8, intermediate_size=64, draft_vocab_size=draft_vocab)
     head = random_head(config, seed=2)
     cache = ModelCache(model)
     with HiddenTap(model, MTPDrafter.taps) as tap:

@@ -80,6 +80,13 @@ class MTPConfig:
         norm_topk_prob: Renormalise the chosen experts' router probabilities.
         num_layers: Decoder layers (only 1 is supported).
         target: The model type the head was made for (informational).
+        draft_vocab_size: 0 drafts over the whole vocabulary; N > 0 over the N
+            target tokens the head stores in ``draft_ids`` (the lm_head then
+            costs N/V as much; the target still verifies every token).
+        target_probe: A few numbers of the target's token embedding
+            (:func:`embedding_probe`), stored by heads trained for a model
+            that has no MTP head of its own: a target whose embedding differs
+            is another model, even with the same shapes.
     """
 
     hidden_size: int
@@ -101,6 +108,8 @@ class MTPConfig:
     norm_topk_prob: bool = False
     num_layers: int = 1
     target: Optional[str] = None
+    draft_vocab_size: int = 0
+    target_probe: Optional[list] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,7 +187,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=c.rms_norm_eps)
         self.rope = nn.RoPE(int(self.head_dim * c.partial_rotary_factor), traditional=False, base=c.rope_theta)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, mask: Optional[mx.array] = None) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x)
         if self.gated:
@@ -195,9 +204,9 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
         # "causal" aligns the queries to the end of the keys: the cached prefix is visible.
-        out = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.head_dim**-0.5, mask="causal" if L > 1 else None
-        )
+        if mask is None and L > 1:
+            mask = "causal"
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         if self.gated:
             out = out * mx.sigmoid(gate)
@@ -238,8 +247,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: KVCache, mask: Optional[mx.array] = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -267,12 +276,20 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = [DecoderLayer(config)]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        if config.draft_vocab_size:
+            # The target token ids the head drafts among (stored with the weights, never trained).
+            self.draft_ids = mx.zeros((config.draft_vocab_size,), dtype=mx.int32)
+            self.freeze(keys=["draft_ids"], recurse=False)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[KVCache]) -> mx.array:
-        """Pairs at positions ``cache[0].offset ..``; inputs and output ``[B, T, H]``."""
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list, mask: Optional[mx.array] = None) -> mx.array:
+        """Pairs at positions ``cache[0].offset ..``; inputs and output ``[B, T, H]``.
+
+        ``mask`` (boolean, queries x keys) replaces the causal mask; training
+        uses it to attend from chained positions to the true ones.
+        """
         x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1))
         for layer, c in zip(self.layers, cache):
-            x = layer(x, c)
+            x = layer(x, c, mask)
         return self.norm(x)
 
     def make_cache(self) -> list[KVCache]:
@@ -307,6 +324,9 @@ class MTPDrafter:
 
     def __init__(self, head: MTPHead, parts: TargetParts, p_min: float = 0.0):
         self.head, self.parts, self.p_min = head, parts, p_min
+        # A head with a reduced draft vocabulary computes only those rows of the lm_head.
+        self._ids = head.draft_ids if head.config.draft_vocab_size else None
+        self._logits = parts.sub_logits(self._ids) if self._ids is not None else parts.logits
         self.cache = head.make_cache()
         self._rows: list[mx.array] = []  # target rows h_t still waiting for x_{t+1}
         self._tokens: list[mx.array] = []  # their next tokens, in order
@@ -364,8 +384,10 @@ class MTPDrafter:
         for i in range(k):
             if i:
                 out = self._feed(out, self._drafts[-1])
-            logits = self.parts.logits(out)
+            logits = self._logits(out)
             x, lp = draw(logits, params)
+            if self._ids is not None:
+                x, lp = self._to_target(x, lp)
             if self.p_min > 0:
                 top = top_probability(logits, lp)
                 syncs += 1
@@ -377,6 +399,15 @@ class MTPDrafter:
         if not self._drafts:
             return Draft(mx.array([], dtype=mx.uint32), None, syncs)
         return Draft(mx.concatenate(self._drafts), mx.concatenate(logprobs) if logprobs else None, syncs)
+
+    def _to_target(self, x: mx.array, lp: Optional[mx.array]) -> tuple[mx.array, Optional[mx.array]]:
+        """Draft-vocabulary indices -> target token ids; log q over the target's vocabulary (-inf elsewhere)."""
+        tokens = self._ids[x].astype(mx.uint32)
+        if lp is None:
+            return tokens, None
+        full = mx.full((*lp.shape[:-1], self.parts.vocab_size), -mx.inf, dtype=lp.dtype)
+        index = mx.broadcast_to(self._ids, lp.shape)
+        return tokens, mx.put_along_axis(full, index, lp, axis=-1)
 
     def accept(self, n: int, hidden: Optional[Hidden] = None) -> None:
         """The first ``n`` drafts were committed; ``hidden`` holds the target rows of ``[last, d1 .. dn]``."""
@@ -617,11 +648,27 @@ def load_head(path: Path, config: dict, name: str, target_parts: TargetParts) ->
                               shared_expert_intermediate_size=0, norm_topk_prob=False)
     check_fits(head_config, target_parts, name)
     head = build_head(head_config, weights, quant, what=f"the MTP head of {name}")
+    if head_config.draft_vocab_size:
+        ids = head.draft_ids
+        if ids.min().item() < 0 or ids.max().item() >= target_parts.vocab_size:
+            raise ModelLoadError(f"the MTP head of {name}: its draft vocabulary names tokens outside the target's")
     return LoadedHead(head, target_parts, name, layout)
 
 
+# Embedding probe: rows of these token ids (clipped to the vocabulary), first dims.
+PROBE_TOKENS = (100, 1000, 5000, 20000)
+PROBE_DIMS = 16
+
+
+def embedding_probe(parts: TargetParts) -> list[float]:
+    """A few numbers of the target's token embedding, stored with a distilled head."""
+    ids = mx.array([min(t, parts.vocab_size - 1) for t in PROBE_TOKENS], dtype=mx.uint32)
+    rows = parts.embed(ids)[:, :PROBE_DIMS].astype(mx.float32)
+    return [round(float(x), 5) for x in rows.reshape(-1).tolist()]
+
+
 def check_fits(config: MTPConfig, parts: TargetParts, name: str) -> None:
-    """Refuse a head made for another model (hidden size, vocabulary)."""
+    """Refuse a head made for another model (hidden size, vocabulary, embedding probe)."""
     if config.hidden_size != parts.hidden_size:
         raise UnsupportedModelError(
             f"the MTP head in {name} reads hidden states of width {config.hidden_size}, the target's are "
@@ -632,6 +679,15 @@ def check_fits(config: MTPConfig, parts: TargetParts, name: str) -> None:
             f"the MTP head in {name} was made for a vocabulary of {config.vocab_size} tokens, the target has "
             f"{parts.vocab_size}: it belongs to another model; pass the target's own head"
         )
+    if config.target_probe:
+        want = mx.array(config.target_probe, dtype=mx.float32)
+        have = mx.array(embedding_probe(parts), dtype=mx.float32)
+        # Quantizing the target (4-bit, 8-bit) moves the probe by a few percent; another model's is unrelated.
+        if want.shape != have.shape or (mx.linalg.norm(want - have) > 0.2 * mx.linalg.norm(want)).item():
+            raise UnsupportedModelError(
+                f"the MTP head in {name} was trained for another model (its target's token embedding "
+                "differs from this one's): train one for this model with specdec distill"
+            )
 
 
 def save_head(path: Path, head: MTPHead) -> Path:
@@ -655,6 +711,10 @@ def random_head(config: MTPConfig, seed: int = 0, dtype: mx.Dtype = mx.float32, 
     head = MTPHead(config)
     params = []
     for k, v in tree_flatten(head.parameters()):
+        if k == "draft_ids":
+            # Every other token of the vocabulary: drafts outside it show.
+            params.append((k, mx.arange(config.draft_vocab_size, dtype=mx.int32) * 2 % config.vocab_size))
+            continue
         if k.endswith("norm.weight") or k.endswith("layernorm.weight"):
             v = v + norm_noise * mx.random.normal(v.shape)
         params.append((k, v.astype(dtype)))

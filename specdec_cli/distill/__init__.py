@@ -1,0 +1,1 @@
+"""Self-distillation of drafter heads for models that ship none (``specdec distill``)."""

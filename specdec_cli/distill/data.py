@@ -1,0 +1,231 @@
+"""Training text for self-distillation: the user's files, or the model's own answers to seed prompts.
+
+The head learns what the target says, so the text it trains on is best the
+target's own: prompts (built-in seeds, or the user's JSONL prompts/chats) are
+answered by the target with batched generation. Plain text files are used as
+they are. Either way the teacher signal is the target's own distribution at
+every position (see :func:`teacher_states`), never the text's next token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import OptionError
+from ..hooks import HiddenTap, TapSpec
+
+# Seed prompts: topics x request kinds, far from the benchmark's evaluation
+# prompts (scripts/bench.py: hash tables, Japan, a poem about the sea, Fibonacci, ...).
+_TOPICS = (
+    "photosynthesis", "the French Revolution", "black holes", "compound interest", "the water cycle",
+    "volcanoes", "machine learning", "the Roman Empire", "vaccines", "plate tectonics", "recycling",
+    "the stock market", "honey bees", "electric cars", "the human heart", "climate change", "chess",
+    "the printing press", "rainforests", "sleep", "the moon landing", "coffee", "jazz music",
+    "earthquakes", "solar panels", "the immune system", "ancient Egypt", "bread baking", "glaciers",
+    "the internet", "democracy", "penguins", "gardening", "the Olympic Games", "DNA", "bicycles",
+    "renewable energy", "the Silk Road", "mushrooms", "public libraries",
+)
+_KINDS = (
+    "Explain {t} to a ten-year-old.",
+    "Write a short paragraph about {t}.",
+    "What are three interesting facts about {t}?",
+    "Give a brief history of {t}.",
+    "What are the advantages and disadvantages of {t}?",
+    "Write a short story that involves {t}.",
+    "Describe {t} in simple terms, then give an example.",
+    "Write a blog post introduction about {t}.",
+    "What questions do people often ask about {t}? Answer two of them.",
+    "Summarize the most important ideas about {t} in a few bullet points.",
+)
+_TASKS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python class for a simple bank account with deposit and withdraw methods.",
+    "Write a JavaScript function that removes duplicates from an array.",
+    "Write a SQL query that finds the five most expensive products in a table.",
+    "Write a Python script that counts the words in a text file.",
+    "Write a bash command that lists the ten largest files in a directory.",
+    "Write a Python function that merges two sorted lists.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write an email to a colleague asking to move a meeting to Friday.",
+    "Write a polite message declining an invitation to a party.",
+    "Plan a three-day trip to a mountain village.",
+    "Give me a recipe for a simple vegetable soup.",
+    "How do I change a flat tire? List the steps.",
+    "A train travels 120 km in 2 hours. What is its average speed? Explain.",
+    "If I save 50 dollars a month, how much will I have after two years?",
+    "Write a dialogue between a teacher and a student about homework.",
+    "Describe a sunset over the desert.",
+    "Write a product description for a reusable water bottle.",
+    "What should I consider when adopting a dog?",
+    "Write a limerick about a cat who loves to cook.",
+)
+
+
+def seed_prompts(seed: int = 0) -> list[str]:
+    """The built-in seed prompts (460 of them), shuffled by ``seed``."""
+    prompts = [k.format(t=t) for t in _TOPICS for k in _KINDS] + list(_TASKS) * 3
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+Prompt = Union[str, list]  # a user message, or a chat (list of {"role", "content"})
+
+
+@dataclass
+class Source:
+    """What the head trains on: prompts for the target to answer, and/or plain texts."""
+
+    prompts: list[Prompt] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    description: str = ""
+
+
+_TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".js", ".ts", ".c", ".cc", ".cpp", ".h", ".rs", ".go", ".java",
+                  ".html", ".css", ".json", ".yaml", ".yml", ".toml", ".tex", ".csv")
+
+
+def read_source(path: Optional[str], seed: int = 0) -> Source:
+    """The training source named by ``--data`` (None: the built-in seed prompts).
+
+    A directory contributes every text and ``.jsonl`` file under it. JSONL
+    lines are ``{"prompt": str}`` or ``{"messages": [...]}`` (answered by the
+    target) or ``{"text": str}`` (used as is); other files are plain text.
+
+    Raises:
+        OptionError: The path is missing, empty or unreadable.
+    """
+    if path is None:
+        prompts = seed_prompts(seed)
+        return Source(prompts=list(prompts), description=f"the model's answers to {len(prompts)} built-in seed prompts")
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise OptionError(f"--data {path}: no such file or directory")
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    files = [f for f in files if f.suffix in _TEXT_SUFFIXES + (".jsonl",)] if root.is_dir() else files
+    source = Source()
+    for f in files:
+        try:
+            if f.suffix == ".jsonl":
+                _read_jsonl(f, source)
+            else:
+                text = f.read_text(encoding="utf-8")
+                if text.strip():
+                    source.texts.append(text)
+        except (OSError, UnicodeDecodeError) as e:
+            raise OptionError(f"--data: cannot read {f}: {e}") from None
+    if not source.prompts and not source.texts:
+        raise OptionError(f"--data {path}: no text found (give text files, a directory of them, or JSONL "
+                          'lines with "prompt", "messages" or "text")')
+    parts = []
+    if source.prompts:
+        parts.append(f"the model's answers to {len(source.prompts)} prompts")
+    if source.texts:
+        parts.append(f"{len(source.texts)} text(s)")
+    source.description = " and ".join(parts) + f" from {path}"
+    return source
+
+
+def _read_jsonl(f: Path, source: Source) -> None:
+    for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise OptionError(f"--data: {f} line {n} is not JSON ({e.msg})") from None
+        if isinstance(row, dict) and isinstance(row.get("messages"), list):
+            messages = row["messages"]
+            # A chat ending in an assistant turn: the target answers the turns before it.
+            if messages and messages[-1].get("role") == "assistant":
+                messages = messages[:-1]
+            if messages:
+                source.prompts.append(messages)
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            source.prompts.append(row["prompt"])
+        elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            source.texts.append(row["text"])
+        else:
+            raise OptionError(f'--data: {f} line {n} has none of "prompt", "messages" or "text"')
+
+
+def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt as the target sees it in a chat (its template when it has one)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+
+
+@dataclass
+class Generated:
+    """Progress of the target answering prompts."""
+
+    tokens: int
+    goal: int
+
+
+def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_tokens: int, max_tokens: int,
+                   batch_size: int, temp: float, seed: int, out: list[list[int]]) -> Iterator[Generated]:
+    """Have the target answer ``prompts`` (cycling) until ``goal_tokens`` tokens are collected.
+
+    Each finished sequence (prompt + answer ids) is appended to ``out``.
+    Generation is batched (mlx-lm's ``batch_generate``): on a CPU a batch
+    costs little more per step than one row.
+    """
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=temp)
+    total, i = 0, 0
+    while total < goal_tokens and prompts:
+        batch = [prompt_ids(tokenizer, prompts[(i + j) % len(prompts)]) for j in range(batch_size)]
+        i += batch_size
+        result = batch_generate(model, tokenizer, batch, max_tokens=max_tokens, sampler=sampler,
+                                return_token_ids=True)
+        for ids, answer in zip(batch, result.token_ids):
+            seq = list(ids) + [int(t) for t in answer]
+            out.append(seq)
+            total += len(seq)
+        yield Generated(total, goal_tokens)
+
+
+def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]]) -> int:
+    """Tokenize plain texts (until ``goal_tokens``) into ``out``; returns the tokens added."""
+    total = 0
+    for text in texts:
+        if total >= goal_tokens:
+            break
+        ids = list(tokenizer.encode(text))[: goal_tokens - total]
+        out.append(ids)
+        total += len(ids)
+    return total
+
+
+def teacher_states(model: nn.Module, sequences: Sequence[Sequence[int]], chunk: int = 512) -> Iterator[mx.array]:
+    """The target's final-normed hidden states ``[T, H]`` of each sequence, in order.
+
+    The lm_head of these rows gives the target's distribution at every
+    position: the soft labels the head is trained on. Sequences longer than
+    ``chunk`` are run in pieces through one cache.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with HiddenTap(model, TapSpec(final=True)) as tap:
+        for seq in sequences:
+            cache = make_prompt_cache(model)
+            rows = []
+            for start in range(0, len(seq), chunk):
+                ids = mx.array(seq[start:start + chunk], dtype=mx.uint32)[None]
+                # Only the backbone's states are needed; the logits are never evaluated.
+                model(ids, cache=cache)
+                rows.append(tap.take().final)
+                mx.eval(rows[-1])
+            yield mx.concatenate(rows) if len(rows) > 1 else rows[0]

@@ -1,0 +1,319 @@
+"""``specdec distill`` without the terminal: corpus -> target states -> training -> a sidecar.
+
+:func:`distill` is a generator of typed events (:class:`Stage`,
+:class:`~.data.Generated`, :class:`States`, :class:`~.train.Step`,
+:class:`Finished`); the command renders them. The corpus and the target's
+states are cached under ``OUT/cache`` so a second run (more steps, another
+learning rate) skips straight to training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from functools import partial
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..drafters.history import tokenizer_fingerprint
+from ..drafters.mtp import MTPDrafter, MTPHead, embedding_probe, save_head
+from ..hooks import TargetParts
+from ..runner import collect, run
+from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids
+from .train import Step, TrainConfig, Trainer, frequent_tokens, head_config, windows
+
+CACHE_DIR = "cache"
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """What to train on and how.
+
+    Attributes:
+        data: ``--data`` path, or None for the built-in seed prompts.
+        tokens: Corpus size in tokens (prompts and answers).
+        answer_tokens: Longest answer generated per prompt.
+        gen_batch: Prompts answered per batched generation.
+        temp: Sampling temperature of the generated answers (0: greedy).
+        draft_vocab: Draft vocabulary size (0: the target's whole vocabulary).
+        heldout: Share of sequences kept out of training, for evaluation.
+        train: Optimizer options.
+    """
+
+    data: Optional[str] = None
+    tokens: int = 40_000
+    answer_tokens: int = 256
+    gen_batch: int = 32
+    temp: float = 0.7
+    draft_vocab: int = 8192
+    heldout: float = 0.05
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage begins: ``name`` is data, states, train or measure; ``detail`` says what it does."""
+
+    name: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class States:
+    """Target states computed for ``done`` of ``total`` sequences."""
+
+    done: int
+    total: int
+
+
+@dataclass
+class Result:
+    """What was trained, on what, and how well (written to the head's README and training.json)."""
+
+    source: str
+    corpus_tokens: int
+    train_tokens: int
+    heldout_tokens: int
+    draft_vocab: int
+    coverage: float  # share of held-out target greedy tokens inside the draft vocabulary
+    steps_done: int
+    train_seconds: float
+    data_seconds: float
+    agreement: Optional[tuple[float, ...]]
+    options: dict
+    head_bytes: int = 0
+    acceptance: Optional[float] = None
+    tokens_per_block: Optional[float] = None
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class Training:
+    """Training begins: ``trainer`` holds the best head so far; ``record(steps_done, seconds, interrupted)``
+    gives the run's :class:`Result` (a caller interrupted mid-training writes the best head with it)."""
+
+    trainer: Trainer
+    record: Callable[..., "Result"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The head is written to ``path``."""
+
+    path: Path
+    result: Result
+
+
+def _corpus_key(opts: DistillOptions, fingerprint: str) -> dict:
+    return {"data": opts.data, "tokens": opts.tokens, "answer_tokens": opts.answer_tokens, "temp": opts.temp,
+            "seed": opts.train.seed, "tokenizer": fingerprint, "version": 1}
+
+
+def _load_cache(folder: Path, key: dict) -> Optional[tuple[list[list[int]], list[mx.array], str]]:
+    meta_file, arrays = folder / "corpus.json", folder / "corpus.safetensors"
+    if not (meta_file.is_file() and arrays.is_file()):
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("key") != key:
+            return None
+        data = mx.load(str(arrays))
+        flat, lengths = data["tokens"].tolist(), meta["lengths"]
+        seqs, states, at = [], [], 0
+        for i, n in enumerate(lengths):
+            seqs.append(flat[at:at + n])
+            states.append(data[f"states_{i}"].astype(mx.float32))
+            at += n
+        return seqs, states, meta["source"]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None  # a damaged cache is rebuilt
+
+
+def _save_cache(folder: Path, key: dict, seqs: list[list[int]], states: list[mx.array], source: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {"tokens": mx.array([t for s in seqs for t in s], dtype=mx.int32)}
+    arrays.update({f"states_{i}": h.astype(mx.float16) for i, h in enumerate(states)})
+    mx.save_safetensors(str(folder / "corpus.safetensors"), arrays)
+    (folder / "corpus.json").write_text(json.dumps({"key": key, "lengths": [len(s) for s in seqs], "source": source}))
+
+
+def split(n: int, share: float, seed: int) -> tuple[list[int], list[int]]:
+    """Sequence indices for training and held-out evaluation (at least one each when n >= 2)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = min(n - 1, max(1, round(n * share))) if n >= 2 else 0
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: DistillOptions) -> Iterator[object]:
+    """Build the corpus, compute the target's states, train a head and write it to ``out``.
+
+    Args:
+        model: The frozen target.
+        tokenizer: Its tokenizer.
+        parts: The target's embedding and lm_head.
+        out: The sidecar directory to write (created).
+        opts: What to train on and how.
+
+    Yields:
+        Stage, Generated, States, Training, Step, then Finished.
+    """
+    c = opts.train
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    key = _corpus_key(opts, fingerprint)
+    cache_dir = out / CACHE_DIR
+    t0 = time.perf_counter()
+    cached = _load_cache(cache_dir, key)
+    if cached is not None:
+        seqs, states, description = cached
+        yield Stage("data", f"reusing the corpus in {cache_dir} ({sum(map(len, seqs))} tokens: {description})")
+    else:
+        source = read_source(opts.data, c.seed)
+        description = source.description
+        yield Stage("data", f"training text: {description}")
+        seqs: list[list[int]] = []
+        got = text_ids(tokenizer, source.texts, opts.tokens, seqs)
+        if got < opts.tokens and source.prompts:
+            yield from answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
+                                      opts.gen_batch, opts.temp, c.seed, seqs)
+        yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions")
+        states = []
+        for i, h in enumerate(teacher_states(model, seqs), 1):
+            states.append(h)
+            yield States(i, len(seqs))
+        _save_cache(cache_dir, key, seqs, states, description)
+    data_seconds = time.perf_counter() - t0
+
+    width = c.seq_len + c.depth
+    train_ix, held_ix = split(len(seqs), opts.heldout, c.seed)
+    train = windows([seqs[i] for i in train_ix], [states[i] for i in train_ix], width)
+    heldout = windows([seqs[i] for i in held_ix], [states[i] for i in held_ix], width)
+    if train[0].shape[0] == 0:
+        from ..errors import OptionError
+
+        raise OptionError(f"the training text has no sequence of {width} tokens: give more text with --data, "
+                          "or a smaller --seq-len")
+    vocab = min(opts.draft_vocab, parts.vocab_size) if opts.draft_vocab else 0
+    if vocab == parts.vocab_size:
+        vocab = 0
+    config = head_config(parts, vocab)
+    config = config.__class__(**{**config.to_dict(), "target_probe": embedding_probe(parts)})
+    mx.random.seed(c.seed)
+    head = MTPHead(config)
+    if vocab:
+        head.draft_ids = frequent_tokens([seqs[i] for i in train_ix], vocab, parts.vocab_size)
+    trainer = Trainer(head, parts, train, heldout, c)
+    coverage = _coverage(trainer)
+    n_params = sum(v.size for k, v in _flat(head) if k != "draft_ids")
+    yield Stage("train", f"{n_params / 1e6:.1f}M-parameter head, draft vocabulary "
+                         f"{vocab or parts.vocab_size} ({coverage:.1%} of held-out target tokens), "
+                         f"{train[0].shape[0]} windows of {c.seq_len}")
+    record = partial(make_result, trainer, description, seqs, train_ix, held_ix, coverage, data_seconds, opts)
+    yield Training(trainer, record)
+    seconds = 0.0
+    for step in trainer.run():
+        seconds = step.seconds
+        yield step
+    trainer.restore_best()
+    result = record(c.steps, seconds)
+    yield Finished(write_head(out, trainer.head, result), result)
+
+
+def _flat(head: MTPHead):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(head.parameters())
+
+
+def _coverage(trainer: Trainer) -> float:
+    greedy = trainer._heldout_greedy
+    if greedy is None or trainer.ids is None:
+        return 1.0
+    inside = mx.zeros((trainer.parts.vocab_size,), dtype=mx.bool_).at[trainer.ids].add(True)
+    return float(inside[greedy].astype(mx.float32).mean().item())
+
+
+def make_result(trainer: Trainer, description: str, seqs, train_ix, held_ix, coverage: float,
+                data_seconds: float, opts: DistillOptions, steps_done: int, seconds: float = 0.0,
+                interrupted: bool = False) -> Result:
+    """The record of a run (``steps_done`` may be short of the plan when interrupted)."""
+    return Result(
+        source=description, corpus_tokens=sum(map(len, seqs)),
+        train_tokens=sum(len(seqs[i]) for i in train_ix), heldout_tokens=sum(len(seqs[i]) for i in held_ix),
+        draft_vocab=trainer.head.config.draft_vocab_size or trainer.parts.vocab_size, coverage=coverage,
+        steps_done=steps_done, train_seconds=seconds, data_seconds=data_seconds,
+        agreement=trainer.best_agreement, options={**asdict(opts), "train": asdict(opts.train)},
+        interrupted=interrupted,
+    )
+
+
+def measure_acceptance(model: nn.Module, tokenizer, parts: TargetParts, head: MTPHead, prompts: Sequence,
+                       max_tokens: int = 48, block_size: int = 4) -> tuple[float, float]:
+    """Acceptance (accepted / drafted) and tokens per block of the head drafting for the target, greedy."""
+    drafted = accepted = tokens = blocks = 0
+    eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+    for p in prompts:
+        stats, _ = collect(run(model, prompt_ids(tokenizer, p), drafter=MTPDrafter(head, parts),
+                               num_draft_tokens=block_size - 1, max_tokens=max_tokens, eos_ids=eos))
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        tokens, blocks = tokens + stats.generated, blocks + stats.blocks
+    return (accepted / drafted if drafted else 0.0), (tokens / blocks if blocks else 0.0)
+
+
+def write_head(out: Path, head: MTPHead, result: Result) -> Path:
+    """Write the head (config.json, model.safetensors), README.md and training.json to ``out``.
+
+    Files are written beside and then renamed over the old ones, so an
+    interrupted write leaves the previous head loadable.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / ".writing"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_head(staging, head)
+    result.head_bytes = (staging / "model.safetensors").stat().st_size
+    (staging / "training.json").write_text(json.dumps(asdict(result), indent=2))
+    (staging / "README.md").write_text(readme(head, result))
+    for name in ("model.safetensors", "config.json", "training.json", "README.md"):
+        os.replace(staging / name, out / name)
+    shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def readme(head: MTPHead, r: Result) -> str:
+    """How the head was trained and what it measured, for the sidecar's README.md."""
+    c = head.config
+    t = r.options["train"]
+    agree = ", ".join(f"{a:.1%}" for a in r.agreement) if r.agreement else "not measured"
+    lines = [
+        f"# MTP drafter head for {c.target or 'its target'} (specdec distill)",
+        "",
+        "A `specdec_mtp` sidecar: one attention + MLP layer reading the target's final hidden state and the",
+        "embedding of the next token, drafting through the target's own lm_head. Use it with",
+        "",
+        "    specdec generate --model TARGET --draft-model THIS_DIR -p '...'",
+        "",
+        "## Training",
+        f"- Data: {r.source}; {r.corpus_tokens} tokens ({r.train_tokens} trained on, {r.heldout_tokens} held out).",
+        "- Labels: the target's own next-token distributions (self-distillation, soft cross-entropy), "
+        f"chained {t['depth']} steps deep as drafting chains the head.",
+        f"- {r.steps_done} steps of {t['batch_size']} windows x {t['seq_len']} positions, AdamW lr {t['lr']}, "
+        f"seed {t['seed']}{' (interrupted: the best head so far)' if r.interrupted else ''}.",
+        f"- Draft vocabulary: {r.draft_vocab} of {c.vocab_size} tokens ({r.coverage:.1%} of held-out target "
+        "tokens fall inside it).",
+        f"- Time: {r.data_seconds:.0f} s for data and target states, {r.train_seconds:.0f} s training. "
+        f"Head: {r.head_bytes / 2**20:.1f} MiB.",
+        "",
+        "## Measured",
+        f"- Held-out top-1 agreement with the target's greedy token, per draft position: {agree}.",
+    ]
+    if r.acceptance is not None:
+        lines.append(f"- Greedy speculative decoding on held-out prompts, block size 4: acceptance "
+                     f"{r.acceptance:.1%}, {r.tokens_per_block:.2f} tokens per block.")
+    return "\n".join(lines) + "\n"

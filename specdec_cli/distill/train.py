@@ -1,0 +1,280 @@
+"""Self-distillation of an MTP head: the target's own distributions are the labels.
+
+The head reads ``(h_t, x_{t+1})`` and is trained to give the target's
+distribution at position t+1 (soft cross-entropy against the target's
+lm_head on ``h_{t+1}``), over the draft vocabulary. Drafting chains the head
+on its own outputs, so training does too ("training-time test", as EAGLE-3
+does): step s feeds the head's previous output as the hidden state, at
+position t+s-1, attending to the true pairs up to t and to its own chain,
+exactly what the head's cache holds when it drafts token s of a block.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+
+from ..drafters.mtp import MTPConfig, MTPHead
+from ..hooks import TargetParts
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one distillation run.
+
+    Attributes:
+        steps: Optimizer steps.
+        batch_size: Windows per step.
+        seq_len: Positions per window (pairs the head sees in one window).
+        lr: Peak learning rate (AdamW; linear warm-up, cosine decay).
+        seed: Seeds the head's initialisation and the window order.
+        depth: Chained drafting steps trained (1: only the first draft token).
+        eval_every: Steps between held-out evaluations (the best head is kept).
+        weight_decay: AdamW weight decay.
+    """
+
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 1e-3
+    seed: int = 0
+    depth: int = 3
+    eval_every: int = 25
+    weight_decay: float = 0.01
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step (or an evaluation) of the run, yielded by :meth:`Trainer.run`.
+
+    Attributes:
+        step: Steps done.
+        steps: Steps planned.
+        loss: Training loss of this step (KL from the target, nats per position, mean over depths).
+        agreement: Held-out top-1 agreement with the target's greedy token, per
+            chained depth, at the latest evaluation (None before the first).
+        best: Whether this evaluation gave the best head so far.
+        seconds: Training time so far.
+    """
+
+    step: int
+    steps: int
+    loss: float
+    agreement: Optional[tuple[float, ...]]
+    best: bool
+    seconds: float
+
+
+def head_config(parts: TargetParts, draft_vocab_size: int = 0, intermediate_size: Optional[int] = None) -> MTPConfig:
+    """A plain attention + MLP head shaped like the target's own decoder layers.
+
+    The target's ``args`` give heads, KV heads, head width, MLP width, norm
+    epsilon and RoPE base; a family that names them otherwise gets the common
+    defaults (64-wide heads, an MLP 8/3 as wide as the stream).
+    """
+    args = getattr(parts.model, "args", None)
+    H = parts.hidden_size
+    heads = int(getattr(args, "num_attention_heads", 0) or max(1, H // 64))
+    if H % heads:
+        heads = max(1, H // 64)
+    kv = int(getattr(args, "num_key_value_heads", 0) or heads)
+    if heads % kv:
+        kv = heads
+    head_dim = int(getattr(args, "head_dim", 0) or H // heads)
+    mlp = intermediate_size or int(getattr(args, "intermediate_size", 0) or 0) or int(8 * H / 3)
+    return MTPConfig(
+        hidden_size=H, vocab_size=parts.vocab_size, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=head_dim, intermediate_size=mlp,
+        rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-6) or 1e-6),
+        rope_theta=float(getattr(args, "rope_theta", 10000.0) or 10000.0),
+        target=getattr(args, "model_type", None), draft_vocab_size=draft_vocab_size,
+    )
+
+
+def frequent_tokens(sequences: Sequence[Sequence[int]], n: int, vocab: int) -> mx.array:
+    """The ``n`` most frequent token ids of ``sequences`` (ties: lower id first), sorted, as int32.
+
+    When the text holds fewer than ``n`` distinct tokens the rest are the lowest unseen ids.
+    """
+    counts = Counter(t for s in sequences for t in s if 0 <= t < vocab)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:n]
+    seen = set(ranked)
+    ranked += [t for t in range(vocab) if t not in seen][: n - len(ranked)]
+    return mx.array(sorted(ranked), dtype=mx.int32)
+
+
+class _Chain:
+    """A stand-in for the head's KV cache in training: the keys of earlier chain steps, then this one's."""
+
+    def __init__(self, prior: list[tuple[mx.array, mx.array]], offset: int):
+        self.prior, self.offset, self.kv = prior, offset, None
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        self.kv = (k, v)
+        if not self.prior:
+            return k, v
+        return (mx.concatenate([p[0] for p in self.prior] + [k], axis=2),
+                mx.concatenate([p[1] for p in self.prior] + [v], axis=2))
+
+
+def chain_mask(length: int, step: int) -> mx.array:
+    """Boolean mask of chain step ``step`` (1-based): causal over the true pairs, then only itself in each step."""
+    i = mx.arange(length)
+    blocks = [i[None, :] <= i[:, None]] + [i[None, :] == i[:, None]] * (step - 1)
+    return mx.concatenate(blocks, axis=1)
+
+
+def windows(sequences: Sequence[Sequence[int]], states: Sequence[mx.array], width: int) -> tuple[mx.array, mx.array]:
+    """Cut (tokens, states) into windows of ``width`` positions; the last window of each is end-aligned.
+
+    Sequences shorter than ``width`` are dropped. Returns tokens ``[N, width]``
+    and states ``[N, width, H]``.
+    """
+    toks, rows = [], []
+    for seq, h in zip(sequences, states):
+        if len(seq) < width:
+            continue
+        starts = list(range(0, len(seq) - width + 1, width))
+        if starts[-1] + width < len(seq):
+            starts.append(len(seq) - width)
+        ids = mx.array(list(seq), dtype=mx.uint32)
+        for s in starts:
+            toks.append(ids[s:s + width])
+            rows.append(h[s:s + width])
+    if not toks:
+        return mx.zeros((0, width), dtype=mx.uint32), mx.zeros((0, width, 0))
+    return mx.stack(toks), mx.stack(rows)
+
+
+class Trainer:
+    """Trains ``head`` on windows of target text and the target's states at every position.
+
+    Args:
+        head: The head to train (its ``draft_ids`` set when it has a draft vocabulary).
+        parts: The target's embedding and lm_head (frozen; never updated).
+        train: Token windows ``[N, W]`` and their target states ``[N, W, H]``, W = seq_len + depth.
+        heldout: The same for evaluation (never trained on).
+        config: Options.
+    """
+
+    def __init__(self, head: MTPHead, parts: TargetParts, train: tuple[mx.array, mx.array],
+                 heldout: tuple[mx.array, mx.array], config: TrainConfig):
+        self.head, self.parts, self.config = head, parts, config
+        self.tokens, self.states = train
+        self.heldout = heldout
+        ids = head.draft_ids if head.config.draft_vocab_size else None
+        self.ids = ids
+        self.sub = parts.sub_logits(ids) if ids is not None else parts.logits
+        self.best_params: Optional[dict] = None
+        self.best_agreement: Optional[tuple[float, ...]] = None
+        self._heldout_greedy = self._greedy(heldout[1]) if heldout[0].shape[0] else None
+
+    def _greedy(self, states: mx.array) -> mx.array:
+        # The target's greedy token at every held-out position (over its full vocabulary).
+        out = []
+        for i in range(states.shape[0]):
+            out.append(mx.argmax(self.parts.logits(states[i]), axis=-1).astype(mx.uint32))
+            mx.eval(out[-1])
+        return mx.stack(out)
+
+    def _chain(self, tokens: mx.array, states: mx.array) -> list[mx.array]:
+        """The head's output at each chained step ``[B, T, H]`` (step s drafts token s of a block)."""
+        depth = self.config.depth
+        T = tokens.shape[1] - depth
+        embeds = mx.stop_gradient(self.parts.embed(tokens))
+        hidden, prior, outs = states[:, :T], [], []
+        for s in range(1, depth + 1):
+            cache = _Chain(prior, s - 1)
+            hidden = self.head(embeds[:, s:s + T], hidden, [cache], chain_mask(T, s))
+            prior = prior + [cache.kv]
+            outs.append(hidden)
+        return outs
+
+    def loss(self, tokens: mx.array, states: mx.array) -> mx.array:
+        """KL(target || head) over the draft vocabulary, nats per position, averaged over chained steps.
+
+        The gradient is the soft cross-entropy's; the teacher's entropy is
+        subtracted so that 0 means the head says what the target says.
+        """
+        T = tokens.shape[1] - self.config.depth
+        total = mx.array(0.0)
+        for s, out in enumerate(self._chain(tokens, states), 1):
+            logp = mx.stop_gradient(nn.log_softmax(self.sub(states[:, s:s + T]).astype(mx.float32), axis=-1))
+            logq = nn.log_softmax(self.sub(out).astype(mx.float32), axis=-1)
+            total = total + (mx.exp(logp) * (logp - logq)).sum(-1).mean()
+        return total / self.config.depth
+
+    def evaluate(self, batch: int = 16) -> tuple[float, ...]:
+        """Held-out top-1 agreement with the target's greedy token, per chained step."""
+        tokens, states = self.heldout
+        T = tokens.shape[1] - self.config.depth
+        hits = [0.0] * self.config.depth
+        n = 0
+        for i in range(0, tokens.shape[0], batch):
+            outs = self._chain(tokens[i:i + batch], states[i:i + batch])
+            for s, out in enumerate(outs, 1):
+                pick = mx.argmax(self.sub(out), axis=-1)
+                if self.ids is not None:
+                    pick = self.ids[pick]
+                want = self._heldout_greedy[i:i + batch, s:s + T]
+                hits[s - 1] += (pick.astype(mx.uint32) == want).sum().item()
+            n += outs[0].shape[0] * T
+        return tuple(h / max(n, 1) for h in hits)
+
+    def run(self) -> Iterator[Step]:
+        """Train, yielding a :class:`Step` after every optimizer step; the best head is in :attr:`best_params`."""
+        c = self.config
+        mx.random.seed(c.seed)
+        warmup = max(1, min(50, c.steps // 10))
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(c.lr / 20, c.lr, warmup), optim.cosine_decay(c.lr, max(1, c.steps - warmup), c.lr / 20)],
+            [warmup])
+        opt = optim.AdamW(learning_rate=schedule, weight_decay=c.weight_decay)
+        grad = nn.value_and_grad(self.head, lambda tokens, states: self.loss(tokens, states))
+        n = self.tokens.shape[0]
+        if n == 0:
+            raise ValueError("no training windows")
+        order: list[int] = []
+        start = time.perf_counter()
+        agreement = None
+        for step in range(1, c.steps + 1):
+            if len(order) < c.batch_size:
+                order += mx.random.permutation(n).tolist()
+            pick = mx.array(order[:c.batch_size])
+            order = order[c.batch_size:]
+            self.head.train()
+            loss, grads = grad(self.tokens[pick], self.states[pick])
+            opt.update(self.head, grads)
+            mx.eval(self.head.parameters(), opt.state, loss)
+            best = False
+            if step % c.eval_every == 0 or step == c.steps:
+                agreement = self.evaluate() if self._heldout_greedy is not None else None
+                best = self._keep_if_best(agreement)
+            yield Step(step, c.steps, loss.item(), agreement, best, time.perf_counter() - start)
+        self.head.eval()
+
+    def _keep_if_best(self, agreement: Optional[tuple[float, ...]]) -> bool:
+        # Expected drafted tokens accepted per block under these agreements (a greedy chain stops at a miss).
+        def score(a):
+            return sum(math.prod(a[:i + 1]) for i in range(len(a))) if a else 0.0
+
+        # Ties go to the newer head (trained longer).
+        if self.best_params is not None and agreement is not None and score(agreement) < score(self.best_agreement):
+            return False
+        self.best_params = tree_map(lambda x: mx.array(x), dict(tree_flatten(self.head.parameters())))
+        self.best_agreement = agreement
+        return True
+
+    def restore_best(self) -> None:
+        """Load the best head seen into :attr:`head`."""
+        if self.best_params is not None:
+            self.head.load_weights(list(self.best_params.items()))
+        self.head.eval()

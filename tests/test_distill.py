@@ -1,0 +1,349 @@
+"""specdec distill: self-distilled MTP heads on tiny models.
+
+Invariants: training lowers the loss; the training chain computes exactly
+what drafting computes; a reduced draft vocabulary reads the right lm_head
+rows; a trained head drafts, stays exact, is refused by another model, and
+survives Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from typer.testing import CliRunner
+
+import specdec_cli.distill.train as train_module
+from specdec_cli.cli import app
+from specdec_cli.distill.data import read_source, seed_prompts, teacher_states
+from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
+from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
+from specdec_cli.drafters.mtp import MTPDrafter, MTPHead, build_head, embedding_probe, load_head, random_head
+from specdec_cli.errors import OptionError, UnsupportedModelError
+from specdec_cli.hooks import target_parts
+from specdec_cli.loading import read_config
+from specdec_cli.runner import collect, run
+from specdec_cli.synthetic import build_model, make_model_dir, TINY_CONFIGS
+
+from helpers import PROMPT, target
+
+SEEDS = [list(b"The quick brown fox jumps over the lazy dog. "), list(b"Once upon a time, in a small town, "),
+         list(b"def add(a, b):\n    return a + b\n\n"), list(b"1, 2, 3, 4, 5, 6, 7, 8, ")]
+
+
+@functools.cache
+def corpus():
+    """The tiny llama's own greedy text from four prompts, with its final states."""
+    model = target("llama", "float32")
+    seqs = []
+    for p in SEEDS:
+        _, out = collect(run(model, p, max_tokens=90))
+        seqs.append(p + out)
+    return seqs, list(teacher_states(model, seqs))
+
+
+def make_trainer(depth=2, vocab=0, steps=40, seed=0) -> Trainer:
+    model = target("llama", "float32")
+    parts = target_parts(model)
+    seqs, states = corpus()
+    cfg = TrainConfig(steps=steps, batch_size=4, seq_len=24, lr=3e-3, seed=seed, depth=depth, eval_every=10)
+    mx.random.seed(seed)
+    head = MTPHead(head_config(parts, vocab))
+    if vocab:
+        head.draft_ids = frequent_tokens(seqs, vocab, parts.vocab_size)
+    train = windows(seqs[:3], states[:3], cfg.seq_len + depth)
+    held = windows(seqs[3:], states[3:], cfg.seq_len + depth)
+    return Trainer(head, parts, train, held, cfg)
+
+
+@functools.cache
+def trained(vocab=0) -> Trainer:
+    t = make_trainer(depth=2, vocab=vocab, steps=60)
+    for _ in t.run():
+        pass
+    t.restore_best()
+    return t
+
+
+def test_training_lowers_the_loss_and_raises_agreement():
+    t = make_trainer(depth=2, steps=40)
+    tokens, states = t.tokens[:8], t.states[:8]
+    before = t.loss(tokens, states).item()
+    agree_before = t.evaluate()
+    steps = list(t.run())
+    after = t.loss(tokens, states).item()
+    assert after < 0.7 * before, (before, after)
+    assert steps[-1].step == 40 and steps[-1].agreement is not None
+    assert t.best_agreement[0] > agree_before[0], (agree_before, t.best_agreement)
+
+
+def test_the_training_chain_computes_what_drafting_computes():
+    # Step s of the chain at position i must equal the head's s-th forward when it drafts
+    # after committing x_0 .. x_{i+1}: pairs (h_j, x_{j+1}) up to i from the target, then its own outputs.
+    t = make_trainer(depth=3)
+    head, parts = random_head(t.head.config, seed=5), t.parts
+    t.head = head
+    tokens, states = t.tokens[:1], t.states[:1]
+    chained = t._chain(tokens, states)
+    embeds = parts.embed(tokens[0])
+    for i in (0, 5, 17):
+        cache = head.make_cache()
+        out = head(embeds[None, 1:i + 2], states[:, :i + 1], cache)[:, -1:]
+        for s in range(1, 4):
+            if s > 1:
+                out = head(embeds[None, i + s:i + s + 1], out, cache)
+            assert mx.allclose(out[0, 0], chained[s - 1][0, i], atol=1e-4).item(), (i, s)
+
+
+def test_chain_mask_sees_true_pairs_up_to_itself_then_its_own_chain():
+    m = chain_mask(3, 2).tolist()
+    assert m == [[True, False, False, True, False, False],
+                 [True, True, False, False, True, False],
+                 [True, True, True, False, False, True]]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_sub_logits_are_the_columns_of_the_full_logits(quantized, tied):
+    model = build_model({**TINY_CONFIGS["llama"], "tie_word_embeddings": tied}, seed=3)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=8)
+    parts = target_parts(model)
+    ids = mx.array([3, 7, 100, 200, 255], dtype=mx.int32)
+    h = mx.random.normal((2, 3, parts.hidden_size))
+    assert mx.allclose(parts.sub_logits(ids)(h), parts.logits(h)[..., ids], atol=1e-5).item()
+
+
+def test_frequent_tokens_ranks_by_count_then_id():
+    ids = frequent_tokens([[5, 5, 5, 2, 2, 9, 9, 1]], 3, 16).tolist()
+    assert ids == [2, 5, 9]  # 5 (3x), then 2 and 9 (2x each); 1 (once) is out
+    assert frequent_tokens([[4]], 3, 16).tolist() == [0, 1, 4]  # too few distinct: lowest unseen ids
+
+
+def test_windows_cover_each_sequence_and_skip_short_ones():
+    seqs = [list(range(10)), list(range(3))]
+    states = [mx.arange(10)[:, None].astype(mx.float32), mx.zeros((3, 1))]
+    toks, rows = windows(seqs, states, 4)
+    assert toks.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [6, 7, 8, 9]]
+    assert rows[:, :, 0].tolist() == toks.tolist()
+
+
+def test_split_keeps_sequences_apart():
+    train, held = split(20, 0.1, seed=1)
+    assert len(held) == 2 and not set(train) & set(held) and sorted(train + held) == list(range(20))
+
+
+@pytest.mark.parametrize("vocab", [0, 96])
+def test_a_trained_head_drafts_and_speculation_stays_exact(vocab):
+    t = trained(vocab)
+    model = target("llama", "float32")
+    drafts = []
+
+    class Recording(MTPDrafter):
+        def propose(self, last, k, params=None):
+            d = super().propose(last, k) if params is None else super().propose(last, k, params)
+            drafts.append(d.tokens)
+            return d
+
+    prompt = list(b"Once upon a time, in a small town, ")
+    _, plain = collect(run(model, prompt, max_tokens=60))
+    stats, spec = collect(run(model, prompt, drafter=Recording(t.head, t.parts), num_draft_tokens=3,
+                              max_tokens=60))
+    assert spec == plain
+    # An untrained head of the same shape drafts (almost) nothing the target accepts.
+    untrained, _ = collect(run(model, prompt, drafter=MTPDrafter(random_head(t.head.config, seed=3), t.parts),
+                               num_draft_tokens=3, max_tokens=60))
+    assert stats.accepted >= untrained.accepted + 6, (stats.accepted, stats.drafted, untrained.accepted)
+    if vocab:
+        allowed = set(t.head.draft_ids.tolist())
+        drafted = {x for d in drafts for x in mx.array(d).tolist()}
+        assert drafted and drafted <= allowed
+
+
+def test_reduced_vocabulary_q_is_a_distribution_over_the_draft_tokens():
+    t = trained(96)
+    drafter = MTPDrafter(t.head, t.parts)
+    lp = nn.log_softmax(mx.random.normal((1, 96)), axis=-1)
+    tokens, full = drafter._to_target(mx.array([0]), lp)
+    assert tokens.tolist() == [t.head.draft_ids[0].item()]
+    assert full.shape == (1, t.parts.vocab_size)
+    assert abs(mx.exp(full).sum().item() - 1.0) < 1e-5
+    inside = mx.zeros((t.parts.vocab_size,)).at[t.head.draft_ids].add(1).astype(mx.bool_)
+    assert mx.all(mx.where(inside, True, mx.isinf(full[0]))).item()
+    assert mx.array_equal(full[0][t.head.draft_ids], lp[0]).item()
+
+
+def test_head_trained_for_another_model_is_refused(tmp_path):
+    from specdec_cli.distill.pipeline import write_head, make_result
+
+    t = trained(96)
+    head = t.head
+    config = head.config.__class__(**{**head.config.to_dict(), "target_probe": embedding_probe(t.parts)})
+    probed = MTPHead(config)
+    probed.load_weights(list(__import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(head.parameters())))
+    opts = DistillOptions()
+    write_head(tmp_path / "h", probed, make_result(t, "test", [[1]], [0], [], 1.0, 0.0, opts, 1))
+    config_json = read_config(tmp_path / "h")
+    # Its own target (and a quantized copy of it) load it.
+    load_head(tmp_path / "h", config_json, "h", t.parts)
+    quantized = build_model(TINY_CONFIGS["llama"], seed=0)
+    nn.quantize(quantized, group_size=32, bits=4)
+    load_head(tmp_path / "h", config_json, "h", target_parts(quantized))
+    # Same shapes, other weights: another model.
+    other = build_model(TINY_CONFIGS["llama"], seed=9)
+    with pytest.raises(UnsupportedModelError, match="trained for another model"):
+        load_head(tmp_path / "h", config_json, "h", target_parts(other))
+
+
+def test_read_source_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text here")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"prompt": "Say hi"}) + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]})
+        + "\n" + json.dumps({"text": "raw"}) + "\n")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+    s = read_source(str(tmp_path))
+    assert s.prompts == ["Say hi", [{"role": "user", "content": "Q?"}]]
+    assert s.texts == ["plain text here", "raw"]
+    assert "2 prompts" in s.description and "2 text(s)" in s.description
+    default = read_source(None)
+    assert len(default.prompts) == len(seed_prompts()) == 460 and "seed prompts" in default.description
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("", "no text found"),
+    ('{"prompt": 1}\n', 'none of "prompt"'),
+    ("not json\n", "is not JSON"),
+])
+def test_read_source_refuses_bad_data(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(OptionError, match=message):
+        read_source(str(path))
+
+
+def test_seed_prompts_stay_clear_of_the_benchmark_prompts():
+    bench = ["hash table", "capital of Japan", "poem about the sea", "Fibonacci", "linked list", "pens at 3"]
+    assert not [p for p in seed_prompts() for b in bench if b.lower() in p.lower()]
+
+
+# The pipeline and the command
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("distill") / "llama", "llama", seed=0)
+
+
+def _distill(*args):
+    return CliRunner().invoke(app, ["distill", *map(str, args)])
+
+
+def test_pipeline_answers_prompts_and_reuses_its_cache(tmp_path):
+    model = target("llama", "float32")
+    parts = target_parts(model)
+    from specdec_cli.loading import load
+
+    tok = load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in ("cats", "rain", "tea")))
+    opts = DistillOptions(data=str(jsonl), tokens=600, answer_tokens=60, gen_batch=4, draft_vocab=0,
+                          train=TrainConfig(steps=2, batch_size=2, seq_len=16, depth=2, eval_every=1))
+    events = list(distill(model, tok, parts, tmp_path / "h", opts))
+    kinds = [type(e).__name__ for e in events]
+    assert "Generated" in kinds and "States" in kinds and isinstance(events[-1], Finished)
+    assert (tmp_path / "h" / "config.json").is_file() and (tmp_path / "h" / "cache" / "corpus.json").is_file()
+    again = list(distill(model, tok, parts, tmp_path / "h", opts))
+    assert "reusing the corpus" in again[0].detail and "Generated" not in [type(e).__name__ for e in again]
+
+
+def test_cli_distills_a_head_that_generate_loads(tmp_path, tiny_dir):
+    data = tmp_path / "data.txt"
+    data.write_text(("The quick brown fox jumps over the lazy dog. " * 40 + "\n") * 3)
+    out = tmp_path / "head"
+    result = _distill("--model", tiny_dir, "--out", out, "--data", data, "--data-tokens", 3000, "--steps", 16,
+                      "--seq-len", 32, "--batch-size", 4, "--draft-vocab", 64, "--depth", 2)
+    assert result.exit_code == 0, result.stderr
+    assert "held-out top-1 agreement" in result.stderr and "acceptance" in result.stderr
+    readme = (out / "README.md").read_text()
+    assert "3000 tokens" in readme and "Draft vocabulary: 64" in readme
+    info = json.loads((out / "training.json").read_text())
+    assert info["steps_done"] == 16 and info["acceptance"] is not None
+    gen = CliRunner().invoke(app, ["generate", "--model", str(tiny_dir), "--draft-model", str(out),
+                                   "-p", "The quick brown fox", "--ignore-chat-template", "-m", "30",
+                                   "--no-live", "--compare-ar", "--json"])
+    assert gen.exit_code == 0, gen.stderr
+    report = json.loads(gen.stdout)
+    assert report["drafter"] == "mtp" and report["compare"]["identical"] and report["accepted"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give --out DIR"),
+    (["--out", "{model}"], "holds another model"),
+    (["--out", "{file}"], "is a file"),
+    (["--out", "{tmp}/h", "--data", "{tmp}/missing"], "no such file"),
+    (["--out", "{tmp}/h", "--lr", "nan"], "Invalid value for '--lr'"),
+])
+def test_cli_refuses_bad_options_in_one_line(tmp_path, tiny_dir, args, message):
+    (tmp_path / "f").write_text("x")
+    fill = {"model": tiny_dir, "file": tmp_path / "f", "tmp": tmp_path}
+    result = _distill("--model", tiny_dir, *[a.format(**fill) for a in args])
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monkeypatch):
+    real = train_module.Trainer.run
+
+    def interrupted(self):
+        for step in real(self):
+            yield step
+            if step.step == 5:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module.Trainer, "run", interrupted)
+    data = tmp_path / "data.txt"
+    data.write_text("one two three four five six seven eight nine ten. " * 80)
+    out = tmp_path / "head"
+    result = _distill("--model", tiny_dir, "--out", out, "--data", data, "--data-tokens", 2000, "--steps", 40,
+                      "--seq-len", 32, "--batch-size", 2, "--draft-vocab", 0)
+    assert result.exit_code == 130
+    assert "interrupted at step 5" in result.stderr
+    assert "interrupted" in (out / "README.md").read_text()
+    model = target("llama", "float32")
+    loaded = load_head(out, read_config(out), "head", target_parts(model))
+    assert isinstance(loaded.head, MTPHead)
+
+
+# --drafter auto
+
+
+def _generate(*args):
+    return CliRunner().invoke(app, ["generate", "-p", "The quick brown fox", "--ignore-chat-template", "-m", "20",
+                                    "--no-live", "--json", *map(str, args)])
+
+
+def test_drafter_auto_says_what_it_picked(tmp_path, tiny_dir):
+    t = trained(0)
+    from specdec_cli.drafters.mtp import save_head
+
+    head = save_head(tmp_path / "head", t.head)
+    draft = make_model_dir(tmp_path / "draft", "llama", seed=0, noise=0.05)
+    for extra, kind, why in [([], "lookup", "no drafter for this model"),
+                             (["--draft-model", head], "mtp", "the MTP head --draft-model names"),
+                             (["--draft-model", draft], "model", "the draft model --draft-model names")]:
+        result = _generate("--model", tiny_dir, "--drafter", "auto", *extra)
+        assert result.exit_code == 0, result.stderr
+        assert f"drafter: auto -> {kind} ({why})" in result.stderr
+        assert json.loads(result.stdout)["drafter"] == kind
+
+
+def test_drafter_auto_refuses_options_of_one_lookup_drafter(tiny_dir):
+    result = _generate("--model", tiny_dir, "--drafter", "auto", "--ngram-max", "3")
+    assert result.exit_code == 2 and "instead of auto" in result.stderr
