@@ -25,6 +25,8 @@ Drafters:
                         probability 1-a: acceptance a per token, zero drafting cost
   layers:<n>            the target cut to its first n layers (a real, cheap, weak draft model)
   self                  the target drafting for itself (acceptance 1, drafting costs a target step)
+  mtp:<dir>             an MTP head sidecar (specdec distill writes them; mtp:bundled is the bundled
+                        model's head), adaptive, and at the fixed --block-size
 
 For each speculative row the analytic bound is the speedup a loop with zero
 overhead would reach with the same accept pattern, from separately measured
@@ -64,7 +66,11 @@ from mlx.utils import tree_flatten
 
 from specdec_cli.adaptive import AdaptiveLength, FixedLength, MatchLength
 from specdec_cli.caches import ModelCache, cache_kinds
+from specdec_cli import bundled
 from specdec_cli.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
+from specdec_cli.drafters.mtp import MTPDrafter, load_head
+from specdec_cli.hooks import Hidden, HiddenTap, target_parts
+from specdec_cli.loading import read_config
 from specdec_cli.engine import MAX_CARRY
 from specdec_cli.loading import load
 from specdec_cli.measure import measure
@@ -294,6 +300,7 @@ class Row:
     identical: Optional[bool]
     note: str = ""
     drafting_blocks: Optional[int] = None  # blocks that drafted anything
+    per_position: Optional[list] = None  # acceptance of the i-th draft of a block, given it was drafted
 
     @property
     def mean_accepted(self) -> Optional[float]:
@@ -358,9 +365,42 @@ def make_configs(model, ids, reference, drafters, vocab, eos=(), history=()) -> 
             configs.append(Config(f"specdec {what} adaptive", lambda policy, small=small: ModelDrafter(small),
                                   draft_step_s=step, adaptive=True))
             configs.append(Config(f"mlx-lm {what}", mlx_lm_draft=small))
+        elif spec.startswith("mtp:"):
+            # An MTP head sidecar (specdec distill's, or "bundled": the bundled model's head).
+            where = spec.split(":", 1)[1]
+            path = bundled.head_dir() if where == "bundled" else Path(where)
+            parts = target_parts(model)
+            head = load_head(path, read_config(path), str(path), parts).head
+            step = head_step_cost(head, parts, model, ids)
+            label = f"specdec mtp {'bundled' if where == 'bundled' else Path(where).name}"
+            configs.append(Config(label, lambda policy, head=head, parts=parts: MTPDrafter(head, parts),
+                                  draft_step_s=step, adaptive=True))
+            configs.append(Config(f"{label} fixed", lambda policy, head=head, parts=parts: MTPDrafter(head, parts),
+                                  draft_step_s=step))
         else:
             raise SystemExit(f"unknown drafter {spec!r}")
     return configs
+
+
+def head_step_cost(head, parts, model, ids, reps: int = 5) -> float:
+    """Seconds per chained draft step of an MTP head (drafting 5 tokens minus drafting 1, over 4)."""
+    cache = ModelCache(model)
+    with HiddenTap(model, MTPDrafter.taps) as tap:
+        rows = Hidden.concat(cache.prefill(ids[:-1], 2048, tap))
+    drafter = MTPDrafter(head, parts)
+    drafter.prefill(ids[:-1], 2048, rows)
+
+    def timed(k: int) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            mx.eval(drafter.propose(ids[-1], k).tokens)
+            best = min(best, time.perf_counter() - t)
+            drafter.cancel()
+        return best
+
+    timed(5)
+    return max(0.0, (timed(5) - timed(1)) / 4)
 
 
 def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens, repeats, eos, vocab,
@@ -422,7 +462,9 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
         rows.append(Row(name, category, c.label, extra.generated, extra.drafted, extra.accepted,
                         extra.acceptance, extra.generated / tps, tps, speedup, bound,
                         speedup / bound if bound else None, out == reference,
-                        drafting_blocks=extra.drafting_blocks))
+                        drafting_blocks=extra.drafting_blocks,
+                        per_position=[round(a / d, 3) for a, d in zip(extra.position_accepted,
+                                                                       extra.position_drafted) if d]))
     return rows
 
 

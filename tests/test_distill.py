@@ -211,7 +211,7 @@ def test_read_source_formats(tmp_path):
     assert s.texts == ["plain text here", "raw"]
     assert "2 prompts" in s.description and "2 text(s)" in s.description
     default = read_source(None)
-    assert len(default.prompts) == len(seed_prompts()) == 460 and "seed prompts" in default.description
+    assert len(default.prompts) == len(seed_prompts()) > 2000 and "seed prompts" in default.description
 
 
 @pytest.mark.parametrize("content, message", [
@@ -347,3 +347,15 @@ def test_drafter_auto_says_what_it_picked(tmp_path, tiny_dir):
 def test_drafter_auto_refuses_options_of_one_lookup_drafter(tiny_dir):
     result = _generate("--model", tiny_dir, "--drafter", "auto", "--ngram-max", "3")
     assert result.exit_code == 2 and "instead of auto" in result.stderr
+
+
+def test_text_ids_cut_long_texts_and_stop_at_the_goal():
+    from specdec_cli.distill.data import text_ids
+
+    class Bytes:
+        def encode(self, text):
+            return list(text.encode())
+
+    out: list = []
+    assert text_ids(Bytes(), ["a" * 10, "b" * 10, "c" * 10], 25, out, piece=4) == 25
+    assert [len(x) for x in out] == [4, 4, 2, 4, 4, 2, 4, 1]

@@ -27,10 +27,31 @@ _TOPICS = (
     "photosynthesis", "the French Revolution", "black holes", "compound interest", "the water cycle",
     "volcanoes", "machine learning", "the Roman Empire", "vaccines", "plate tectonics", "recycling",
     "the stock market", "honey bees", "electric cars", "the human heart", "climate change", "chess",
-    "the printing press", "rainforests", "sleep", "the moon landing", "coffee", "jazz music",
-    "earthquakes", "solar panels", "the immune system", "ancient Egypt", "bread baking", "glaciers",
-    "the internet", "democracy", "penguins", "gardening", "the Olympic Games", "DNA", "bicycles",
-    "renewable energy", "the Silk Road", "mushrooms", "public libraries",
+    "the printing press", "rainforests", "sleep", "the moon landing", "coffee", "jazz music", "earthquakes",
+    "solar panels", "the immune system", "ancient Egypt", "bread baking", "glaciers", "the internet",
+    "democracy", "penguins", "gardening", "the Olympic Games", "DNA", "bicycles", "renewable energy",
+    "the Silk Road", "mushrooms", "public libraries", "tides", "rainbows", "the periodic table", "gravity",
+    "magnets", "batteries", "airplanes", "submarines", "bridges", "skyscrapers", "traffic lights", "trains",
+    "the Great Wall of China", "the Renaissance", "the Industrial Revolution", "the Cold War", "the Vikings",
+    "the Aztecs", "Shakespeare", "Mozart", "Leonardo da Vinci", "Marie Curie", "Isaac Newton",
+    "Albert Einstein", "dinosaurs", "whales", "octopuses", "wolves", "elephants", "butterflies", "ants",
+    "coral reefs", "deserts", "tundra", "wetlands", "rivers", "oceans", "clouds", "hurricanes", "tornadoes",
+    "lightning", "snowflakes", "the seasons", "the solar system", "Mars", "Jupiter", "comets", "telescopes",
+    "satellites", "rockets", "the International Space Station", "antibiotics", "nutrition", "exercise",
+    "meditation", "stress", "memory", "dreams", "languages", "writing systems", "mathematics", "prime numbers",
+    "probability", "statistics", "geometry", "algebra", "calculus", "cryptography", "computers",
+    "operating systems", "databases", "programming languages", "open-source software", "video games",
+    "social media", "smartphones", "email", "cloud computing", "robots", "3D printing", "virtual reality",
+    "drones", "money", "inflation", "taxes", "banks", "small businesses", "marketing", "job interviews",
+    "teamwork", "leadership", "time management", "public speaking", "volunteering", "friendship", "parenting",
+    "school uniforms", "homework", "universities", "museums", "theaters", "photography", "painting",
+    "sculpture", "poetry", "novels", "comics", "cinema", "football", "basketball", "tennis", "swimming",
+    "running", "yoga", "mountain climbing", "camping", "fishing", "sailing", "cooking pasta", "tea",
+    "chocolate", "cheese", "spices", "fermentation", "vegetarian diets", "farming", "irrigation", "forests",
+    "trees", "flowers", "seeds", "soil", "composting", "water pollution", "air quality", "plastic waste",
+    "urban planning", "public transport", "architecture", "castles", "pyramids", "lighthouses", "maps",
+    "compasses", "clocks", "calendars", "the alphabet", "postal services", "newspapers", "radio", "television",
+    "podcasts",
 )
 _KINDS = (
     "Explain {t} to a ten-year-old.",
@@ -43,6 +64,8 @@ _KINDS = (
     "Write a blog post introduction about {t}.",
     "What questions do people often ask about {t}? Answer two of them.",
     "Summarize the most important ideas about {t} in a few bullet points.",
+    "Write a friendly letter to a friend describing {t}.",
+    "What would a beginner get wrong about {t}?",
 )
 _TASKS = (
     "Write a Python function that checks whether a string is a palindrome.",
@@ -69,7 +92,7 @@ _TASKS = (
 
 
 def seed_prompts(seed: int = 0) -> list[str]:
-    """The built-in seed prompts (460 of them), shuffled by ``seed``."""
+    """The built-in seed prompts (topics x request kinds, plus tasks), shuffled by ``seed``."""
     prompts = [k.format(t=t) for t in _TOPICS for k in _KINDS] + list(_TASKS) * 3
     random.Random(seed).shuffle(prompts)
     return prompts
@@ -197,14 +220,18 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
         yield Generated(total, goal_tokens)
 
 
-def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]]) -> int:
-    """Tokenize plain texts (until ``goal_tokens``) into ``out``; returns the tokens added."""
+def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]], piece: int = 2048) -> int:
+    """Tokenize plain texts (until ``goal_tokens``) into ``out``, in pieces of at most ``piece`` tokens.
+
+    Long files are cut so that the target's states come from bounded caches.
+    Returns the tokens added.
+    """
     total = 0
     for text in texts:
         if total >= goal_tokens:
             break
         ids = list(tokenizer.encode(text))[: goal_tokens - total]
-        out.append(ids)
+        out += [ids[i:i + piece] for i in range(0, len(ids), piece)]
         total += len(ids)
     return total
 
