@@ -216,6 +216,11 @@ class SuffixDrafter:
             state, self.match = resume, 1
         n = self.size(self.match, k) if k > 0 and self.match > 0 else 0
         self._proposed, self._states = self.continuation(state, n) if n > 0 else ([], [])
+        if 0 < len(self._proposed) < n:
+            # The source ends sooner: size again for what there is (a policy
+            # may prefer a shorter draft whose verify costs less).
+            n = self.size(self.match, len(self._proposed))
+            self._proposed, self._states = self._proposed[:n], self._states[:n]
         if not self._proposed:
             return no_draft()
         return Draft(mx.array(self._proposed, dtype=mx.uint32))
