@@ -210,7 +210,9 @@ class MatchLength(AdaptiveLength):
     the draft length chosen maximises expected tokens per verify cost,
     ``(1 + sum_i P(first i accepted)) / cost(i + 1)``, with the cost curve
     ``prior_cost`` scaled to what the run's blocks took against plain steps.
-    Short matches thus draft little or nothing, long ones up to ``k_max``.
+    Short matches thus draft little or nothing, long ones up to ``k_max``;
+    only the cheap verify sizes (``sizes``) are drafted, unless ``k`` itself
+    is smaller than the next one.
 
     A block the sizing left without drafts is a plain step and is timed as
     one, so the speed comparison of :class:`AdaptiveLength` (switching off
@@ -222,6 +224,9 @@ class MatchLength(AdaptiveLength):
         costs: Verify costs already known (tokens -> one-token steps, e.g.
             timed while warming up those shapes); they replace the prior
             curve until the run times those sizes itself.
+        sizes: Verify sizes (drafts + 1) worth drafting (see ``BLOCK_SIZES``).
+        min_match: Shortest match that may draft at all (one token guesses
+            right ~1 time in 6: never worth a verify).
     """
 
     prior_weight: float = 4.0
@@ -329,7 +334,7 @@ class MatchLength(AdaptiveLength):
 
     def _rescale(self, t: int, seconds: float) -> None:
         """Note what a verify of ``t`` tokens took; rescale the prior curve by the sizes it prices."""
-        if t in self.sizes:
+        if t in self.sizes and t > 1:
             # A size the policy never drafts (cut short by the end of the
             # output or of the source) would skew the curve's scale.
             self._verify.append((t, seconds))
