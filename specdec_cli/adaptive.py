@@ -175,14 +175,28 @@ def match_bucket(length: int) -> int:
     return bisect_right(MATCH_BUCKETS, length) - 1
 
 
-def prior_cost(t: int) -> float:
-    """A verify forward of ``t`` tokens in one-token steps, before any is timed.
+# Block sizes (drafts + 1) the match-length policy verifies: every size up to
+# 8, then multiples of 16. Batched matmul kernels tile rows, so the verify cost
+# is a sawtooth between those: on a 2-core x86 CPU (SmolLM2-135M, float32,
+# OpenBLAS) verify(16) took 1.6 one-token steps and verify(12) 2.4, verify(32)
+# 2.4 and verify(28) 3.2, verify(48) 3.1 and verify(52) 3.7. A draft that
+# would end between two of them ends at the lower one.
+BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 64)
+# What a size halfway between two listed ones costs before it is timed, against
+# the next listed size up (it runs only when the caller allows no more drafts).
+SAWTOOTH = 1.4
 
-    A smooth upper envelope of what a 2-core x86 CPU measured (SmolLM2-135M,
-    float32, OpenBLAS: ~1.2 at 2, ~1.7 at 8, ~2.5 at 32, ~4.6 at 64, higher
-    between multiples of 16). The run rescales it by what it measures.
+
+def prior_cost(t: int) -> float:
+    """A verify forward of ``t`` tokens (one of ``BLOCK_SIZES``) in one-token steps, before any is timed.
+
+    What a 2-core x86 CPU measured at those sizes (SmolLM2-135M, float32,
+    OpenBLAS): ~1.2 at 2, ~1.45 at 4, ~1.65 at 8 and as little at 16, then
+    ~0.04 a token (2.3-2.4 at 32, ~3.1 at 48, 3.1-3.8 at 64). Only the
+    sawtooth's low points are priced: the policy drafts no other sizes. The
+    run rescales it by what it measures.
     """
-    return 1.0 + 0.25 * math.log2(t) + 0.045 * (t - 1)
+    return 1.0 + 0.22 * math.log2(min(t, 8)) + 0.04 * max(0, t - 16)
 
 
 @dataclass
@@ -196,7 +210,9 @@ class MatchLength(AdaptiveLength):
     the draft length chosen maximises expected tokens per verify cost,
     ``(1 + sum_i P(first i accepted)) / cost(i + 1)``, with the cost curve
     ``prior_cost`` scaled to what the run's blocks took against plain steps.
-    Short matches thus draft little or nothing, long ones up to ``k_max``.
+    Short matches thus draft little or nothing, long ones up to ``k_max``;
+    only the cheap verify sizes (``sizes``) are drafted, unless ``k`` itself
+    is smaller than the next one.
 
     A block the sizing left without drafts is a plain step and is timed as
     one, so the speed comparison of :class:`AdaptiveLength` (switching off
@@ -208,10 +224,15 @@ class MatchLength(AdaptiveLength):
         costs: Verify costs already known (tokens -> one-token steps, e.g.
             timed while warming up those shapes); they replace the prior
             curve until the run times those sizes itself.
+        sizes: Verify sizes (drafts + 1) worth drafting (see ``BLOCK_SIZES``).
+        min_match: Shortest match that may draft at all (one token guesses
+            right ~1 time in 6: never worth a verify).
     """
 
     prior_weight: float = 4.0
     costs: Optional[dict] = None
+    sizes: frozenset = frozenset(BLOCK_SIZES)
+    min_match: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -249,18 +270,28 @@ class MatchLength(AdaptiveLength):
         seen = self._measured.get(t)
         if seen is not None:
             return seen
+        above = [n for n in self.sizes if n > t]
+        below = [n for n in self.sizes if n < t]
+        if t not in self.sizes and above and below:
+            # Between two listed sizes the sawtooth climbs halfway, then falls
+            # to the next one (12 rows cost 2.4 steps, 15 rows 1.8, 16 rows 1.6).
+            hi, lo = min(above), max(below)
+            f = (t - lo) / (hi - lo)
+            return (1.0 + 2 * (SAWTOOTH - 1.0) * min(f, 1.0 - f)) * self.cost(hi)
         return 1.0 + self.scale * (prior_cost(t) - 1.0)
 
     def size(self, match: int, k: int) -> int:
         """Drafts for a suffix matched over ``match`` tokens, at most ``k``."""
         self._match = match
-        if k <= 0 or match <= 0:
+        if k <= 0 or match < self.min_match:
             return 0
         rates = self.acceptance()
         best, best_k, expected, survive = 1.0, 0, 1.0, 1.0
         for i in range(1, k + 1):
             survive *= rates[match_bucket(match + i - 1)]
             expected += survive
+            if i + 1 not in self.sizes and i < k:
+                continue  # k itself is the most the caller allows: nothing cheaper lies above it
             value = expected / self.cost(i + 1)
             if value > best:
                 best, best_k = value, i
@@ -275,9 +306,22 @@ class MatchLength(AdaptiveLength):
                 self._plain.append((emitted, seconds))
             return
         if self.mode == "speculate" and self._seen >= self.warmup:
-            self._verify.append((drafted + 1, seconds))
-            self._rescale()
+            self._rescale(drafted + 1, seconds)
         super().observe(drafted, accepted, emitted, seconds)
+
+    def guessed(self, match: int, hit: bool) -> None:
+        """Learn from a match the policy drafted nothing for: was its next token the target's?
+
+        Free evidence (no verify was spent on it): in text that repeats
+        nothing, short matches keep guessing wrong, and the estimates fall
+        before the first draft is wasted.
+        """
+        b = match_bucket(match)
+        self._expected_hits += PRIOR_ACCEPTANCE[b]
+        if hit:
+            self._hits[b] += 1
+        else:
+            self._misses[b] += 1
 
     def _learn(self, drafted: int, accepted: int) -> None:
         for i in range(min(accepted + 1, drafted)):
@@ -288,17 +332,21 @@ class MatchLength(AdaptiveLength):
             else:
                 self._misses[b] += 1
 
-    def _rescale(self) -> None:
-        if not self._plain:
+    def _rescale(self, t: int, seconds: float) -> None:
+        """Note what a verify of ``t`` tokens took; rescale the prior curve by the sizes it prices."""
+        if t in self.sizes and t > 1:
+            # A size the policy never drafts (cut short by the end of the
+            # output or of the source) would skew the curve's scale.
+            self._verify.append((t, seconds))
+        if not self._plain or not self._verify:
             return
         rate = self._rate(self._plain)  # plain tokens per second
         if rate <= 0:
             return
-        ratios = [(s * rate - 1.0) / (prior_cost(t) - 1.0) for t, s in self._verify]
+        ratios = [(s * rate - 1.0) / (prior_cost(n) - 1.0) for n, s in self._verify]
         self.scale = min(3.0, max(0.2, statistics.median(ratios)))
-        t, s = self._verify[-1]
         seen = self._measured.get(t)
-        self._measured[t] = s * rate if seen is None else 0.5 * (seen + s * rate)
+        self._measured[t] = seconds * rate if seen is None else 0.5 * (seen + seconds * rate)
 
     def summary(self) -> dict:
         out = super().summary()

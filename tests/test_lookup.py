@@ -8,7 +8,7 @@ import random
 import pytest
 from helpers import GEN, PROMPT, plain, prefilled, target, tokens
 
-from specdec_cli.adaptive import MatchLength
+from specdec_cli.adaptive import BLOCK_SIZES, MatchLength
 from specdec_cli.drafters import LookupHistory, SuffixDrafter
 from specdec_cli.drafters.history import FORMAT, VERSION
 from specdec_cli.engine import MAX_CARRY, speculative_generate_step
@@ -149,6 +149,70 @@ def test_match_length_policy_drafts_long_for_long_matches_and_learns_from_accept
         n = q.size(2, 63)
         q.observe(n, n, n + 1, 0.01)
     assert q.size(2, 63) > MatchLength(k_max=63).size(2, 63)
+
+
+def test_match_length_policy_verifies_only_cheap_block_sizes():
+    # Verify costs are a sawtooth (16 rows cost what 8 do, 12 far more): the
+    # policy ends a draft on a listed size, unless the caller allows no more.
+    p = MatchLength(k_max=63, window=10_000)
+    for _ in range(6):                 # a run that copies: long drafts pay
+        n = p.size(20, 63)
+        p.observe(n, n, n + 1, 0.01)
+    for match in (1, 2, 3, 5, 8, 12, 20, 40):
+        for k in (1, 5, 9, 14, 15, 20, 30, 46, 47, 63):
+            n = p.size(match, k)
+            assert n <= k and (n == 0 or n + 1 in BLOCK_SIZES or n == k), (match, k, n)
+    assert p.size(40, 63) + 1 in (48, 64)
+    assert p.size(40, 46) == 46        # the end of the output is near: one block, not two
+    assert p.size(40, 20) == 15        # 21 rows would cost more than 16
+    # Untimed sizes between listed ones: dearer halfway than either neighbour.
+    assert p.cost(12) > max(p.cost(8), p.cost(16)) and p.cost(16) < p.cost(15) < p.cost(12)
+
+
+def test_a_draft_its_source_cuts_short_is_sized_again():
+    asked = []
+
+    def size(match: int, k: int) -> int:
+        asked.append(k)
+        return 8 if k > 7 else 2
+
+    # After "1 2 3" the text goes on for 7 tokens (to its own end) only.
+    d = drafter_after([1, 2, 3, 4, 5, 6, 9, 1, 2], size=size)
+    assert d.propose(3, 63).tokens.tolist() == [4, 5]
+    assert asked == [63, 7]
+    d.accept(2)
+    assert d.text[-3:] == [3, 4, 5]
+
+
+def test_one_token_matches_draft_nothing_but_teach_the_policy():
+    # A one-token match guesses right ~1 time in 6 over the benchmark's
+    # prompts: never worth a verify. Whether its next token came is still
+    # told to the policy, for free: text that repeats nothing lowers the
+    # estimates before a longer match wastes a block.
+    p = MatchLength(k_max=63)
+    assert p.size(1, 63) == 0 and p.size(2, 63) > 0
+    before = p.acceptance()
+    d = SuffixDrafter(p.size)
+    d.prefill([5, 6, 7, 8])
+    last = 5
+    for t in (9, 10, 11, 12):          # after "5" came 6; now other tokens come
+        assert d.propose(last, 63).size == 0 and d.match == 1
+        d.accept(0)
+        last = t
+        d.propose(last, 63)            # reports the guess for the previous match
+        d.accept(0)
+        last = 5
+    assert p._misses[0] == 4 and p._hits[0] == 0
+    assert all(a < b for a, b in zip(p.acceptance()[1:4], before[1:4]))
+    # A cancelled block reports nothing; a guess that comes true counts as a hit.
+    d.propose(5, 63)
+    d.cancel()
+    d.propose(5, 63)
+    assert p._hits[0] == 0 and p._misses[0] == 4
+    guess = d._guess[1]
+    d.accept(0)
+    d.propose(guess, 63)
+    assert p._hits[0] == 1 and p._misses[0] == 4
 
 
 def test_blocks_without_drafts_are_timed_as_plain_steps():

@@ -58,6 +58,10 @@ class SuffixDrafter:
     def __init__(self, size: Optional[Callable[[int, int], int]] = None,
                  history: Iterable[Sequence[int]] = (), stop_ids: Iterable[int] = ()):
         self.size = size or default_size
+        # A policy that learns from matches it drafted nothing for (see
+        # MatchLength.guessed) is told whether their next token came.
+        self._guessed = getattr(getattr(size, "__self__", None), "guessed", None)
+        self._guess: Optional[tuple[int, int]] = None  # (match, its next token)
         self.stop_ids = frozenset(stop_ids)
         # State arrays: transitions, suffix link, longest length, occurrence
         # count and most recent end position. State 0 is the root.
@@ -207,6 +211,9 @@ class SuffixDrafter:
         """Draft the continuation of the longest earlier match (deterministic: q one-hot)."""
         self._log.clear()
         self._logging = True
+        if self._guess is not None:
+            self._guessed(self._guess[0], self._guess[1] == int(last))
+            self._guess = None
         self._append(int(last))
         state, self.match = self.longest_match()
         resume, self._resume = self._resume, None
@@ -216,7 +223,15 @@ class SuffixDrafter:
             state, self.match = resume, 1
         n = self.size(self.match, k) if k > 0 and self.match > 0 else 0
         self._proposed, self._states = self.continuation(state, n) if n > 0 else ([], [])
+        if 0 < len(self._proposed) < n:
+            # The source ends sooner: size again for what there is (a policy
+            # may prefer a shorter draft whose verify costs less).
+            n = self.size(self.match, len(self._proposed))
+            self._proposed, self._states = self._proposed[:n], self._states[:n]
         if not self._proposed:
+            guess = self.continuation(state, 1)[0] if n == 0 and self._guessed and self.match > 0 else []
+            if guess:
+                self._guess = (self.match, guess[0])
             return no_draft()
         return Draft(mx.array(self._proposed, dtype=mx.uint32))
 
@@ -232,4 +247,4 @@ class SuffixDrafter:
     def cancel(self) -> None:
         """Undo the last ``propose`` (and an ``accept`` after it)."""
         self._undo()
-        self._proposed, self._states, self._resume = [], [], None
+        self._proposed, self._states, self._resume, self._guess = [], [], None, None
