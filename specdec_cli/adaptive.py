@@ -282,9 +282,13 @@ class MatchLength(AdaptiveLength):
 
     def size(self, match: int, k: int) -> int:
         """Drafts for a suffix matched over ``match`` tokens, at most ``k``."""
+        return self._lookup_plan(match, k)[0]
+
+    def _lookup_plan(self, match: int, k: int) -> tuple[int, float]:
+        """The best lookup draft length and its expected tokens per plain step (1.0: a plain step)."""
         self._match = match
         if k <= 0 or match < self.min_match:
-            return 0
+            return 0, 1.0
         rates = self.acceptance()
         best, best_k, expected, survive = 1.0, 0, 1.0, 1.0
         for i in range(1, k + 1):
@@ -295,7 +299,7 @@ class MatchLength(AdaptiveLength):
             value = expected / self.cost(i + 1)
             if value > best:
                 best, best_k = value, i
-        return best_k
+        return best_k, best
 
     def observe(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
         if self.mode == "speculate" and drafted == 0:
@@ -352,4 +356,92 @@ class MatchLength(AdaptiveLength):
         out = super().summary()
         out.update(length_rule="match-length", verify_cost_scale=round(self.scale, 3),
                    acceptance_by_match={f"{b}+": round(a, 3) for b, a in zip(MATCH_BUCKETS, self.acceptance())})
+        return out
+
+
+@dataclass
+class HybridLength(MatchLength):
+    """Prompt lookup where the text repeats, a drafter head (MTP) where it does not.
+
+    Each block the lookup's best draft (:class:`MatchLength`'s sizing) and the
+    head's best draft of at most ``head_k`` tokens are compared by expected
+    tokens per plain step; a head draft also pays ``head_step`` plain steps
+    per token. The better one drafts (``source`` says which), or neither when
+    a plain step is worth more. The head's acceptance per draft position is
+    learned from its blocks around ``head_prior``, its step cost from what its
+    blocks take beyond their verify.
+
+    Args:
+        head_k: Most head drafts per block.
+        head_step: A head draft step in plain steps, before measuring.
+        head_prior: Per-position acceptance assumed before measuring.
+    """
+
+    head_k: int = 3
+    head_step: float = 0.1
+    head_prior: float = 0.35
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._head_hits = [0] * self.head_k
+        self._head_misses = [0] * self.head_k
+        self._head_steps: deque[float] = deque(maxlen=16)
+        self.source: Optional[str] = None  # "lookup" or "head": who drafts this block
+        self.head_n = 0
+        self.head_blocks = 0
+
+    def head_acceptance(self) -> list[float]:
+        """Acceptance of the head's i-th draft given the ones before it were accepted (posterior mean)."""
+        w = self.prior_weight
+        return [(self.head_prior * w + h) / (w + h + m) for h, m in zip(self._head_hits, self._head_misses)]
+
+    def _head_plan(self, k: int) -> tuple[int, float]:
+        rates = self.head_acceptance()
+        best, best_j, expected, survive = 1.0, 0, 1.0, 1.0
+        for j in range(1, min(k, self.head_k) + 1):
+            survive *= rates[j - 1]
+            expected += survive
+            value = expected / (self.cost(j + 1) + j * self.head_step)
+            if value > best:
+                best, best_j = value, j
+        return best_j, best
+
+    def size(self, match: int, k: int) -> int:
+        """Lookup drafts for this block (0 when the head, or nobody, should draft; see ``source``)."""
+        n, value = self._lookup_plan(match, k)
+        j, head_value = self._head_plan(k)
+        if j and head_value > value:
+            self.source, self.head_n = "head", j
+            return 0
+        self.source, self.head_n = "lookup", 0
+        return n
+
+    def observe(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
+        if self.source == "head" and self.mode == "speculate" and drafted:
+            # Speed accounting as any speculative block; the verify-cost curve is the lookup's alone.
+            self.head_blocks += 1
+            rate = self._rate(self._plain) if self._plain else 0.0
+            if rate > 0 and self._seen >= self.warmup:
+                step = (seconds * rate - self.cost(drafted + 1)) / drafted
+                self._head_steps.append(step)
+                self.head_step = min(1.0, max(0.01, statistics.median(self._head_steps)))
+            AdaptiveLength.observe(self, drafted, accepted, emitted, seconds)
+            return
+        super().observe(drafted, accepted, emitted, seconds)
+
+    def _learn(self, drafted: int, accepted: int) -> None:
+        if self.source != "head":
+            super()._learn(drafted, accepted)
+            return
+        for i in range(min(accepted + 1, drafted)):
+            if i < accepted:
+                self._head_hits[i] += 1
+            else:
+                self._head_misses[i] += 1
+
+    def summary(self) -> dict:
+        out = super().summary()
+        out.update(length_rule="match-length + head", head_blocks=self.head_blocks,
+                   head_acceptance=[round(a, 3) for a in self.head_acceptance()],
+                   head_step=round(self.head_step, 3))
         return out

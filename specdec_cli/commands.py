@@ -17,7 +17,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import blas, bundled, doctor
-from .adaptive import AdaptiveLength, FixedLength, MatchLength
+from .adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
 from .caches import check_kv_quantization
 from .compare import DIVERGED, compare_with_plain
 
@@ -42,7 +42,7 @@ from .display import (
     sweep_progress,
     text_view,
 )
-from .drafters import DFlashDrafter, Drafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
+from .drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from .drafters.dflash import check_target
 from .drafters.history import tokenizer_fingerprint
 from .drafters.mtp import LoadedHead, MTPDrafter
@@ -164,8 +164,8 @@ class Setup:
 
     @property
     def drafter_name(self) -> str:
-        if self.kind == "mtp" and self.mtp is not None and self.mtp.source != self.target.name:
-            return f"mtp ({self.mtp.source})"
+        if self.kind in ("mtp", "lookup+mtp") and self.mtp is not None and self.mtp.source != self.target.name:
+            return f"{self.kind} ({self.mtp.source})"
         if self.kind == "dflash" and self.options.draft_model:
             return f"{self.kind} ({self.options.draft_model})"
         return f"model ({self.options.draft_model})" if self.draft else self.kind
@@ -201,6 +201,9 @@ class Setup:
             return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
         if self.kind == "mtp":
             return MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
+        if self.kind == "lookup+mtp":
+            head = MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
+            return HybridDrafter(SuffixDrafter(policy.size, stop_ids=self.eos_ids), head, policy)
         if self.kind == "dflash":
             return DFlashDrafter(self.draft.model, self.parts, p_min=opts.draft_p_min or 0.0)
         return ModelDrafter(self.draft.model, vocab_size=_vocab_size(self.target.config),
@@ -235,10 +238,14 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         check_target(draft.model.config, parts)
     if kind == "model" and opts.drafter in (None, "auto") and is_mtp_sidecar(draft_path):
         kind = "mtp"  # --draft-model names an MTP-only folder
-    if kind == "mtp" and head_path is not None:
+    if kind == "lookup+mtp" and not getattr(opts, "adaptive", False):
+        # Choosing per block is the adaptive policy's work: --no-adaptive (and sweep, which
+        # measures fixed block sizes) drafts with the head alone.
+        kind = "mtp"
+    if kind in ("mtp", "lookup+mtp") and head_path is not None:
         mtp = load_mtp(str(head_path), head_path, target, opts.dtype)
         mtp.source = "bundled head"
-    elif kind == "mtp":
+    elif kind in ("mtp", "lookup+mtp"):
         mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
     if kind == "model":
         draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
@@ -274,13 +281,13 @@ def choose_drafter(target: Loaded, draft_path: Optional[Path]) -> tuple[str, Opt
         if is_dflash(draft_path):
             return "dflash", None, "the DFlash drafter --draft-model names"
         if is_mtp_sidecar(draft_path):
-            return "mtp", None, "the MTP head --draft-model names"
+            return "lookup+mtp", None, "lookup where the text repeats, the MTP head --draft-model names elsewhere"
         return "model", None, "the draft model --draft-model names"
     if has_own_head(target):
-        return "mtp", None, "the model's own MTP head"
+        return "lookup+mtp", None, "lookup where the text repeats, the model's own MTP head elsewhere"
     head = bundled.head_dir()
     if head is not None and bundled.is_bundled(target.path):
-        return "mtp", head, "the head distilled for the bundled model"
+        return "lookup+mtp", head, "lookup where the text repeats, the head distilled for the bundled model elsewhere"
     return "lookup", None, "no drafter for this model"
 
 
@@ -528,6 +535,8 @@ def sampling_params(opts: "GenerateOptions") -> SamplingParams:
 def make_policy(adaptive: bool, block_size: int, kind: str = "model"):
     """Adaptive draft length up to block size - 1 (learned by match length for lookup), or a fixed one."""
     if adaptive and block_size > 1:
+        if kind == "lookup+mtp":
+            return HybridLength(k_max=block_size - 1)
         return MatchLength(k_max=block_size - 1) if kind == "lookup" else AdaptiveLength(k_max=block_size - 1)
     return FixedLength(block_size - 1)
 

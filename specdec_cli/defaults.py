@@ -5,8 +5,9 @@ DRAFTER_KINDS = ("model", "lookup", "ngram", "mtp", "auto")
 # accepted. Lookup drafts cost nothing and are sized by their match, so its
 # blocks may be long; a model drafter pays a forward per draft.
 # "auto" is only checked against the largest; the kind it picks then applies its own.
-DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4, "mtp": 4, "auto": 4}
-MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64, "mtp": 32, "auto": 64}
+# "lookup+mtp" (what auto picks when an MTP head is at hand): lookup's blocks, head drafts of at most 3.
+DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4, "mtp": 4, "lookup+mtp": 64, "auto": 4}
+MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64, "mtp": 32, "lookup+mtp": 64, "auto": 64}
 NGRAM_MAX, NGRAM_MIN = 4, 2
 # The CLI's range for --block-size (each drafter kind then has its own limit above).
 MAX_ANY_BLOCK_SIZE = max(MAX_BLOCK_SIZE.values())

@@ -222,7 +222,7 @@ def policy_lines(summary: dict) -> list[str]:
     """What the draft-length policy did."""
     if summary.get("policy") != "adaptive":
         return []
-    if summary.get("length_rule") == "match-length":
+    if summary.get("length_rule", "").startswith("match-length"):
         lengths = summary["draft_lengths"]
         blocks = sum(lengths.values())
         drafting = blocks - lengths.get("0", 0)
@@ -231,6 +231,10 @@ def policy_lines(summary: dict) -> list[str]:
             f"Adaptive: drafts sized by match length, {drafting} of {blocks} blocks drafted, mean draft "
             f"{summary['mean_draft_length']:.2f} (max {summary['k_max']}); acceptance by match length {learned}"
         )
+        if "head_blocks" in summary:
+            head = " ".join(f"{100 * a:.0f}%" for a in summary["head_acceptance"])
+            line += (f"; {summary['head_blocks']} blocks drafted by the head (acceptance by position {head}, "
+                     f"a draft step {summary['head_step']:.2f} plain steps)")
     else:
         lengths = "  ".join(f"{k}:{v}" for k, v in summary["draft_lengths"].items()) or "-"
         line = (

@@ -336,11 +336,11 @@ def test_drafter_auto_says_what_it_picked(tmp_path, tiny_dir):
     head = save_head(tmp_path / "head", t.head)
     draft = make_model_dir(tmp_path / "draft", "llama", seed=0, noise=0.05)
     for extra, kind, why in [([], "lookup", "no drafter for this model"),
-                             (["--draft-model", head], "mtp", "the MTP head --draft-model names"),
+                             (["--draft-model", head], "lookup+mtp", "lookup where the text repeats, the MTP head"),
                              (["--draft-model", draft], "model", "the draft model --draft-model names")]:
         result = _generate("--model", tiny_dir, "--drafter", "auto", *extra)
         assert result.exit_code == 0, result.stderr
-        assert f"drafter: auto -> {kind} ({why})" in result.stderr
+        assert f"drafter: auto -> {kind} ({why}" in result.stderr
         assert json.loads(result.stdout)["drafter"] == kind
 
 
@@ -359,3 +359,21 @@ def test_text_ids_cut_long_texts_and_stop_at_the_goal():
     out: list = []
     assert text_ids(Bytes(), ["a" * 10, "b" * 10, "c" * 10], 25, out, piece=4) == 25
     assert [len(x) for x in out] == [4, 4, 2, 4, 4, 2, 4, 1]
+
+
+def test_drafter_auto_with_a_head_drafts_with_lookup_and_the_head(tmp_path, tiny_dir):
+    t = trained(96)
+    from specdec_cli.drafters.mtp import save_head
+
+    head = save_head(tmp_path / "head", t.head)
+    prompt = "Copy: the quick brown fox jumps over the lazy dog. Again: the quick brown fox jumps"
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_dir), "--drafter", "auto", "--draft-model",
+                                      str(head), "-p", prompt, "--ignore-chat-template", "-m", "40", "--no-live",
+                                      "--compare-ar", "--verbose"])
+    assert result.exit_code == 0, result.stderr
+    assert "drafter: auto -> lookup+mtp" in result.stderr and "Compare: identical" in result.stderr
+    assert "blocks drafted by the head" in result.stderr
+    # Without the adaptive policy nothing chooses per block: the head drafts alone.
+    result = _generate("--model", tiny_dir, "--drafter", "auto", "--draft-model", head, "--no-adaptive")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["drafter"] == "mtp"

@@ -11,9 +11,10 @@ got verified.
 from .base import Draft, Drafter, no_draft
 from .dflash import DFlashDrafter
 from .history import LookupHistory
+from .hybrid import HybridDrafter
 from .lookup import LookupDrafter, NgramDrafter
 from .model import ModelDrafter
 from .suffix import SuffixDrafter
 
-__all__ = ["DFlashDrafter", "Draft", "Drafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter",
+__all__ = ["DFlashDrafter", "Draft", "Drafter", "HybridDrafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter",
            "SuffixDrafter", "no_draft"]

@@ -427,6 +427,14 @@ class MTPDrafter:
             self._exact = self.offset
             mx.async_eval([c.state for c in self.cache])
 
+    def follow(self, tokens: mx.array) -> None:
+        """This block's drafts came from another drafter: ``accept`` commits them (after a ``propose(last, 0)``)."""
+        self._drafts = [tokens[i:i + 1] for i in range(tokens.shape[0])]
+
+    def drafted(self, n: int) -> list[int]:
+        """The first ``n`` tokens of this block's draft (a host read; call after the verify)."""
+        return mx.concatenate(self._drafts[:n]).tolist() if n and self._drafts else []
+
     def cancel(self) -> None:
         """Undo the last ``propose``."""
         if self._saved is not None:

@@ -244,6 +244,17 @@ class SuffixDrafter:
         self._resume = self._states[n] if rejected else None
         self._proposed, self._states = [], []
 
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Commit tokens another drafter proposed in this block (after ``accept(0)``).
+
+        A guess left by the ``propose`` is checked against the first of them.
+        """
+        if self._guess is not None and len(tokens):
+            self._guessed(self._guess[0], self._guess[1] == int(tokens[0]))
+            self._guess = None
+        for t in tokens:
+            self._append(int(t))
+
     def cancel(self) -> None:
         """Undo the last ``propose`` (and an ``accept`` after it)."""
         self._undo()
