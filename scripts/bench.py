@@ -27,6 +27,7 @@ Drafters:
   self                  the target drafting for itself (acceptance 1, drafting costs a target step)
   mtp:<dir>             an MTP head sidecar (specdec distill writes them; mtp:bundled is the bundled
                         model's head), adaptive, and at the fixed --block-size
+  lookup+mtp:<dir>      lookup where the text repeats, that head elsewhere (--drafter auto's choice)
 
 For each speculative row the analytic bound is the speedup a loop with zero
 overhead would reach with the same accept pattern, from separately measured
@@ -64,10 +65,10 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx.utils import tree_flatten
 
-from specdec_cli.adaptive import AdaptiveLength, FixedLength, MatchLength
+from specdec_cli.adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
 from specdec_cli.caches import ModelCache, cache_kinds
 from specdec_cli import bundled
-from specdec_cli.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
+from specdec_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from specdec_cli.drafters.mtp import MTPDrafter, load_head
 from specdec_cli.hooks import Hidden, HiddenTap, target_parts
 from specdec_cli.loading import read_config
@@ -365,14 +366,20 @@ def make_configs(model, ids, reference, drafters, vocab, eos=(), history=()) -> 
             configs.append(Config(f"specdec {what} adaptive", lambda policy, small=small: ModelDrafter(small),
                                   draft_step_s=step, adaptive=True))
             configs.append(Config(f"mlx-lm {what}", mlx_lm_draft=small))
-        elif spec.startswith("mtp:"):
-            # An MTP head sidecar (specdec distill's, or "bundled": the bundled model's head).
-            where = spec.split(":", 1)[1]
+        elif spec.startswith("mtp:") or spec.startswith("lookup+mtp:"):
+            # An MTP head sidecar (specdec distill's, or "bundled": the bundled model's head),
+            # alone (adaptive, and at the fixed --block-size) or with lookup (what --drafter auto runs).
+            kind, where = spec.split(":", 1)
             path = bundled.head_dir() if where == "bundled" else Path(where)
             parts = target_parts(model)
             head = load_head(path, read_config(path), str(path), parts).head
             step = head_step_cost(head, parts, model, ids)
-            label = f"specdec mtp {'bundled' if where == 'bundled' else Path(where).name}"
+            label = f"specdec {kind} {'bundled' if where == 'bundled' else Path(where).name}"
+            if kind == "lookup+mtp":
+                configs.append(Config(label, lambda policy, head=head, parts=parts: HybridDrafter(
+                    SuffixDrafter(policy.size, stop_ids=stop), MTPDrafter(head, parts), policy),
+                    make_policy=lambda: HybridLength(k_max=63)))  # its bound counts head steps as free
+                continue
             configs.append(Config(label, lambda policy, head=head, parts=parts: MTPDrafter(head, parts),
                                   draft_step_s=step, adaptive=True))
             configs.append(Config(f"{label} fixed", lambda policy, head=head, parts=parts: MTPDrafter(head, parts),

@@ -60,6 +60,9 @@ def test_bundled_model_is_tracked_by_git():
     out = subprocess.run(["git", "ls-files", MODEL_REL], cwd=ROOT, capture_output=True, text=True, check=True)
     tracked = {Path(p).name for p in out.stdout.split()}
     assert set(bundled.FILES) | {"PROVENANCE.md"} <= tracked
+    head = f"specdec_cli/models/{bundled.HEAD_NAME}"
+    out = subprocess.run(["git", "ls-files", head], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert {"config.json", "model.safetensors", "README.md"} <= {Path(p).name for p in out.stdout.split()}
 
 
 def _pip(*args: str, cwd: Path) -> None:
@@ -94,6 +97,7 @@ def test_the_wheel_carries_the_bundled_model(tmp_path):
     for name, (size, _) in bundled.FILES.items():
         assert sizes.get(f"{MODEL_REL}/{name}") == size, name
     assert f"{MODEL_REL}/PROVENANCE.md" in sizes
+    assert f"specdec_cli/models/{bundled.HEAD_NAME}/model.safetensors" in sizes
 
     site = tmp_path / "site"
     _pip("install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel), cwd=tmp_path)
@@ -396,3 +400,17 @@ def test_first_run_the_bundled_model_speculates_exactly(tmp_path):
     assert report["compare"]["identical"] and report["compare"]["tokens"] == report["generated_tokens"] > 0
     assert report["drafted"] > 0 and report["accepted"] > 0
     assert report["text"].strip()
+
+
+def test_the_bundled_head_drafts_for_the_bundled_model_exactly(tmp_path):
+    """--drafter auto on the bundled model: lookup where the text repeats, the bundled head elsewhere."""
+    assert bundled.head_dir() is not None, "the bundled model's distilled head is missing"
+    env = fresh_env(HF_HOME=str(tmp_path / "hf"))
+    run = [sys.executable, "-m", "specdec_cli", "generate", "--drafter", "auto", "-p",
+           "Explain why the sky looks blue during the day.", "-m", "32", "--compare-ar", "--json"]
+    out = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "drafter: auto -> lookup+mtp" in out.stderr
+    report = json.loads(out.stdout)
+    assert report["drafter"] == "lookup+mtp"
+    assert report["compare"]["identical"] and report["drafted"] > 0 and report["accepted"] > 0

@@ -378,4 +378,4 @@ def test_cli_refuses_mtp_without_a_head(tmp_path):
     assert result.stdout == ""
     assert "has no MTP head" in result.stderr and "Traceback" not in result.stderr
     result = _cli("--model", str(path), "--drafter", "lookup", "--draft-model", str(path))
-    assert result.exit_code == 2 and "--drafter model or mtp" in result.stderr
+    assert result.exit_code == 2 and "--drafter model, mtp or auto" in result.stderr
