@@ -19,6 +19,10 @@ NAME = "smollm2-135m-instruct"
 DISPLAY_NAME = "SmolLM2-135M-Instruct (bundled)"
 # The MTP drafter head distilled for it (specdec distill), a specdec_mtp sidecar.
 HEAD_NAME = "smollm2-135m-instruct-mtp"
+# Whether --drafter auto drafts with that head (lookup+mtp) rather than lookup alone. Measured
+# (bench-results/distill-head.json, 14 prompt categories, side by side): lookup 1.30x, lookup+mtp
+# 1.27x, the head alone 0.95x over plain decoding; so auto keeps to lookup.
+HEAD_BEATS_LOOKUP = False
 # specdec-cli installs from a clone or a wheel, not from PyPI by name.
 REINSTALL = "python3 -m pip install --force-reinstall --no-deps ."
 

@@ -242,6 +242,8 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         # Choosing per block is the adaptive policy's work: --no-adaptive (and sweep, which
         # measures fixed block sizes) drafts with the head alone.
         kind = "mtp"
+    if kind == "mtp" and opts.draft_model is None and not has_own_head(target):
+        head_path = bundled_head(target)  # the bundled model's head is its own
     if kind in ("mtp", "lookup+mtp") and head_path is not None:
         mtp = load_mtp(str(head_path), head_path, target, opts.dtype)
         mtp.source = "bundled head"
@@ -285,10 +287,19 @@ def choose_drafter(target: Loaded, draft_path: Optional[Path]) -> tuple[str, Opt
         return "model", None, "the draft model --draft-model names"
     if has_own_head(target):
         return "lookup+mtp", None, "lookup where the text repeats, the model's own MTP head elsewhere"
-    head = bundled.head_dir()
-    if head is not None and bundled.is_bundled(target.path):
+    head = bundled_head(target)
+    if head is not None and bundled.HEAD_BEATS_LOOKUP:
         return "lookup+mtp", head, "lookup where the text repeats, the head distilled for the bundled model elsewhere"
+    if head is not None:
+        return "lookup", None, ("the head distilled for the bundled model measured slower than prompt lookup; "
+                                "--drafter mtp runs it")
     return "lookup", None, "no drafter for this model"
+
+
+def bundled_head(target: Loaded) -> Optional[Path]:
+    """The distilled head shipped for ``target`` when it is the bundled model."""
+    head = bundled.head_dir()
+    return head if head is not None and bundled.is_bundled(target.path) else None
 
 
 def has_own_head(target: Loaded) -> bool:

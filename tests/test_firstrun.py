@@ -403,14 +403,18 @@ def test_first_run_the_bundled_model_speculates_exactly(tmp_path):
 
 
 def test_the_bundled_head_drafts_for_the_bundled_model_exactly(tmp_path):
-    """--drafter auto on the bundled model: lookup where the text repeats, the bundled head elsewhere."""
+    """--drafter mtp on the bundled model runs its distilled head; auto says why it keeps to lookup."""
     assert bundled.head_dir() is not None, "the bundled model's distilled head is missing"
     env = fresh_env(HF_HOME=str(tmp_path / "hf"))
-    run = [sys.executable, "-m", "specdec_cli", "generate", "--drafter", "auto", "-p",
-           "Explain why the sky looks blue during the day.", "-m", "32", "--compare-ar", "--json"]
+    run = [sys.executable, "-m", "specdec_cli", "generate", "--drafter", "mtp", "-p",
+           "Write a four-line poem about the sea.", "-m", "32", "--compare-ar", "--json"]
     out = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "drafter: auto -> lookup+mtp" in out.stderr
     report = json.loads(out.stdout)
-    assert report["drafter"] == "lookup+mtp"
+    assert report["drafter"] == "mtp"
     assert report["compare"]["identical"] and report["drafted"] > 0 and report["accepted"] > 0
+    run[run.index("mtp")] = "auto"
+    out = subprocess.run(run[:-2] + ["-m", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    want = "drafter: auto -> lookup+mtp" if bundled.HEAD_BEATS_LOOKUP else "drafter: auto -> lookup (the head"
+    assert want in out.stderr
