@@ -23,7 +23,7 @@ from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from . import __version__
-from .defaults import DEFAULT_BLOCK_SIZE, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN
+from .defaults import DEFAULT_BLOCK_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN
 from .errors import SpecdecError
 
 # Exit codes (README "Limits and errors"); commands define 3 and return 130 themselves.
@@ -527,23 +527,23 @@ def distill(
         "\"messages\" (the model answers them) or \"text\".", rich_help_panel=TRAINING,
         **_default("the model's own answers to built-in seed prompts"))] = None,
     data_tokens: Annotated[int, typer.Option(
-        "--data-tokens", min=256, max=10_000_000, help="Corpus size in tokens.", rich_help_panel=TRAINING)] = 40_000,
+        "--data-tokens", min=256, max=10_000_000, help="Corpus size in tokens.", rich_help_panel=TRAINING)] = DISTILL["data_tokens"],
     steps: Annotated[int, typer.Option("--steps", min=1, max=1_000_000, help="Optimizer steps.",
-                                       rich_help_panel=TRAINING)] = 400,
+                                       rich_help_panel=TRAINING)] = DISTILL["steps"],
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=1024, help="Windows per step.",
-                                            rich_help_panel=TRAINING)] = 8,
+                                            rich_help_panel=TRAINING)] = DISTILL["batch_size"],
     seq_len: Annotated[int, typer.Option("--seq-len", min=8, max=8192, help="Positions per window.",
-                                         rich_help_panel=TRAINING)] = 128,
+                                         rich_help_panel=TRAINING)] = DISTILL["seq_len"],
     lr: Annotated[float, typer.Option("--lr", min=1e-7, max=1.0, callback=_finite,
                                       help="Peak learning rate (AdamW, warm-up then cosine decay).",
-                                      rich_help_panel=TRAINING)] = 1e-3,
+                                      rich_help_panel=TRAINING)] = DISTILL["lr"],
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the data, the initialisation and the "
-                                      "window order.", rich_help_panel=TRAINING)] = 0,
+                                      "window order.", rich_help_panel=TRAINING)] = DISTILL["seed"],
     depth: Annotated[int, typer.Option("--depth", min=1, max=8, help="Chained draft positions trained (drafting "
-                                       "feeds the head its own outputs).", rich_help_panel=TRAINING)] = 3,
+                                       "feeds the head its own outputs).", rich_help_panel=TRAINING)] = DISTILL["depth"],
     draft_vocab: Annotated[int, typer.Option(
         "--draft-vocab", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the training text "
-        "(the head's lm_head costs N/V as much); 0: the whole vocabulary.", rich_help_panel=TRAINING)] = 8192,
+        "(the head's lm_head costs N/V as much); 0: the whole vocabulary.", rich_help_panel=TRAINING)] = DISTILL["draft_vocab"],
     measure: Annotated[bool, typer.Option(
         "--measure/--no-measure", help="Measure the head's acceptance on held-out prompts after training.",
         rich_help_panel=DIAGNOSTICS)] = True,

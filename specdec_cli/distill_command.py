@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .commands import ModelOptions, load_target
+from .defaults import DISTILL
 from .display import print_stderr
 from .distill.data import Generated
 from .distill.pipeline import DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance, write_head
@@ -36,14 +37,14 @@ class DistillCommandOptions:
     out: Optional[str] = None
     model: Optional[str] = None
     data: Optional[str] = None
-    data_tokens: int = 40_000
-    steps: int = 400
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 1e-3
-    seed: int = 0
-    depth: int = 3
-    draft_vocab: int = 8192
+    data_tokens: int = DISTILL["data_tokens"]
+    steps: int = DISTILL["steps"]
+    batch_size: int = DISTILL["batch_size"]
+    seq_len: int = DISTILL["seq_len"]
+    lr: float = DISTILL["lr"]
+    seed: int = DISTILL["seed"]
+    depth: int = DISTILL["depth"]
+    draft_vocab: int = DISTILL["draft_vocab"]
     dtype: Optional[str] = "auto"
     trust_remote_code: bool = False
     force_download: bool = False

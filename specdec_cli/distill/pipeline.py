@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..defaults import DISTILL
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter, MTPHead, embedding_probe, save_head
 from ..hooks import TargetParts
@@ -48,11 +49,11 @@ class DistillOptions:
     """
 
     data: Optional[str] = None
-    tokens: int = 40_000
+    tokens: int = DISTILL["data_tokens"]
     answer_tokens: int = 256
     gen_batch: int = 32
     temp: float = 0.7
-    draft_vocab: int = 8192
+    draft_vocab: int = DISTILL["draft_vocab"]
     heldout: float = 0.05
     train: TrainConfig = field(default_factory=TrainConfig)
 

@@ -22,6 +22,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
+from ..defaults import DISTILL
 from ..drafters.mtp import MTPConfig, MTPHead
 from ..hooks import TargetParts
 
@@ -41,12 +42,12 @@ class TrainConfig:
         weight_decay: AdamW weight decay.
     """
 
-    steps: int = 400
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 1e-3
-    seed: int = 0
-    depth: int = 3
+    steps: int = DISTILL["steps"]
+    batch_size: int = DISTILL["batch_size"]
+    seq_len: int = DISTILL["seq_len"]
+    lr: float = DISTILL["lr"]
+    seed: int = DISTILL["seed"]
+    depth: int = DISTILL["depth"]
     eval_every: int = 25
     weight_decay: float = 0.01
 
