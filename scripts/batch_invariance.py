@@ -20,6 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+if __name__ == "__main__":
+    # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
+    # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
+    from specdec_cli.blas import maybe_reexec
+
+    maybe_reexec()
+
 import mlx.core as mx  # noqa: E402
 
 TS = (2, 3, 4, 8, 16)

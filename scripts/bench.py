@@ -39,8 +39,8 @@ sides of the achieved speedup carry their loop's per-token overhead, so
 efficiency can exceed 100% when plain decoding's overhead per token is larger
 than the speculative loop's per token.
 
-On Linux CPUs run with OpenBLAS preloaded (the script says whether it is):
-  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python scripts/bench.py ...
+On Linux CPUs the script re-runs itself once with the system OpenBLAS preloaded, as the CLI
+does (it says which BLAS it runs on; SPECDEC_NO_REEXEC=1 turns that off).
 """
 
 from __future__ import annotations
@@ -58,6 +58,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
+
+if __name__ == "__main__":
+    # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
+    # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
+    from specdec_cli.blas import maybe_reexec
+
+    maybe_reexec()
 
 import mlx.core as mx
 import mlx_lm

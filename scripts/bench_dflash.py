@@ -31,6 +31,13 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":
+    # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
+    # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
+    from specdec_cli.blas import maybe_reexec
+
+    maybe_reexec()
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 

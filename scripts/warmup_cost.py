@@ -21,6 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+if __name__ == "__main__":
+    # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
+    # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
+    from specdec_cli.blas import maybe_reexec
+
+    maybe_reexec()
+
 from specdec_cli import caches  # noqa: E402
 from specdec_cli.commands import GenerateOptions, check_model_options, load_setup, make_policy, resolve_block_size  # noqa: E402,E501
 from specdec_cli.runner import collect, run  # noqa: E402
