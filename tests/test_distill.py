@@ -377,3 +377,21 @@ def test_drafter_auto_with_a_head_drafts_with_lookup_and_the_head(tmp_path, tiny
     result = _generate("--model", tiny_dir, "--drafter", "auto", "--draft-model", head, "--no-adaptive")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["drafter"] == "mtp"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"])
+def test_a_head_trains_and_drafts_exactly_for_every_family(family):
+    # Hybrids (Qwen3.5, Nemotron-H) and sliding-window models included; Qwen3.5 keeps its shape in text_config.
+    model = build_model(TINY_CONFIGS[family], seed=0)
+    parts = target_parts(model)
+    seqs = [list(range(5, 70)), list(range(100, 170))]
+    states = list(teacher_states(model, seqs))
+    config = head_config(parts)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    t = Trainer(MTPHead(config), parts, windows(seqs, states, 18), windows(seqs[:1], states[:1], 18),
+                TrainConfig(steps=3, batch_size=2, seq_len=16, depth=2, eval_every=1))
+    assert len(list(t.run())) == 3
+    prompt = list(range(5, 30))
+    _, plain = collect(run(model, prompt, max_tokens=20))
+    _, spec = collect(run(model, prompt, drafter=MTPDrafter(t.head, parts), num_draft_tokens=3, max_tokens=20))
+    assert spec == plain

@@ -82,21 +82,30 @@ def head_config(parts: TargetParts, draft_vocab_size: int = 0, intermediate_size
     defaults (64-wide heads, an MLP 8/3 as wide as the stream).
     """
     args = getattr(parts.model, "args", None)
+    # Multimodal-style families (Qwen3.5) keep the text model's shape in a nested text_config.
+    nested = getattr(args, "text_config", None)
+
+    def arg(name: str, default=None):
+        if isinstance(nested, dict) and nested.get(name) is not None:
+            return nested[name]
+        value = getattr(args, name, None)
+        return default if value is None else value
+
     H = parts.hidden_size
-    heads = int(getattr(args, "num_attention_heads", 0) or max(1, H // 64))
+    heads = int(arg("num_attention_heads", 0) or max(1, H // 64))
     if H % heads:
         heads = max(1, H // 64)
-    kv = int(getattr(args, "num_key_value_heads", 0) or heads)
+    kv = int(arg("num_key_value_heads", 0) or heads)
     if heads % kv:
         kv = heads
-    head_dim = int(getattr(args, "head_dim", 0) or H // heads)
-    mlp = intermediate_size or int(getattr(args, "intermediate_size", 0) or 0) or int(8 * H / 3)
+    head_dim = int(arg("head_dim", 0) or H // heads)
+    mlp = intermediate_size or int(arg("intermediate_size", 0) or 0) or int(8 * H / 3)
+    rope = arg("rope_parameters") or {}
     return MTPConfig(
         hidden_size=H, vocab_size=parts.vocab_size, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=head_dim, intermediate_size=mlp,
-        rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-6) or 1e-6),
-        rope_theta=float(getattr(args, "rope_theta", 10000.0) or 10000.0),
-        target=getattr(args, "model_type", None), draft_vocab_size=draft_vocab_size,
+        head_dim=head_dim, intermediate_size=mlp, rms_norm_eps=float(arg("rms_norm_eps", 1e-6)),
+        rope_theta=float(arg("rope_theta", None) or rope.get("rope_theta") or 10000.0),
+        target=arg("model_type"), draft_vocab_size=draft_vocab_size,
     )
 
 
