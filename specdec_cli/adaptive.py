@@ -320,21 +320,20 @@ class MatchLength(AdaptiveLength):
         nothing, short matches keep guessing wrong, and the estimates fall
         before the first draft is wasted.
         """
+        self._tally(match, hit)
+
+    def _learn(self, drafted: int, accepted: int) -> None:
+        for i in range(min(accepted + 1, drafted)):
+            self._tally(self._match + i, i < accepted)
+
+    def _tally(self, match: int, hit: bool) -> None:
+        """One token that followed a match of ``match`` tokens: the target's own (``hit``) or not."""
         b = match_bucket(match)
         self._expected_hits += PRIOR_ACCEPTANCE[b]
         if hit:
             self._hits[b] += 1
         else:
             self._misses[b] += 1
-
-    def _learn(self, drafted: int, accepted: int) -> None:
-        for i in range(min(accepted + 1, drafted)):
-            b = match_bucket(self._match + i)
-            self._expected_hits += PRIOR_ACCEPTANCE[b]
-            if i < accepted:
-                self._hits[b] += 1
-            else:
-                self._misses[b] += 1
 
     def _rescale(self, t: int, seconds: float) -> None:
         """Note what a verify of ``t`` tokens took; rescale the prior curve by the sizes it prices."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from mlx.utils import tree_flatten
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -154,7 +155,7 @@ def distill_command(opts: DistillCommandOptions) -> int:
     parts = target_parts(target.model)
     H = parts.hidden_size
     layer = 4 * H * H + 3 * H * (4 * H) + 2 * H * H  # attention, MLP (~4H wide), fc: an upper bound
-    target_bytes = sum(v.nbytes for _, v in _leaves(target.model))
+    target_bytes = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
     vocab = min(opts.draft_vocab or parts.vocab_size, parts.vocab_size)
     print_stderr([f"Model: {target.name}, {target.dtype}",
                   _plan_line(memory_plan(H, layer, opts.data_tokens, vocab, train), target_bytes)])
@@ -196,8 +197,3 @@ def distill_command(opts: DistillCommandOptions) -> int:
     print_stderr(lines)
     return 0
 
-
-def _leaves(model):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(model.parameters())

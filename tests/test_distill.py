@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import specdec_cli.distill.train as train_module
@@ -182,9 +184,9 @@ def test_head_trained_for_another_model_is_refused(tmp_path):
 
     t = trained(96)
     head = t.head
-    config = head.config.__class__(**{**head.config.to_dict(), "target_probe": embedding_probe(t.parts)})
+    config = replace(head.config, target_probe=embedding_probe(t.parts))
     probed = MTPHead(config)
-    probed.load_weights(list(__import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(head.parameters())))
+    probed.load_weights(tree_flatten(head.parameters()))
     opts = DistillOptions()
     write_head(tmp_path / "h", probed, make_result(t, "test", [[1]], [0], [], 1.0, 0.0, opts, 1))
     config_json = read_config(tmp_path / "h")

@@ -14,13 +14,14 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..defaults import DISTILL
 from ..drafters.history import tokenizer_fingerprint
@@ -205,14 +206,14 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     if vocab == parts.vocab_size:
         vocab = 0
     config = head_config(parts, vocab)
-    config = config.__class__(**{**config.to_dict(), "target_probe": embedding_probe(parts)})
+    config = replace(config, target_probe=embedding_probe(parts))
     mx.random.seed(c.seed)
     head = MTPHead(config)
     if vocab:
         head.draft_ids = frequent_tokens([seqs[i] for i in train_ix], vocab, parts.vocab_size)
     trainer = Trainer(head, parts, train, heldout, c)
-    coverage = _coverage(trainer)
-    n_params = sum(v.size for k, v in _flat(head) if k != "draft_ids")
+    coverage = trainer.coverage()
+    n_params = sum(v.size for k, v in tree_flatten(head.parameters()) if k != "draft_ids")
     yield Stage("train", f"{n_params / 1e6:.1f}M-parameter head, draft vocabulary "
                          f"{vocab or parts.vocab_size} ({coverage:.1%} of held-out target tokens), "
                          f"{train[0].shape[0]} windows of {c.seq_len}")
@@ -225,20 +226,6 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     trainer.restore_best()
     result = record(c.steps, seconds)
     yield Finished(write_head(out, trainer.head, result), result)
-
-
-def _flat(head: MTPHead):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(head.parameters())
-
-
-def _coverage(trainer: Trainer) -> float:
-    greedy = trainer._heldout_greedy
-    if greedy is None or trainer.ids is None:
-        return 1.0
-    inside = mx.zeros((trainer.parts.vocab_size,), dtype=mx.bool_).at[trainer.ids].add(True)
-    return float(inside[greedy].astype(mx.float32).mean().item())
 
 
 def make_result(trainer: Trainer, description: str, seqs, train_ix, held_ix, coverage: float,

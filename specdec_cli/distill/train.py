@@ -187,6 +187,13 @@ class Trainer:
         self.best_agreement: Optional[tuple[float, ...]] = None
         self._heldout_greedy = self._greedy(heldout[1]) if heldout[0].shape[0] else None
 
+    def coverage(self) -> float:
+        """Share of the held-out target greedy tokens inside the draft vocabulary (1.0 without one)."""
+        if self._heldout_greedy is None or self.ids is None:
+            return 1.0
+        inside = mx.zeros((self.parts.vocab_size,), dtype=mx.bool_).at[self.ids].add(True)
+        return float(inside[self._heldout_greedy].astype(mx.float32).mean().item())
+
     def _greedy(self, states: mx.array) -> mx.array:
         # The target's greedy token at every held-out position (over its full vocabulary).
         out = []
