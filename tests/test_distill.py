@@ -8,6 +8,7 @@ survives Ctrl-C.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import replace
@@ -23,7 +24,8 @@ import specdec_cli.distill.train as train_module
 from specdec_cli.cli import app
 from specdec_cli.distill.data import read_source, seed_prompts, teacher_states
 from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
-from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
+from specdec_cli.distill.train import (TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, init_from_target,
+                                      windows)
 from specdec_cli.drafters.mtp import MTPDrafter, MTPHead, build_head, embedding_probe, load_head, random_head
 from specdec_cli.errors import OptionError, UnsupportedModelError
 from specdec_cli.hooks import target_parts
@@ -99,6 +101,32 @@ def test_the_training_chain_computes_what_drafting_computes():
             if s > 1:
                 out = head(embeds[None, i + s:i + s + 1], out, cache)
             assert mx.allclose(out[0, 0], chained[s - 1][0, i], atol=1e-4).item(), (i, s)
+
+
+def test_chained_hits_count_what_a_greedy_draft_chain_gets_accepted():
+    # On the target's own greedy text, a block starting after position i accepts drafts 1..s
+    # exactly when the head's greedy chain (fed its own picks) drafts the next s tokens.
+    t = trained()
+    seqs, states = corpus()
+    seq, first = seqs[1], len(SEEDS[1]) - 1
+    tokens, h = mx.array(seq, dtype=mx.uint32)[None], states[1][None]
+    T = len(seq) - t.config.depth
+    want = [0] * t.config.depth
+    embeds = t.parts.embed(tokens[0])
+    for i in range(first, T):
+        cache = t.head.make_cache()
+        out = t.head(embeds[None, 1:i + 2], h[:, :i + 1], cache)[:, -1:]
+        for s in range(1, t.config.depth + 1):
+            if s > 1:
+                out = t.head(t.parts.embed(pick.reshape(1, 1)), out, cache)
+            pick = mx.argmax(t.parts.logits(out)[0, -1]).astype(mx.uint32)
+            if pick.item() != seq[i + s + 1]:
+                break
+            want[s - 1] += 1
+    got, n = t.hits(tokens, h, first=first, chained=True)
+    alone, _ = t.hits(tokens, h, first=first)
+    assert n == T - first and got == want, (got, want)
+    assert want[0] > 0 and all(a >= b for a, b in zip(alone, got)) and got[1] <= got[0]
 
 
 def test_chain_mask_sees_true_pairs_up_to_itself_then_its_own_chain():
@@ -397,3 +425,29 @@ def test_a_head_trains_and_drafts_exactly_for_every_family(family):
     _, plain = collect(run(model, prompt, max_tokens=20))
     _, spec = collect(run(model, prompt, drafter=MTPDrafter(t.head, parts), num_draft_tokens=3, max_tokens=20))
     assert spec == plain
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_head_can_start_as_the_targets_last_layer(quantized):
+    # --init target: the head's layer computes what the target's last layer computes,
+    # and the fc passes the normed state through (a quantized target is dequantized).
+    from mlx_lm.models.cache import KVCache
+
+    from specdec_cli.hooks import _backbone, last_layer_weights
+
+    model = target("llama", "float32")
+    if quantized:
+        model = copy.deepcopy(model)
+        nn.quantize(model, group_size=32, bits=4)
+    parts = target_parts(model)
+    head = MTPHead(head_config(parts))
+    copied = init_from_target(head, last_layer_weights(model))
+    own = dict(tree_flatten(head.parameters()))
+    assert copied == len([k for k in own if k.startswith("layers.0.")]) + 1  # the whole layer, and the norm
+    _, layers, norm, _ = _backbone(model)
+    x = mx.random.normal((1, 5, parts.hidden_size), key=mx.random.key(1))
+    want = layers[-1](x, mask="causal", cache=KVCache())
+    got = head.layers[0](x, KVCache())
+    assert mx.allclose(got, want, atol=1e-4).item()
+    H = parts.hidden_size
+    assert mx.array_equal(own["fc.weight"][:, H:], mx.eye(H)).item()

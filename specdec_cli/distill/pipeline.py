@@ -118,7 +118,11 @@ def _corpus_key(opts: DistillOptions, fingerprint: str) -> dict:
             "seed": opts.train.seed, "tokenizer": fingerprint, "version": 1}
 
 
-def _load_cache(folder: Path, key: dict) -> Optional[tuple[list[list[int]], list[mx.array], str]]:
+def load_corpus(folder: Path, key: dict) -> Optional[tuple[list[list[int]], list[mx.array], str]]:
+    """The corpus (token sequences, their target states, its description) saved in ``folder`` under ``key``.
+
+    None when there is none, it was made under another key, or it is damaged.
+    """
     meta_file, arrays = folder / "corpus.json", folder / "corpus.safetensors"
     if not (meta_file.is_file() and arrays.is_file()):
         return None
@@ -138,7 +142,8 @@ def _load_cache(folder: Path, key: dict) -> Optional[tuple[list[list[int]], list
         return None  # a damaged cache is rebuilt
 
 
-def _save_cache(folder: Path, key: dict, seqs: list[list[int]], states: list[mx.array], source: str) -> None:
+def save_corpus(folder: Path, key: dict, seqs: list[list[int]], states: list[mx.array], source: str) -> None:
+    """Save a corpus and its target states (float16) in ``folder`` for :func:`load_corpus`."""
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {"tokens": mx.array([t for s in seqs for t in s], dtype=mx.int32)}
     arrays.update({f"states_{i}": h.astype(mx.float16) for i, h in enumerate(states)})
@@ -172,7 +177,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     key = _corpus_key(opts, fingerprint)
     cache_dir = out / CACHE_DIR
     t0 = time.perf_counter()
-    cached = _load_cache(cache_dir, key)
+    cached = load_corpus(cache_dir, key)
     if cached is not None:
         seqs, states, description = cached
         yield Stage("data", f"reusing the corpus in {cache_dir} ({sum(map(len, seqs))} tokens: {description})")
@@ -190,7 +195,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         for i, h in enumerate(teacher_states(model, seqs), 1):
             states.append(h)
             yield States(i, len(seqs))
-        _save_cache(cache_dir, key, seqs, states, description)
+        save_corpus(cache_dir, key, seqs, states, description)
     data_seconds = time.perf_counter() - t0
 
     width = c.seq_len + c.depth

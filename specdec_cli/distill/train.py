@@ -109,6 +109,27 @@ def head_config(parts: TargetParts, draft_vocab_size: int = 0, intermediate_size
     )
 
 
+def init_from_target(head: MTPHead, weights: dict[str, mx.array]) -> int:
+    """Start the head's layer and norm from the target's last layer and final norm (``last_layer_weights``).
+
+    Tensors whose name or shape the head does not share are left as they
+    are. The fc starts by passing the normed hidden state through (its
+    embedding half keeps its random start), so at step 0 the head is the
+    target's last layer reading the final state. Returns the tensors copied.
+    """
+    own = dict(tree_flatten(head.parameters()))
+    copied = []
+    for name, value in weights.items():
+        key = name if name.startswith("norm.") else f"layers.0.{name}"
+        if key in own and own[key].shape == value.shape:
+            copied.append((key, value.astype(own[key].dtype)))
+    H = head.config.hidden_size
+    fc = own["fc.weight"]
+    copied.append(("fc.weight", mx.concatenate([fc[:, :H], mx.eye(H, dtype=fc.dtype)], axis=1)))
+    head.load_weights(copied, strict=False)
+    return len(copied) - 1
+
+
 def frequent_tokens(sequences: Sequence[Sequence[int]], n: int, vocab: int) -> mx.array:
     """The ``n`` most frequent token ids of ``sequences`` (ties: lower id first), sorted, as int32.
 
@@ -232,19 +253,33 @@ class Trainer:
     def evaluate(self, batch: int = 16) -> tuple[float, ...]:
         """Held-out top-1 agreement with the target's greedy token, per chained step."""
         tokens, states = self.heldout
+        hits, n = self.hits(tokens, states, self._heldout_greedy, batch=batch)
+        return tuple(h / max(n, 1) for h in hits)
+
+    def hits(self, tokens: mx.array, states: mx.array, greedy: Optional[mx.array] = None, first: int = 0,
+             batch: int = 16, chained: bool = False) -> tuple[list[int], int]:
+        """Positions where the head drafts the target's greedy token, per chained step, and positions counted.
+
+        Position t counts when it drafts token ``t + s + 1`` with ``t >= first``
+        (``first`` skips a shared prompt). ``greedy`` is the target's greedy
+        token at every position, computed from ``states`` when not given.
+        ``chained`` counts step s only where steps 1..s all agree: on the
+        target's own greedy text that is what a greedy draft chain gets accepted.
+        """
+        greedy = self._greedy(states) if greedy is None else greedy
         T = tokens.shape[1] - self.config.depth
-        hits = [0.0] * self.config.depth
-        n = 0
+        hits = [0] * self.config.depth
         for i in range(0, tokens.shape[0], batch):
             outs = self._chain(tokens[i:i + batch], states[i:i + batch])
+            agree = None
             for s, out in enumerate(outs, 1):
                 pick = mx.argmax(self.sub(out), axis=-1)
                 if self.ids is not None:
                     pick = self.ids[pick]
-                want = self._heldout_greedy[i:i + batch, s:s + T]
-                hits[s - 1] += (pick.astype(mx.uint32) == want).sum().item()
-            n += outs[0].shape[0] * T
-        return tuple(h / max(n, 1) for h in hits)
+                hit = pick.astype(mx.uint32) == greedy[i:i + batch, s:s + T]
+                agree = hit if agree is None or not chained else agree & hit
+                hits[s - 1] += int(agree[:, first:].sum().item())
+        return hits, tokens.shape[0] * max(0, T - first)
 
     def run(self) -> Iterator[Step]:
         """Train, yielding a :class:`Step` after every optimizer step; the best head is in :attr:`best_params`."""
