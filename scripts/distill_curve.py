@@ -38,13 +38,12 @@ import mlx.core as mx
 
 from specdec_cli import bundled
 from specdec_cli.distill.data import answer_prompts, prompt_ids, seed_prompts, teacher_states
-from specdec_cli.distill.pipeline import load_corpus, save_corpus, split
-from specdec_cli.distill.train import (Trainer, TrainConfig, frequent_tokens, head_config, init_from_target,
-                                      windows)
+from specdec_cli.distill.pipeline import DistillOptions, load_corpus, make_result, save_corpus, split, write_head
+from specdec_cli.distill.train import Trainer, TrainConfig, frequent_tokens, head_config, windows
 from specdec_cli.distill_command import EVAL_PROMPTS
 from specdec_cli.drafters.history import tokenizer_fingerprint
 from specdec_cli.drafters.mtp import MTPHead, load_head
-from specdec_cli.hooks import last_layer_weights, target_parts
+from specdec_cli.hooks import target_parts
 from specdec_cli.loading import load, read_config
 from specdec_cli.runner import collect, run
 
@@ -78,7 +77,8 @@ def corpus(model, tokenizer, tokens: int, temp: float, seed: int, folder: Path):
     key = {"curve": 1, "tokens": tokens, "temp": temp, "seed": seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
     cached = load_corpus(folder, key)
     if cached is not None:
-        return cached[0], cached[1], 0.0
+        timing = folder / "seconds.json"  # the build's time, kept beside the cache
+        return cached[0], cached[1], json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
     t = time.perf_counter()
     seqs: list[list[int]] = []
     for g in answer_prompts(model, tokenizer, seed_prompts(seed), tokens, 256, 32, temp, seed, seqs):
@@ -86,6 +86,7 @@ def corpus(model, tokenizer, tokens: int, temp: float, seed: int, folder: Path):
     gen_s = time.perf_counter() - t
     states = list(teacher_states(model, seqs))
     save_corpus(folder, key, seqs, states, f"answers at temp {temp}")
+    (folder / "seconds.json").write_text(json.dumps({"seconds": time.perf_counter() - t}))
     print(f"  corpus: {sum(map(len, seqs))} tokens, {gen_s:.0f} s generating, "
           f"{time.perf_counter() - t - gen_s:.0f} s of states", file=sys.stderr)
     return seqs, states, time.perf_counter() - t
@@ -136,12 +137,10 @@ def main() -> None:
     ap.add_argument("--save-heads", default=None, help="also write each head as a sidecar under this folder")
     ap.add_argument("--also", action="append", default=[], help="also score this head sidecar ('bundled': the "
                     "bundled model's) on the unseen prompts")
-    ap.add_argument("--init", default="random", help="the heads' starts, comma-separated: random, or target "
-                    "(the target's last layer and final norm); each is trained at every size")
     ap.add_argument("--rounds", type=int, default=9, help="rounds of cost measurement")
     ap.add_argument("--out", default="bench-results/distill-curve.json")
     args = ap.parse_args()
-    sizes = sorted(int(s) for s in args.sizes.split(","))
+    sizes = sorted(int(s) for s in args.sizes.split(",") if s)  # none: only score the --also heads
 
     prov = bench.provenance("float32")
     target = load(str(bundled.model_dir()), "float32")
@@ -149,19 +148,17 @@ def main() -> None:
     parts = target_parts(model)
     print(f"unseen prompts: greedy answers to {len(UNSEEN)}", file=sys.stderr)
     unseen = unseen_set(model, tokenizer, args.answer_tokens)
-    print(f"corpus: {max(sizes)} tokens at temp {args.temp}", file=sys.stderr)
-    seqs, states, data_s = corpus(model, tokenizer, max(sizes), args.temp, args.seed, Path(args.cache))
-
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                          eval_every=25)
     width = config.seq_len + config.depth
+    seqs, states, data_s = [], [], 0.0
+    if sizes:
+        print(f"corpus: {max(sizes)} tokens at temp {args.temp}", file=sys.stderr)
+        seqs, states, data_s = corpus(model, tokenizer, max(sizes), args.temp, args.seed, Path(args.cache))
     train_ix, held_ix = split(len(seqs), 0.05, args.seed)
     heldout = windows([seqs[i] for i in held_ix], [states[i] for i in held_ix], width)
-    inits = args.init.split(",")
-    if not set(inits) <= {"random", "target"}:
-        raise SystemExit(f"--init: random or target, not {args.init!r}")
     rows = []
-    for size, init in [(size, init) for size in sizes for init in inits]:
+    for size in sizes:
         use, total = [], 0
         for i in train_ix:  # the seed prompts are shuffled, so a prefix is a spread of topics
             if total >= size:
@@ -172,29 +169,30 @@ def main() -> None:
         mx.random.seed(args.seed)
         head = MTPHead(head_config(parts, args.draft_vocab))
         head.draft_ids = frequent_tokens([seqs[i] for i in use], args.draft_vocab, parts.vocab_size)
-        if init == "target":
-            init_from_target(head, last_layer_weights(model))
         trainer = Trainer(head, parts, train, heldout, config)
         t = time.perf_counter()
         for step in trainer.run():
             if step.agreement is not None and step.step % 50 == 0:
-                print(f"  {size} tokens, {init} start, step {step.step}: loss {step.loss:.3f}, held-out "
+                print(f"  {size} tokens, step {step.step}: loss {step.loss:.3f}, held-out "
                       f"{'/'.join(f'{a:.3f}' for a in step.agreement)}", file=sys.stderr)
         train_s = time.perf_counter() - t
         trainer.restore_best()
         (chain, marginal), n = score(trainer, unseen)
-        row = {"init": init, "corpus_tokens": total, "windows": int(train[0].shape[0]), "steps": args.steps,
+        row = {"train_tokens": total, "windows": int(train[0].shape[0]), "steps": args.steps,
                "train_seconds": round(train_s, 1), "heldout_agreement": list(trainer.best_agreement or ()),
                "unseen_chain": chain, "unseen_marginal": marginal, "unseen_positions": n}
         rows.append(row)
         chain = "/".join(f"{x:.3f}" for x in row["unseen_chain"])
-        print(f"{total} tokens, {init} start: unseen chained agreement {chain}, "
+        print(f"{total} tokens: unseen chained agreement {chain}, "
               f"held-out {'/'.join(f'{a:.3f}' for a in row['heldout_agreement'])} ({train_s:.0f} s)",
               file=sys.stderr)
         if args.save_heads:
-            from specdec_cli.drafters.mtp import save_head
-
-            save_head(Path(args.save_heads) / f"head-{total}-{init}", trainer.head)
+            # A complete sidecar (README, training.json), as specdec distill writes it.
+            opts = DistillOptions(tokens=size, temp=args.temp, draft_vocab=args.draft_vocab, train=config)
+            result = make_result(trainer, f"the model's answers to built-in seed prompts (temp {args.temp})", seqs,
+                                 use, held_ix, trainer.coverage(), data_s * total / sum(map(len, seqs)), opts,
+                                 args.steps, train_s)
+            write_head(Path(args.save_heads) / f"head-{total}", trainer.head, result)
 
     for where in args.also:
         path = bundled.head_dir() if where == "bundled" else Path(where)
@@ -202,7 +200,7 @@ def main() -> None:
         trainer = Trainer(head, parts, heldout, heldout, config)
         chain, n = score(trainer, unseen)
         info = json.loads((path / "training.json").read_text()) if (path / "training.json").is_file() else {}
-        rows.append({"head": str(where), "corpus_tokens": info.get("corpus_tokens"), "steps": info.get("steps_done"),
+        rows.append({"head": str(where), "train_tokens": info.get("train_tokens"), "steps": info.get("steps_done"),
                      "unseen_chain": chain[0], "unseen_marginal": chain[1], "unseen_positions": n})
 
     ids = prompt_ids(tokenizer, UNSEEN[0])
@@ -231,7 +229,7 @@ def main() -> None:
     print(f"1.3x needs per-token acceptance {', '.join(f'K={K}: {a:.2f}' for K, a in need.items())}", file=sys.stderr)
     for row in rows:
         chain = "/".join(f"{x:.3f}" for x in row["unseen_chain"])
-        print(f"{row.get('head') or row['init'] + ' start'}, {row['corpus_tokens']} tokens: unseen chained {chain}"
+        print(f"{row.get('head', 'trained')}, {row['train_tokens']} tokens: unseen chained {chain}"
               f" -> speedup at K=1..3 {', '.join(f'{v:.2f}x' for v in row['speedup_at_K'].values())}",
               file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)

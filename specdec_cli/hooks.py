@@ -271,27 +271,6 @@ def target_parts(model: nn.Module) -> TargetParts:
     return parts
 
 
-def last_layer_weights(model: nn.Module) -> dict[str, mx.array]:
-    """The target's last decoder layer and final norm, as float arrays by name.
-
-    Names are the layer's own (``self_attn.q_proj.weight``, ``mlp.down_proj.weight``, ...)
-    and ``norm.weight`` for the final norm; quantized matrices come dequantized.
-    """
-    stack, layers, norm, _ = _backbone(model)
-    out = {}
-    for prefix, module in [("", layers[-1]), ("norm.", stack[norm])]:
-        for name, m in module.named_modules():
-            if "weight" not in m or not isinstance(m["weight"], mx.array):
-                continue
-            key = prefix + (f"{name}.weight" if name else "weight")
-            if "scales" in m:
-                out[key] = mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
-                                         bits=m.bits, mode=getattr(m, "mode", "affine"))
-            else:
-                out[key] = m["weight"]
-    return out
-
-
 def _probe(model: nn.Module, parts: TargetParts, first: nn.Module) -> None:
     # The final-normed state through the lm_head found must give the model's
     # logits, and our embedding must be exactly what the first layer receives.

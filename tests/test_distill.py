@@ -8,7 +8,6 @@ survives Ctrl-C.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from dataclasses import replace
@@ -24,8 +23,7 @@ import specdec_cli.distill.train as train_module
 from specdec_cli.cli import app
 from specdec_cli.distill.data import read_source, seed_prompts, teacher_states
 from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
-from specdec_cli.distill.train import (TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, init_from_target,
-                                      windows)
+from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
 from specdec_cli.drafters.mtp import MTPDrafter, MTPHead, build_head, embedding_probe, load_head, random_head
 from specdec_cli.errors import OptionError, UnsupportedModelError
 from specdec_cli.hooks import target_parts
@@ -426,28 +424,3 @@ def test_a_head_trains_and_drafts_exactly_for_every_family(family):
     _, spec = collect(run(model, prompt, drafter=MTPDrafter(t.head, parts), num_draft_tokens=3, max_tokens=20))
     assert spec == plain
 
-
-@pytest.mark.parametrize("quantized", [False, True])
-def test_a_head_can_start_as_the_targets_last_layer(quantized):
-    # --init target: the head's layer computes what the target's last layer computes,
-    # and the fc passes the normed state through (a quantized target is dequantized).
-    from mlx_lm.models.cache import KVCache
-
-    from specdec_cli.hooks import _backbone, last_layer_weights
-
-    model = target("llama", "float32")
-    if quantized:
-        model = copy.deepcopy(model)
-        nn.quantize(model, group_size=32, bits=4)
-    parts = target_parts(model)
-    head = MTPHead(head_config(parts))
-    copied = init_from_target(head, last_layer_weights(model))
-    own = dict(tree_flatten(head.parameters()))
-    assert copied == len([k for k in own if k.startswith("layers.0.")]) + 1  # the whole layer, and the norm
-    _, layers, norm, _ = _backbone(model)
-    x = mx.random.normal((1, 5, parts.hidden_size), key=mx.random.key(1))
-    want = layers[-1](x, mask="causal", cache=KVCache())
-    got = head.layers[0](x, KVCache())
-    assert mx.allclose(got, want, atol=1e-4).item()
-    H = parts.hidden_size
-    assert mx.array_equal(own["fc.weight"][:, H:], mx.eye(H)).item()

@@ -109,27 +109,6 @@ def head_config(parts: TargetParts, draft_vocab_size: int = 0, intermediate_size
     )
 
 
-def init_from_target(head: MTPHead, weights: dict[str, mx.array]) -> int:
-    """Start the head's layer and norm from the target's last layer and final norm (``last_layer_weights``).
-
-    Tensors whose name or shape the head does not share are left as they
-    are. The fc starts by passing the normed hidden state through (its
-    embedding half keeps its random start), so at step 0 the head is the
-    target's last layer reading the final state. Returns the tensors copied.
-    """
-    own = dict(tree_flatten(head.parameters()))
-    copied = []
-    for name, value in weights.items():
-        key = name if name.startswith("norm.") else f"layers.0.{name}"
-        if key in own and own[key].shape == value.shape:
-            copied.append((key, value.astype(own[key].dtype)))
-    H = head.config.hidden_size
-    fc = own["fc.weight"]
-    copied.append(("fc.weight", mx.concatenate([fc[:, :H], mx.eye(H, dtype=fc.dtype)], axis=1)))
-    head.load_weights(copied, strict=False)
-    return len(copied) - 1
-
-
 def frequent_tokens(sequences: Sequence[Sequence[int]], n: int, vocab: int) -> mx.array:
     """The ``n`` most frequent token ids of ``sequences`` (ties: lower id first), sorted, as int32.
 
