@@ -22,7 +22,6 @@ QA and creative prompts and a few more):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -47,10 +46,8 @@ from specdec_cli.hooks import target_parts
 from specdec_cli.loading import load, read_config
 from specdec_cli.runner import collect, run
 
-_spec = importlib.util.spec_from_file_location("bench", Path(__file__).with_name("bench.py"))
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench"] = bench
-_spec.loader.exec_module(bench)
+import bench  # noqa: E402  (this script's folder is first on sys.path)
+
 
 UNSEEN = [bench.CATEGORIES[c] for c in ("explain_concept", "qa_factual", "creative_short")] + list(EVAL_PROMPTS) + [
     "Describe how a bicycle gear system works.",
