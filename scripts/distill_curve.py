@@ -82,25 +82,25 @@ def corpus(model, tokenizer, tokens: int, temp: float, seed: int, folder: Path):
         print(f"  generated {g.tokens}/{g.goal} tokens ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
     gen_s = time.perf_counter() - t
     states = list(teacher_states(model, seqs))
+    total_s = time.perf_counter() - t
     save_corpus(folder, key, seqs, states, f"answers at temp {temp}")
-    (folder / "seconds.json").write_text(json.dumps({"seconds": time.perf_counter() - t}))
-    print(f"  corpus: {sum(map(len, seqs))} tokens, {gen_s:.0f} s generating, "
-          f"{time.perf_counter() - t - gen_s:.0f} s of states", file=sys.stderr)
-    return seqs, states, time.perf_counter() - t
+    (folder / "seconds.json").write_text(json.dumps({"seconds": total_s}))
+    print(f"  corpus: {sum(map(len, seqs))} tokens, {gen_s:.0f} s generating, {total_s - gen_s:.0f} s of states",
+          file=sys.stderr)
+    return seqs, states, total_s
 
 
-def score(trainer: Trainer, unseen) -> tuple[tuple[list[float], list[float]], int]:
-    """(chained, per-step) agreement of the trainer's head on the unseen answers, and positions counted."""
+def score(trainer: Trainer, unseen) -> tuple[list[float], list[float], int]:
+    """Chained and per-step agreement of the trainer's head on the unseen answers, and positions counted."""
     depth = trainer.config.depth
     chain, marginal, n = [0] * depth, [0] * depth, 0
     for tokens, h, plen in unseen:
         # From the position that drafts the answer's second token: the target gives the first.
-        got, count = trainer.hits(tokens, h, first=plen - 1, chained=True)
-        alone, _ = trainer.hits(tokens, h, first=plen - 1)
-        chain = [a + b for a, b in zip(chain, got)]
+        alone, in_a_row, count = trainer.hits(tokens, h, first=plen - 1)
+        chain = [a + b for a, b in zip(chain, in_a_row)]
         marginal = [a + b for a, b in zip(marginal, alone)]
         n += count
-    return ([x / n for x in chain], [x / n for x in marginal]), n
+    return [x / n for x in chain], [x / n for x in marginal], n
 
 
 def speedup(chain: list[float], K: int, c: dict[int, float], d: float) -> float:
@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results/distill-curve.json")
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(",") if s)  # none: only score the --also heads
+    if not sizes and not args.also:
+        raise SystemExit("nothing to measure: give --sizes, or --also HEAD_DIR")
 
     prov = bench.provenance("float32")
     target = load(str(bundled.model_dir()), "float32")
@@ -174,13 +176,12 @@ def main() -> None:
                       f"{'/'.join(f'{a:.3f}' for a in step.agreement)}", file=sys.stderr)
         train_s = time.perf_counter() - t
         trainer.restore_best()
-        (chain, marginal), n = score(trainer, unseen)
+        chain, marginal, n = score(trainer, unseen)
         row = {"train_tokens": total, "windows": int(train[0].shape[0]), "steps": args.steps,
                "train_seconds": round(train_s, 1), "heldout_agreement": list(trainer.best_agreement or ()),
                "unseen_chain": chain, "unseen_marginal": marginal, "unseen_positions": n}
         rows.append(row)
-        chain = "/".join(f"{x:.3f}" for x in row["unseen_chain"])
-        print(f"{total} tokens: unseen chained agreement {chain}, "
+        print(f"{total} tokens: unseen chained agreement {'/'.join(f'{x:.3f}' for x in chain)}, "
               f"held-out {'/'.join(f'{a:.3f}' for a in row['heldout_agreement'])} ({train_s:.0f} s)",
               file=sys.stderr)
         if args.save_heads:
@@ -195,10 +196,10 @@ def main() -> None:
         path = bundled.head_dir() if where == "bundled" else Path(where)
         head = load_head(path, read_config(path), str(path), parts).head
         trainer = Trainer(head, parts, heldout, heldout, config)
-        chain, n = score(trainer, unseen)
+        chain, marginal, n = score(trainer, unseen)
         info = json.loads((path / "training.json").read_text()) if (path / "training.json").is_file() else {}
         rows.append({"head": str(where), "train_tokens": info.get("train_tokens"), "steps": info.get("steps_done"),
-                     "unseen_chain": chain[0], "unseen_marginal": chain[1], "unseen_positions": n})
+                     "unseen_chain": chain, "unseen_marginal": marginal, "unseen_positions": n})
 
     ids = prompt_ids(tokenizer, UNSEEN[0])
     # Ratios to a plain step timed right beside each cost, median over rounds: robust to a shared machine's load.
@@ -225,8 +226,8 @@ def main() -> None:
           f"head step {d:.3f}", file=sys.stderr)
     print(f"1.3x needs per-token acceptance {', '.join(f'K={K}: {a:.2f}' for K, a in need.items())}", file=sys.stderr)
     for row in rows:
-        chain = "/".join(f"{x:.3f}" for x in row["unseen_chain"])
-        print(f"{row.get('head', 'trained')}, {row['train_tokens']} tokens: unseen chained {chain}"
+        shown = "/".join(f"{x:.3f}" for x in row["unseen_chain"])
+        print(f"{row.get('head', 'trained')}, {row['train_tokens']} tokens: unseen chained {shown}"
               f" -> speedup at K=1..3 {', '.join(f'{v:.2f}x' for v in row['speedup_at_K'].values())}",
               file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -121,8 +121,7 @@ def test_chained_hits_count_what_a_greedy_draft_chain_gets_accepted():
             if pick.item() != seq[i + s + 1]:
                 break
             want[s - 1] += 1
-    got, n = t.hits(tokens, h, first=first, chained=True)
-    alone, _ = t.hits(tokens, h, first=first)
+    alone, got, n = t.hits(tokens, h, first=first)
     assert n == T - first and got == want, (got, want)
     assert want[0] > 0 and all(a >= b for a, b in zip(alone, got)) and got[1] <= got[0]
 
@@ -423,4 +422,3 @@ def test_a_head_trains_and_drafts_exactly_for_every_family(family):
     _, plain = collect(run(model, prompt, max_tokens=20))
     _, spec = collect(run(model, prompt, drafter=MTPDrafter(t.head, parts), num_draft_tokens=3, max_tokens=20))
     assert spec == plain
-

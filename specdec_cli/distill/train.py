@@ -232,33 +232,34 @@ class Trainer:
     def evaluate(self, batch: int = 16) -> tuple[float, ...]:
         """Held-out top-1 agreement with the target's greedy token, per chained step."""
         tokens, states = self.heldout
-        hits, n = self.hits(tokens, states, self._heldout_greedy, batch=batch)
+        hits, _, n = self.hits(tokens, states, self._heldout_greedy, batch=batch)
         return tuple(h / max(n, 1) for h in hits)
 
     def hits(self, tokens: mx.array, states: mx.array, greedy: Optional[mx.array] = None, first: int = 0,
-             batch: int = 16, chained: bool = False) -> tuple[list[int], int]:
-        """Positions where the head drafts the target's greedy token, per chained step, and positions counted.
+             batch: int = 16) -> tuple[list[int], list[int], int]:
+        """Where the head drafts the target's greedy token: per chained step, alone and in a row; positions counted.
 
         Position t counts when it drafts token ``t + s + 1`` with ``t >= first``
         (``first`` skips a shared prompt). ``greedy`` is the target's greedy
         token at every position, computed from ``states`` when not given.
-        ``chained`` counts step s only where steps 1..s all agree: on the
+        The second list counts step s only where steps 1..s all agree: on the
         target's own greedy text that is what a greedy draft chain gets accepted.
         """
         greedy = self._greedy(states) if greedy is None else greedy
         T = tokens.shape[1] - self.config.depth
-        hits = [0] * self.config.depth
+        alone, chained = [0] * self.config.depth, [0] * self.config.depth
         for i in range(0, tokens.shape[0], batch):
             outs = self._chain(tokens[i:i + batch], states[i:i + batch])
-            agree = None
+            in_a_row = None
             for s, out in enumerate(outs, 1):
                 pick = mx.argmax(self.sub(out), axis=-1)
                 if self.ids is not None:
                     pick = self.ids[pick]
                 hit = pick.astype(mx.uint32) == greedy[i:i + batch, s:s + T]
-                agree = hit if agree is None or not chained else agree & hit
-                hits[s - 1] += int(agree[:, first:].sum().item())
-        return hits, tokens.shape[0] * max(0, T - first)
+                in_a_row = hit if in_a_row is None else in_a_row & hit
+                alone[s - 1] += int(hit[:, first:].sum().item())
+                chained[s - 1] += int(in_a_row[:, first:].sum().item())
+        return alone, chained, tokens.shape[0] * max(0, T - first)
 
     def run(self) -> Iterator[Step]:
         """Train, yielding a :class:`Step` after every optimizer step; the best head is in :attr:`best_params`."""
