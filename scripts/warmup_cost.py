@@ -29,7 +29,8 @@ if __name__ == "__main__":
     maybe_reexec()
 
 from specdec_cli import caches  # noqa: E402
-from specdec_cli.commands import GenerateOptions, check_model_options, load_setup, make_policy, resolve_block_size  # noqa: E402,E501
+from specdec_cli.commands import GenerateOptions, prompt_ids  # noqa: E402
+from specdec_cli.session import check_model_options, load_setup, make_policy, resolve_block_size  # noqa: E402
 from specdec_cli.runner import collect, run  # noqa: E402
 
 PROMPTS = {
@@ -50,11 +51,8 @@ def main() -> None:
     opts = GenerateOptions(model=args.model, dtype=args.dtype, prompt="x")
     kind = check_model_options(opts)
     block = resolve_block_size(None, None, kind)
-    prompts = {}
-    for name, text in PROMPTS.items():
-        opts.prompt = text
-        setup = load_setup(opts, kind)
-        prompts[name] = setup.prompt_ids
+    setup = load_setup(opts, kind)
+    prompts = {name: prompt_ids(setup, text) for name, text in PROMPTS.items()}
     model, eos = setup.target.model, setup.eos_ids
     rows = []
     for name, ids in prompts.items():

@@ -16,6 +16,7 @@ The protocol is three calls on :class:`ModelCache`:
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from dataclasses import dataclass
@@ -329,6 +330,49 @@ def _ran_shapes(model: Any) -> set:
     return entry[1]
 
 
+def _arrays(x: Any) -> list[mx.array]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _view(x: Any, stop: int) -> Any:
+    """Rows ``:stop`` of a key or value buffer (a quantized one is a tuple), as new array objects."""
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return tuple(a[..., :stop, :] for a in x)
+    return x[..., :stop, :]
+
+
+def clone_layer(c: Any, length: int) -> Any:
+    """A copy of one layer cache cut to ``length`` tokens that shares no array object with ``c``.
+
+    MLX arrays have value semantics, but a slice assignment (how KV caches
+    write) rebinds the Python object it is made on: the copy holds views (new
+    objects) of the keys up to ``length`` and the references of recurrent
+    arrays (replaced, never written in place). Neither side's later writes
+    reach the other; the first write after a copy allocates (MLX never
+    donates a buffer something else still reads). Recurrent layers cannot be
+    cut: their copy is their current state.
+    """
+    if isinstance(c, CacheList):
+        return CacheList(*[clone_layer(x, length) for x in c.caches])
+    out = copy.copy(c)
+    if type(c) is ArraysCache:
+        out.cache = list(c.cache)
+        return out
+    out.offset = min(c.offset, length)
+    stop = out.offset - (c.start if isinstance(c, WindowKVCache) else 0)
+    out.keys, out.values = _view(c.keys, stop), _view(c.values, stop)
+    return out
+
+
+def fixed_position(leaf: Any) -> bool:
+    """Whether a layer cache cannot go back to any shorter length (recurrent state, a window that drops keys)."""
+    return type(leaf) is ArraysCache or type(leaf) is WindowKVCache
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The state of a :class:`ModelCache` at one point: offsets and references."""
@@ -336,6 +380,14 @@ class Snapshot:
     length: int
     offsets: tuple[int, ...]
     states: tuple[tuple[list, Any, Any], ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Copies, at ``length`` tokens, of the layer caches that cannot trim back to it (leaf order)."""
+
+    length: int
+    layers: tuple
 
 
 class ModelCache:
@@ -359,8 +411,9 @@ class ModelCache:
         self.steps: RecurrentSteps | None = recurrent_steps(model) if self._recurrent else None
         # The records of the last forward fed with record=..., and its length.
         self._recorded: list[StepRecord] | None = None
-        # Chunk sizes of the last prefill.
+        # Chunk sizes of the last prefill, and the checkpoints it took at its stops.
         self.chunks: list[int] = []
+        self.marks: list[Checkpoint] = []
         self._ran = _ran_shapes(model)
 
     @property
@@ -411,13 +464,17 @@ class ModelCache:
         return None if self.steps is None else self.steps.problem
 
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None, *,
-                seconds: Optional[float] = None, sizes: Optional[Sequence[int]] = None) -> list:
+                seconds: Optional[float] = None, sizes: Optional[Sequence[int]] = None,
+                stops: Sequence[int] = ()) -> list:
         """Feed ``tokens`` in chunks, evaluating each chunk.
 
         Chunks are ``step_size`` tokens, unless ``seconds`` sizes them by time
         or ``sizes`` gives them. The sizes used are left in ``self.chunks``:
         the same sizes give bit-identical caches (matmul results depend on the
-        row count), so a run compared with another one reuses them.
+        row count), so a run compared with another one reuses them. A chunk
+        also ends at each of ``stops`` (counts of ``tokens`` fed), where a
+        :meth:`checkpoint` is left in ``self.marks`` (a prompt cache resumes
+        recurrent and sliding-window layers there).
 
         The prompt goes through mlx-lm's own several-token path (as plain
         decoding's prefill does).
@@ -430,6 +487,7 @@ class ModelCache:
                 adapts to the measured speed (which falls as the context
                 grows), so no single evaluation keeps the host waiting long.
             sizes: Exact chunk sizes (a schedule from an earlier prefill).
+            stops: Counts of ``tokens`` after which to take a :meth:`checkpoint`.
 
         Returns:
             With a tap, the hidden states it recorded, one evaluated part per chunk.
@@ -439,6 +497,8 @@ class ModelCache:
         ids = mx.array(list(tokens), dtype=mx.uint32)
         n = ids.shape[0]
         self.chunks = []
+        self.marks = []
+        pending = sorted({s for s in stops if 0 < s <= n})
         parts = []
         self._recorded = None
         size = min(step_size, _FIRST_TIMED_CHUNK) if seconds else step_size
@@ -447,9 +507,11 @@ class ModelCache:
             if sizes is not None and len(self.chunks) < len(sizes):
                 size = sizes[len(self.chunks)]
             size = max(1, min(size, n - start))
+            # A stop ends this chunk early; the schedule goes on from there.
+            cut = min(size, pending[0] - start) if pending else size
             t0 = time.perf_counter()
-            self._forward(ids[start : start + size], "off")
-            self.length += size
+            self._forward(ids[start : start + cut], "off")
+            self.length += cut
             extra = []
             if tap is not None:
                 parts.append(tap.take())
@@ -458,8 +520,13 @@ class ModelCache:
             # Free the chunk's intermediate buffers before the next one.
             mx.clear_cache()
             elapsed = time.perf_counter() - t0
-            self.chunks.append(size)
-            start += size
+            self.chunks.append(cut)
+            start += cut
+            if pending and start == pending[0]:
+                self.marks.append(self.checkpoint())
+                pending.pop(0)
+            if cut < size:
+                continue  # cut short by a stop: its time says little about the rate
             if seconds and sizes is None:
                 # The measured rate sets the next size, damped (x0.5 .. x2: one
                 # slow chunk on a busy machine must not collapse the rest), and
@@ -467,6 +534,15 @@ class ModelCache:
                 want = size * seconds / max(elapsed, 1e-6)
                 size = int(min(step_size, max(_MIN_TIMED_CHUNK, size / 2, min(want, 2 * size))))
         return parts
+
+    def checkpoint(self) -> "Checkpoint":
+        """Copies of the layers that cannot go back to this length later (see :func:`fixed_position`).
+
+        Attention layers that keep every key trim back to it anyway; the copies
+        share no array object with the live caches (see :func:`clone_layer`).
+        """
+        return Checkpoint(self.length, tuple(clone_layer(c, self.length)
+                                             for c in _leaves(self.layers) if fixed_position(c)))
 
     def snapshot(self) -> Snapshot:
         """Record the current state in O(1) (offsets and array references)."""

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .commands import ModelOptions, load_target
+from .session import ModelOptions, load_target
 from .defaults import DISTILL
 from .display import print_stderr
 from .distill.data import Generated

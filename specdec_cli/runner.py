@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.nn as nn
 
 from .adaptive import DraftPolicy
-from .caches import ModelCache, make_cache
+from .caches import Checkpoint, ModelCache, make_cache
 from .drafters import Drafter
 from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, warm_up
 from .hooks import Hidden, HiddenTap
@@ -38,6 +38,10 @@ class Prefilled:
     rollback: Optional[RollbackChoice] = None
     # The target's prefill chunk sizes: pass them back to reproduce its caches bit for bit.
     chunks: tuple[int, ...] = ()
+    # Prompt tokens the target's caches already held (a prompt cache hit): not prefilled.
+    cached: int = 0
+    # The target's checkpoints at the ``marks`` run() was given, in order.
+    marks: tuple[Checkpoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,12 @@ def run(
     kv_group_size: int = 64,
     timed: bool = False,
     warmup: bool = True,
+    cache: Optional[ModelCache] = None,
+    hidden_prefix: Optional[Hidden] = None,
+    marks: Sequence[int] = (),
+    choice: Optional[RollbackChoice] = None,
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
-    """Prefill fresh caches with ``prompt_ids`` and generate.
+    """Prefill the caches with ``prompt_ids`` and generate.
 
     Args:
         model: The target model.
@@ -117,33 +125,49 @@ def run(
         timed: Ask the engine for per-phase timings (adds syncs).
         warmup: Run every shape once before decoding (see
             :func:`~specdec_cli.engine.warm_up`), timed apart.
+        cache: The target's caches holding a prefix of ``prompt_ids`` (a
+            prompt cache hit), built fresh when None. The caller may keep
+            them after the run: they then hold the prompt and every
+            committed token but the last, as the engine leaves them.
+        hidden_prefix: With ``cache``, the target's hidden states of the
+            positions it holds, for a drafter that reads them.
+        marks: Prompt lengths at which to checkpoint the target during
+            prefill (reported in :class:`Prefilled`).
+        choice: The rollback strategy, already chosen (skips ``auto``'s measurement).
     """
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
-    cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
+    if cache is None:
+        cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
+    cached = cache.length
+    if not 0 <= cached < len(prompt_ids):
+        raise ValueError(f"the caches hold {cached} tokens of a {len(prompt_ids)}-token prompt")
     # A drafter that reads the target's hidden states gets them from the
     # target's own forwards; the tap comes off the model when the run ends.
     specs = getattr(drafter, "taps", None)
+    if specs is not None and cached and (hidden_prefix is None or hidden_prefix.length != cached):
+        raise ValueError("a drafter that reads hidden states needs them for the cached prompt tokens")
     tap = HiddenTap(model, specs) if specs is not None else None
     gen = None
     try:
         start = time.perf_counter()
-        parts = cache.prefill(prompt_ids[:-1], prefill_step_size, tap, seconds=prefill_seconds,
-                              sizes=prefill_chunks)
+        parts = cache.prefill(prompt_ids[cached:-1], prefill_step_size, tap, seconds=prefill_seconds,
+                              sizes=prefill_chunks, stops=[m - cached for m in marks])
         # The drafter is smaller than the target: the target's largest timed
         # chunk bounds how long one of its chunks takes.
         step = min(prefill_step_size, max(cache.chunks, default=prefill_step_size))
         if tap is not None:
-            drafter.prefill(prompt_ids[:-1], step, Hidden.concat(parts))
+            drafter.prefill(prompt_ids[:-1], step, Hidden.concat([hidden_prefix or Hidden(), *parts]))
         elif drafter is not None:
             drafter.prefill(prompt_ids[:-1], step)
         prefill_s = time.perf_counter() - start
         last = prompt_ids[-1]
-        choice = None
-        if drafter is not None:
+        if drafter is not None and choice is None:
             k_max = num_draft_tokens if policy is None else getattr(policy, "k_max", getattr(policy, "k", None))
             choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap)
-        yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks))
+        elif drafter is None:
+            choice = None
+        yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks), cached, tuple(cache.marks))
         strategy = None if choice is None else (choice.strategy if choice.strategy != "trim" else "carry")
         if warmup:
             start = time.perf_counter()

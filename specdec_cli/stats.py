@@ -5,8 +5,8 @@
 - mean accepted per block = accepted / blocks that drafted anything;
 - tokens per block = generated / target forwards (blocks);
 - decode tok/s = generated / time spent inside the engine (display excluded);
-- prompt tok/s = prompt tokens / prefill time (target and drafter), timed
-  apart from decoding;
+- prompt tok/s = prompt tokens prefilled (those a prompt cache held are not)
+  / prefill time (target and drafter), timed apart from decoding;
 - warm-up = seconds spent running each shape once before decoding (kernel
   compilation), in neither prefill nor decode time.
 """
@@ -25,6 +25,8 @@ class Stats:
     """Accumulates :class:`Block` results of one generation."""
 
     prompt_tokens: int = 0
+    # Prompt tokens a prompt cache held (not prefilled).
+    cached_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     generated: int = 0
@@ -59,6 +61,7 @@ class Stats:
         """Take what a runner's ``Prefilled``, ``Warmed`` or ``Finished`` event reports."""
         if hasattr(event, "prompt_tokens"):
             self.prompt_tokens, self.prefill_s = event.prompt_tokens, event.seconds
+            self.cached_tokens = getattr(event, "cached", 0)
             self.prefill_chunks = tuple(getattr(event, "chunks", ()))
             if getattr(event, "rollback", None) is not None:
                 self.rollback_choice = event.rollback.to_dict()
@@ -129,7 +132,7 @@ class Stats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -152,6 +155,7 @@ class Stats:
         """The numbers as plain JSON-ready values."""
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated,
             "prefill_s": self.prefill_s,
             "prompt_tps": self.prompt_tps,

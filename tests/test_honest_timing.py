@@ -32,7 +32,7 @@ from helpers import (
 )
 from typer.testing import CliRunner
 
-import specdec_cli.commands as commands
+import specdec_cli.session.setup as session_setup
 import specdec_cli.engine as engine_module
 import specdec_cli.runner as runner_module
 from specdec_cli.cli import app
@@ -229,7 +229,7 @@ def test_cli_reports_warm_up_time(dirs):
 
 
 def test_cli_rounding_tie_exits_zero_with_both_numbers(dirs, monkeypatch):
-    real = commands.load
+    real = session_setup.load
 
     def load(name, dtype, **kw):
         loaded = real(name, dtype, **kw)
@@ -239,7 +239,7 @@ def test_cli_rounding_tie_exits_zero_with_both_numbers(dirs, monkeypatch):
         perturb(many, 1e-2, seed=7)
         return dataclasses.replace(loaded, model=TwoPathModel(loaded.model, many))
 
-    monkeypatch.setattr(commands, "load", load)
+    monkeypatch.setattr(session_setup, "load", load)
     # --no-adaptive: the adaptive policy reads the clock, and so would change the blocks run to run.
     result = generate(dirs, "Hello", "--dtype", "bfloat16", "--compare-ar", "--json", "--no-adaptive")
     assert result.exit_code == 0, result.output

@@ -20,6 +20,8 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import specdec_cli.commands as commands
+import specdec_cli.session.generate as session_generate
+import specdec_cli.session.setup as session_setup
 import specdec_cli.loading as loading
 from specdec_cli.caches import ModelCache, make_cache
 from specdec_cli.cli import app
@@ -113,7 +115,7 @@ def test_the_memory_estimate_counts_the_cache_as_built(models):
 
 
 def test_a_run_over_the_device_memory_is_refused_with_both_figures(models, monkeypatch):
-    monkeypatch.setattr(commands, "device_memory", lambda: (1000, "available RAM"))
+    monkeypatch.setattr(session_setup, "device_memory", lambda: (1000, "available RAM"))
     result = generate("--model", models["llama"], "Hi", "-m", "8")
     assert result.exit_code == 1
     line = one_line(result)
@@ -260,7 +262,7 @@ def test_an_unexpected_failure_says_something_useful_without_class_names(models,
     def boom(*args, **kwargs):
         raise KeyError("layers.0")
 
-    monkeypatch.setattr(commands, "run", boom)
+    monkeypatch.setattr(session_generate, "run", boom)
     result = generate("--model", models["llama"], "Hi", "-m", "2")
     assert result.exit_code == 1
     line = one_line(result)

@@ -53,8 +53,8 @@ class ModelDrafter:
         self._drafts: list[mx.array] = []
 
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, hidden=None) -> None:
-        """Feed the prompt (all but its last token)."""
-        self.cache.prefill(tokens, step_size)
+        """Feed the prompt (all but its last token); caches resumed from a prompt cache already hold a prefix."""
+        self.cache.prefill(tokens[self.cache.length:], step_size)
 
     def warm_up(self, k: int, params: SamplingParams = GREEDY) -> tuple[int, ...]:
         """Run the drafter's forward shapes once (1 row, and 2 when a bonus draft is pending); state unchanged."""

@@ -1,0 +1,187 @@
+"""One engine for every face: a :class:`Session` holds the models, the drafter kind and the prompt cache.
+
+``generate`` runs one :class:`Request` through :func:`~specdec_cli.runner.run`
+and yields its events (``Prefilled``, ``Warmed``, one ``Step`` per block,
+``Finished``). Closing the generator cancels the generation at the next
+block; whatever ended it, the caches are left as the engine's invariant
+says and kept in the prompt cache for the next request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..caches import ModelCache, make_cache
+from ..hooks import Hidden
+from ..rollback import RollbackChoice
+from ..runner import Finished, Prefilled, Step, Warmed, run
+from ..sampling import GREEDY, SamplingParams
+from .options import make_policy
+from .prompt_cache import Entry, PromptCache
+from .setup import Setup
+from .state import SavedCache
+
+# Each prefill chunk is sized to about this long, so a cancel, Ctrl-C or
+# SIGTERM (seen between evaluations, never inside one) stops a prefill within ~2 s.
+PREFILL_CHUNK_S = 0.5
+
+Event = Union[Prefilled, Warmed, Step, Finished]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation.
+
+    Attributes:
+        prompt_ids: The prompt's token ids.
+        max_tokens: Most tokens to generate (already capped at the context).
+        sampling: Greedy or sampling options.
+        seed: Seed of the random draws (None: as they come).
+        block_size: Most tokens verified per target forward (None: the session's).
+        boundaries: Prompt lengths worth a resumable snapshot (chat segment ends).
+        timed: Time each block's phases (adds host syncs).
+    """
+
+    prompt_ids: Sequence[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = GREEDY
+    seed: Optional[int] = None
+    block_size: Optional[int] = None
+    boundaries: tuple[int, ...] = ()
+    timed: bool = False
+
+
+class _HiddenLog:
+    """A drafter that reads the target's hidden states, passed through; the rows it is handed are kept."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.parts: list[Hidden] = []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def prefill(self, tokens, step_size, hidden=None):
+        self.parts.append(hidden if hidden is not None else Hidden())
+        self.drafter.prefill(tokens, step_size, hidden)
+
+    def accept(self, n, hidden=None):
+        if hidden is not None:
+            self.parts.append(hidden)
+        self.drafter.accept(n, hidden)
+
+    def rows(self) -> Hidden:
+        return Hidden.concat(self.parts)
+
+
+class Session:
+    """The models, the drafter kind and the caches kept between generations.
+
+    Args:
+        setup: The loaded models and drafter kind.
+        block_size: Most tokens verified per target forward (drafts + 1).
+        adaptive: Size drafts by acceptance (the policy ``generate`` uses).
+        prompt_cache: Keep caches across requests (None: every prompt prefilled from scratch).
+        prefill_seconds: Size prefill chunks to about this long (None: ``prefill_step_size`` each).
+        plain: Decode without a drafter (a baseline).
+    """
+
+    def __init__(self, setup: Setup, block_size: int, *, adaptive: bool = True,
+                 prompt_cache: Optional[PromptCache] = None, prefill_seconds: Optional[float] = PREFILL_CHUNK_S,
+                 plain: bool = False):
+        self.setup = setup
+        self.block_size = block_size
+        self.adaptive = adaptive
+        self.prompt_cache = prompt_cache
+        self.prefill_seconds = prefill_seconds
+        self.plain = plain
+        # auto's measured rollback choice, per block size: measured once per session.
+        self._choices: dict[int, RollbackChoice] = {}
+
+    @property
+    def model(self):
+        return self.setup.target.model
+
+    def fresh_cache(self) -> ModelCache:
+        """Empty target caches in the engine's layout (``--kv-bits`` applied)."""
+        opts = self.setup.options
+        layers = make_cache(self.model, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size) \
+            if opts.kv_bits else None
+        return ModelCache(self.model, layers)
+
+    def generate(self, request: Request, *, policy=None) -> Iterator[Event]:
+        """Run ``request``; yields the runner's events.
+
+        Args:
+            request: What to generate.
+            policy: The draft-length policy (default: a fresh one of the
+                session's kind); pass one to read its summary afterwards.
+        """
+        setup, opts = self.setup, self.setup.options
+        ids = list(request.prompt_ids)
+        block = min(request.block_size or self.block_size, self.block_size)
+        if request.seed is not None:
+            mx.random.seed(request.seed)
+        drafter = None
+        if not self.plain:
+            policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
+        hit = None
+        if self.prompt_cache is not None:
+            taps = not self.plain and setup.kind in ("mtp", "lookup+mtp", "dflash")
+            hit = self.prompt_cache.fetch(ids, self.model, setup.draft.model if setup.draft else None,
+                                          need_hidden=taps)
+        cache = hit.target if hit else self.fresh_cache()
+        if not self.plain:
+            drafter = setup.make_drafter(policy, hit.draft if hit else None)
+            if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
+                drafter = _HiddenLog(drafter)
+        emitted: list[int] = []
+        prefilled: Optional[Prefilled] = None
+        events = run(
+            self.model, ids, drafter=drafter, policy=policy, max_tokens=request.max_tokens,
+            eos_ids=setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
+            rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
+            prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
+            timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
+            marks=(*request.boundaries, len(ids) - 1), choice=self._choices.get(block),
+        )
+        try:
+            for event in events:
+                if isinstance(event, Prefilled):
+                    prefilled = event
+                    if event.rollback is not None:
+                        self._choices.setdefault(block, event.rollback)
+                elif isinstance(event, Step):
+                    emitted += event.block.tokens
+                yield event
+        finally:
+            # The engine's own exit first: the caches then hold every committed token but the last.
+            events.close()
+            if self.prompt_cache is not None and prefilled is not None:
+                self._keep(ids + emitted, cache, drafter, hit)
+
+    def _keep(self, tokens: list[int], cache: ModelCache, drafter, hit) -> None:
+        """Save what the caches hold now as a prompt cache entry."""
+        if not 0 < cache.length <= len(tokens):
+            return  # never keep caches whose tokens are not known
+        saved = SavedCache.of(cache)
+        for checkpoint in cache.marks:
+            saved.add(checkpoint)
+        if hit is not None:
+            # The state it resumed from is a boundary too (a later turn may branch there).
+            saved.inherit(hit.entry.target, hit.cached)
+        draft = None
+        held = getattr(drafter, "cache", None)
+        if isinstance(held, ModelCache) and 0 < held.length <= cache.length:
+            draft = SavedCache.of(held)
+        hidden = None
+        if isinstance(drafter, _HiddenLog):
+            rows = drafter.rows()
+            if rows.length != cache.length:
+                return  # the rows do not line up with the caches: keep nothing rather than mislead a drafter
+            hidden = rows
+        self.prompt_cache.insert(Entry(tuple(tokens[: cache.length]), saved, draft, hidden))
+

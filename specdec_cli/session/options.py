@@ -1,0 +1,135 @@
+"""The options every face shares (models, drafter, rollback), checked without loading anything.
+
+A bad combination fails here in milliseconds, before a model is loaded, with a
+message that names the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
+from ..defaults import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..errors import OptionError
+from ..sampling import SamplingParams
+
+
+@dataclass
+class ModelOptions:
+    """What every command that runs a model needs: the models, the drafter and the prompt."""
+
+    model: Optional[str] = None  # None: the bundled default model
+    prompt_arg: Optional[str] = None
+    prompt: Optional[str] = None
+    draft_model: Optional[str] = None
+    drafter: Optional[str] = None
+    system_prompt: Optional[str] = None
+    ignore_chat_template: bool = False
+    draft_p_min: Optional[float] = None
+    ngram_max: Optional[int] = None
+    ngram_min: Optional[int] = None
+    lookup_history: Optional[str] = None
+    dtype: Optional[str] = "auto"
+    prefill_step_size: int = 2048
+    rollback: str = "auto"
+    rollback_memory_cap: Optional[float] = None  # MiB
+    adapter_path: Optional[str] = None
+    trust_remote_code: bool = False
+    force_download: bool = False
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    chat_template_config: Optional[str] = None
+    prefill_response: Optional[str] = None
+    extra_eos_token: Optional[list[str]] = None
+    memory_check: bool = True
+
+    @property
+    def rollback_memory_cap_bytes(self) -> Optional[int]:
+        return None if self.rollback_memory_cap is None else int(self.rollback_memory_cap * 2**20)
+
+
+def check_model_options(opts: ModelOptions) -> str:
+    """Validate the shared options without loading anything; returns the drafter kind."""
+    kind = resolve_drafter(opts.drafter, opts.draft_model)
+    check_drafter_options(kind, opts)
+    return kind
+
+
+def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str = "model") -> int:
+    """``--block-size B`` or ``--num-draft-tokens K`` (B = K + 1), not both; the kind's default and limit."""
+    if block_size is not None and num_draft_tokens is not None:
+        raise OptionError("give --block-size or --num-draft-tokens (= block size - 1), not both")
+    if num_draft_tokens is not None:
+        block_size = num_draft_tokens + 1
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE[kind]
+    check_block_size(block_size, kind, "--block-size" if num_draft_tokens is None else "--num-draft-tokens + 1")
+    return block_size
+
+
+def check_block_size(block_size: int, kind: str, option: str = "--block-size") -> None:
+    """At most the drafter kind's maximum."""
+    if block_size > MAX_BLOCK_SIZE[kind]:
+        raise OptionError(f"{option} is at most {MAX_BLOCK_SIZE[kind]} with --drafter {kind} (got {block_size})")
+
+
+def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
+    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup`` (or ``ngram``).
+
+    ``mtp`` reads the target's own MTP head, or the sidecar ``--draft-model`` names.
+    """
+    kind = drafter or ("model" if draft_model else "lookup")
+    if kind == "model" and not draft_model:
+        raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
+    if kind not in ("model", "mtp", "auto") and draft_model:
+        raise OptionError(f"--draft-model is only used with --drafter model, mtp or auto, not --drafter {kind}")
+    return kind
+
+
+def check_drafter_options(kind: str, opts: ModelOptions) -> None:
+    """Options that only one drafter kind understands."""
+    if kind == "auto" and (opts.ngram_max is not None or opts.ngram_min is not None
+                           or opts.lookup_history is not None):
+        raise OptionError("--ngram-*/--lookup-history apply to one lookup drafter: name it with --drafter "
+                          "lookup or ngram instead of auto")
+    if kind not in ("model", "mtp", "auto") and opts.draft_p_min is not None:
+        raise OptionError("--draft-p-min applies to a draft model or an MTP head: drop it or pass --draft-model")
+    if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
+        raise OptionError("--ngram-max/--ngram-min apply to --drafter ngram (the default lookup matches any length)")
+    if kind != "lookup" and opts.lookup_history is not None:
+        raise OptionError(f"--lookup-history applies to --drafter lookup, not --drafter {kind}")
+    if opts.draft_p_min is not None and not 0 <= opts.draft_p_min <= 1:
+        raise OptionError("--draft-p-min must be within [0, 1]")
+    lo, hi = opts.ngram_min or NGRAM_MIN, opts.ngram_max or NGRAM_MAX
+    if kind == "ngram" and not 1 <= lo <= hi:
+        raise OptionError(f"need 1 <= --ngram-min ({lo}) <= --ngram-max ({hi})")
+
+
+def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare_ar: bool = False) -> SamplingParams:
+    """Checked sampling options: mlx-lm's meanings; filters need --temp > 0."""
+    if temp < 0:
+        raise OptionError("--temp must be >= 0")
+    if not 0 <= top_p <= 1:
+        raise OptionError("--top-p must be within [0, 1] (0 disables it)")
+    if not 0 <= min_p <= 1:
+        raise OptionError("--min-p must be within [0, 1] (0 disables it)")
+    if top_k < 0:
+        raise OptionError("--top-k must be >= 0 (0 disables it)")
+    params = SamplingParams(temp, top_p, top_k, min_p)
+    if params.greedy:
+        filters = [n for n, v in (("--top-p", top_p), ("--top-k", top_k), ("--min-p", min_p)) if v]
+        if filters:
+            raise OptionError(f"{', '.join(filters)} only apply when sampling: set --temp > 0 or drop them")
+    elif compare_ar:
+        raise OptionError("--compare-ar proves greedy output identical: use --temp 0")
+    return params
+
+
+def make_policy(adaptive: bool, block_size: int, kind: str = "model"):
+    """Adaptive draft length up to block size - 1 (learned by match length for lookup), or a fixed one."""
+    if adaptive and block_size > 1:
+        if kind == "lookup+mtp":
+            return HybridLength(k_max=block_size - 1)
+        return MatchLength(k_max=block_size - 1) if kind == "lookup" else AdaptiveLength(k_max=block_size - 1)
+    return FixedLength(block_size - 1)

@@ -1,0 +1,150 @@
+"""Prompt caches kept across generations: the longest usable prefix is resumed, not prefilled again.
+
+Each entry holds the token sequence its caches cover and the target's caches
+(a :class:`~.state.SavedCache`), with, when the session has them, the draft
+model's caches and the target's hidden states of those tokens (for drafters
+that read them). A new prompt resumes from the entry that gives the most
+tokens: attention layers trim to the shared prefix; recurrent layers resume
+only where a state was kept (the end of an entry, or a snapshot taken at a
+boundary on the way), so a hybrid model gets exact reuse too. Entries are
+dropped least recently used first, past ``max_entries`` or ``max_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..caches import ModelCache
+from ..hooks import Hidden
+from .state import SavedCache
+
+
+@dataclass
+class Entry:
+    """Caches after ``tokens`` (the target's length; the draft model's may be shorter).
+
+    Attributes:
+        tokens: The tokens the target's caches hold.
+        target: The target's caches.
+        draft: The draft model's caches (they may lag a few tokens behind).
+        hidden: The target's hidden states of ``tokens``, for drafters that read them.
+    """
+
+    tokens: tuple[int, ...]
+    target: SavedCache
+    draft: Optional[SavedCache] = None
+    hidden: Optional[Hidden] = None
+
+    @property
+    def nbytes(self) -> int:
+        hidden = 0
+        if self.hidden is not None:
+            hidden = sum(a.nbytes for a in (*self.hidden.layers, self.hidden.final) if a is not None)
+        return self.target.nbytes + (self.draft.nbytes if self.draft else 0) + hidden
+
+    def dominated_by(self, other: "Entry") -> bool:
+        """Whether ``other`` can resume everywhere this entry can (it extends the same tokens)."""
+        n = len(self.tokens)
+        if len(other.tokens) < n or other.tokens[:n] != self.tokens:
+            return False
+        if (self.hidden is not None and other.hidden is None) or (self.draft is not None and other.draft is None):
+            return False
+        return all(other.target.can_resume(p) for p in (self.target.length, *self.target.checkpoints))
+
+
+@dataclass
+class Hit:
+    """What a prompt resumes from.
+
+    Attributes:
+        cached: Prompt tokens the target's caches hold.
+        target: The target's caches, resumed (a live cache of its own).
+        draft: The draft model's caches, resumed, when the entry had them.
+        hidden: The target's hidden states of the ``cached`` tokens, when the entry had them.
+        entry: The entry it came from.
+    """
+
+    cached: int
+    target: ModelCache
+    draft: Optional[ModelCache]
+    hidden: Optional[Hidden]
+    entry: Entry
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+class PromptCache:
+    """An LRU of :class:`Entry`, bounded by count and bytes.
+
+    Args:
+        max_entries: Most entries kept (0 turns the cache off).
+        max_bytes: Most bytes kept over all entries (None: no bound).
+    """
+
+    def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def fetch(self, prompt: Sequence[int], target_model, draft_model=None, need_hidden: bool = False) -> Optional[Hit]:
+        """The entry that spares the most prefill of ``prompt``, resumed; None when none helps.
+
+        At least the prompt's last token is always left to feed (the engine
+        feeds it). The entry becomes the most recently used.
+        """
+        limit = len(prompt) - 1
+        best = None
+        for key, entry in self._entries.items():
+            if need_hidden and entry.hidden is None:
+                continue
+            shared = min(shared_prefix(entry.tokens, prompt), limit)
+            n = entry.target.best(shared)
+            if n > 0 and (best is None or n >= best[0]):
+                best = (n, shared, key)
+        if best is None:
+            return None
+        n, shared, key = best
+        entry = self._entries[key]
+        self._entries.move_to_end(key)
+        draft = None
+        if entry.draft is not None and draft_model is not None:
+            m = entry.draft.best(shared)
+            draft = entry.draft.resume(draft_model, m) if m > 0 else None
+        hidden = entry.hidden.rows(0, n) if entry.hidden is not None else None
+        return Hit(n, entry.target.resume(target_model, n), draft, hidden, entry)
+
+    def insert(self, entry: Entry) -> None:
+        """Add ``entry`` as the most recent; drop the entries it makes redundant, then the oldest past the bounds."""
+        if self.max_entries <= 0 or entry.target.length == 0:
+            return
+        for key in [k for k, e in self._entries.items() if e.dominated_by(entry)]:
+            del self._entries[key]
+        self._entries[self._next] = entry
+        self._next += 1
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        if self.max_bytes is not None:
+            while self._entries and self.nbytes > self.max_bytes:
+                self._entries.popitem(last=False)

@@ -1,0 +1,282 @@
+"""Load what a session runs: the target, the drafter it asked for (or ``auto`` picks), and the limits.
+
+A :class:`Setup` is loaded once and serves every generation of a process: one
+``generate``, every turn of a ``chat``, every request of a ``serve``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import blas, bundled
+from ..adaptive import MatchLength
+from ..caches import check_kv_quantization
+from ..defaults import DEFAULT_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..display import print_stderr
+from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
+from ..drafters.dflash import check_target
+from ..drafters.history import tokenizer_fingerprint
+from ..drafters.mtp import LoadedHead, MTPDrafter
+from ..errors import OptionError, SpecdecError
+from ..hooks import TargetParts, target_parts
+from ..limits import MemoryEstimate, context_length, device_memory, estimate_memory, gb
+from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
+from .options import ModelOptions, check_block_size
+
+
+class PromptTooLongError(SpecdecError):
+    """The prompt alone does not fit in the model's context."""
+
+
+class MemoryLimitError(SpecdecError):
+    """The run's estimated peak memory exceeds what the device has."""
+
+
+@dataclass
+class Setup:
+    """Loaded models and the drafter kind, ready to make a fresh drafter per generation."""
+
+    options: ModelOptions
+    kind: str
+    target: Loaded
+    draft: Optional[Loaded]
+    history: Optional[LookupHistory] = None
+    mtp: Optional[LoadedHead] = None
+    # The target's embedding and lm_head, for drafters that reuse them (dflash).
+    parts: Optional[TargetParts] = None
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return sorted(self.tokenizer.eos_token_ids)
+
+    @property
+    def template_kwargs(self) -> dict:
+        """``--chat-template-config`` as a dict (checked to be a JSON object by the CLI)."""
+        text = self.options.chat_template_config
+        return json.loads(text) if text else {}
+
+    @property
+    def model_line(self) -> str:
+        """Which model ran, in what dtype (``--dtype auto`` says so)."""
+        auto = " (--dtype auto)" if self.options.dtype == "auto" else ""
+        return f"Model: {self.target.name}, {self.target.dtype}{auto}"
+
+    @property
+    def drafter_name(self) -> str:
+        if self.kind in ("mtp", "lookup+mtp") and self.mtp is not None and self.mtp.source != self.target.name:
+            return f"{self.kind} ({self.mtp.source})"
+        if self.kind == "dflash" and self.options.draft_model:
+            return f"{self.kind} ({self.options.draft_model})"
+        return f"model ({self.options.draft_model})" if self.draft else self.kind
+
+    def block_size(self, requested: Optional[int], resolved: int) -> int:
+        """The block size to run. A DFlash drafter brings its own default and limit (its trained
+        block size), known only once it is loaded, as does the kind ``--drafter auto`` picks;
+        ``requested`` is None when no option set one."""
+        if self.options.drafter == "auto" and self.kind != "dflash":
+            if requested is None:
+                return DEFAULT_BLOCK_SIZE[self.kind]
+            check_block_size(requested, self.kind)
+            return requested
+        if self.kind != "dflash":
+            return resolved
+        config = self.draft.model.config
+        if requested is None:
+            return config.default_block_size
+        if requested > config.block_size:
+            raise OptionError(
+                f"the DFlash drafter fills blocks of at most {config.block_size} tokens: "
+                f"give --block-size <= {config.block_size}"
+            )
+        return requested
+
+    def make_drafter(self, policy=None, draft_cache=None) -> Drafter:
+        """A fresh drafter for one generation.
+
+        Args:
+            policy: A lookup drafter sizes its drafts with it when it learns.
+            draft_cache: A draft model's caches to resume from (a prompt cache
+                hit); the drafter then only feeds the prompt tokens they lack.
+        """
+        opts = self.options
+        if self.kind == "lookup":
+            size = policy.size if isinstance(policy, MatchLength) else None
+            return SuffixDrafter(size, self.history.outputs() if self.history else (), self.eos_ids)
+        if self.kind == "ngram":
+            return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
+        if self.kind == "mtp":
+            return MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
+        if self.kind == "lookup+mtp":
+            head = MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
+            return HybridDrafter(SuffixDrafter(policy.size, stop_ids=self.eos_ids), head, policy)
+        if self.kind == "dflash":
+            return DFlashDrafter(self.draft.model, self.parts, p_min=opts.draft_p_min or 0.0)
+        return ModelDrafter(self.draft.model, draft_cache, vocab_size=_vocab_size(self.target.config),
+                            p_min=opts.draft_p_min or 0.0)
+
+    def context(self) -> Optional[tuple[int, str]]:
+        """The model's context length and where it was read (None: unknown)."""
+        return context_length(self.target.config)
+
+    def fit_context(self, prompt_tokens: int, max_tokens: int) -> tuple[int, Optional[int]]:
+        """Refuse a prompt the model's context cannot hold; cap generation at the context.
+
+        Returns:
+            The most tokens to generate, and the context length (None: unknown).
+
+        Raises:
+            PromptTooLongError: The prompt alone fills the context.
+        """
+        found = self.context()
+        if found is None:
+            return max_tokens, None
+        limit, source = found
+        if prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"the prompt is {prompt_tokens} tokens but the model's context is {limit} tokens ({source}): "
+                "shorten the prompt"
+            )
+        return min(max_tokens, limit - prompt_tokens), limit
+
+    def check_memory(self, tokens: int) -> MemoryEstimate:
+        """Estimate a generation's peak memory over ``tokens`` of context; refuse it when the device has less.
+
+        Raises:
+            MemoryLimitError: Naming both figures and ``--no-memory-check``.
+        """
+        opts = self.options
+        # A draft model's caches grow with the context; other drafters' state is small.
+        estimate = estimate_memory(self.target.model, self.target.config,
+                                   self.draft.model if self.draft else None, tokens, opts.prefill_step_size,
+                                   opts.kv_bits, opts.kv_group_size, draft_cache=self.kind == "model")
+        have = device_memory()
+        if opts.memory_check and have is not None and estimate.total > have[0]:
+            raise MemoryLimitError(
+                f"this run needs about {gb(estimate.total)} (weights {gb(estimate.weights)}, caches for "
+                f"{tokens} tokens {gb(estimate.cache)}, prefill scratch {gb(estimate.scratch)}) but the "
+                f"device has {gb(have[0])} ({have[1]}): lower --max-tokens or shorten the prompt, "
+                "or pass --no-memory-check to try anyway"
+            )
+        return estimate
+
+
+def load_setup(opts: ModelOptions, kind: str) -> Setup:
+    """Load the target (and draft model or head), check tokenizers and stop tokens, open the history."""
+    target = load_target(opts)
+    if opts.kv_bits is not None:
+        check_kv_quantization(target.model, opts.kv_bits, opts.kv_group_size)
+    draft = mtp = parts = None
+    draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
+    head_path = None
+    if kind == "auto":
+        kind, head_path, why = choose_drafter(target, draft_path)
+        print_stderr([f"drafter: auto -> {kind} ({why})"])
+    if kind == "model" and is_dflash(draft_path):
+        # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
+        # width and vocabulary.
+        kind = "dflash"
+        draft = load_dflash(opts.draft_model, opts.dtype, path=draft_path)
+        parts = target_parts(target.model)
+        check_target(draft.model.config, parts)
+    if kind == "model" and opts.drafter in (None, "auto") and is_mtp_sidecar(draft_path):
+        kind = "mtp"  # --draft-model names an MTP-only folder
+    if kind == "lookup+mtp" and not getattr(opts, "adaptive", False):
+        # Choosing per block is the adaptive policy's work: --no-adaptive (and sweep, which
+        # measures fixed block sizes) drafts with the head alone.
+        kind = "mtp"
+    if kind == "mtp" and opts.draft_model is None and not has_own_head(target):
+        head_path = bundled_head(target)  # the bundled model's head is its own
+    if kind in ("mtp", "lookup+mtp") and head_path is not None:
+        mtp = load_mtp(str(head_path), head_path, target, opts.dtype)
+        mtp.source = "bundled head"
+    elif kind in ("mtp", "lookup+mtp"):
+        mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
+    if kind == "model":
+        draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    for token in opts.extra_eos_token or ():
+        try:
+            target.tokenizer.add_eos_token(token)
+        except ValueError:
+            raise OptionError(f"--extra-eos-token {token!r} is not a token of this tokenizer") from None
+    history = None
+    if opts.lookup_history is not None:
+        history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
+        if history.warning:
+            print_stderr([f"warning: {history.warning}"])
+    return Setup(opts, kind, target, draft, history, mtp, parts)
+
+
+def note_blas() -> None:
+    """One line on stderr when MLX's CPU backend runs on a slow BLAS (after the options are checked)."""
+    line = blas.note(cpu_backend=mx.default_device() == mx.cpu)
+    if line:
+        print_stderr([line])
+
+
+def choose_drafter(target: Loaded, draft_path: Optional[Path]) -> tuple[str, Optional[Path], str]:
+    """What ``--drafter auto`` runs: the drafter kind, a head to load, and why.
+
+    A drafter named with ``--draft-model`` comes first (a DFlash or MTP
+    checkpoint, or a draft model), then the target's own MTP head, then a
+    head bundled for the target, then prompt lookup.
+    """
+    if draft_path is not None:
+        if is_dflash(draft_path):
+            return "dflash", None, "the DFlash drafter --draft-model names"
+        if is_mtp_sidecar(draft_path):
+            return "lookup+mtp", None, "lookup where the text repeats, the MTP head --draft-model names elsewhere"
+        return "model", None, "the draft model --draft-model names"
+    if has_own_head(target):
+        return "lookup+mtp", None, "lookup where the text repeats, the model's own MTP head elsewhere"
+    head = bundled_head(target)
+    if head is not None and bundled.HEAD_BEATS_LOOKUP:
+        return "lookup+mtp", head, "lookup where the text repeats, the head distilled for the bundled model elsewhere"
+    if head is not None:
+        return "lookup", None, ("the head distilled for the bundled model measured slower than prompt lookup; "
+                                "--drafter mtp runs it")
+    return "lookup", None, "no drafter for this model"
+
+
+def bundled_head(target: Loaded) -> Optional[Path]:
+    """The distilled head shipped for ``target`` when it is the bundled model."""
+    head = bundled.head_dir()
+    return head if head is not None and bundled.is_bundled(target.path) else None
+
+
+def has_own_head(target: Loaded) -> bool:
+    """Whether the target's checkpoint carries ``mtp.*`` tensors of a family specdec builds heads for."""
+    from ..drafters.mtp import QWEN_FAMILIES, mtp_tensor_files
+
+    return target.config.get("model_type") in QWEN_FAMILIES and bool(mtp_tensor_files(target.path))
+
+
+def load_target(opts: ModelOptions) -> Loaded:
+    """The target: ``--model``, or else the bundled default model (no network).
+
+    Raises:
+        BundledModelError: The bundled model is missing or damaged (a broken install).
+    """
+    kw = dict(adapter_path=opts.adapter_path, trust_remote_code=opts.trust_remote_code)
+    if opts.model is not None:
+        return load(opts.model, opts.dtype, force_download=opts.force_download, **kw)
+    path = bundled.require()
+    try:
+        target = load(str(path), opts.dtype, **kw)
+    except Exception as e:  # whatever a damaged file makes mlx-lm raise
+        raise bundled.BundledModelError(bundled.broken_message(str(e))) from None
+    target.name = bundled.DISPLAY_NAME
+    return target
+
+
+def _vocab_size(config: dict) -> Optional[int]:
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")

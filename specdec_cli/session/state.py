@@ -1,0 +1,119 @@
+"""A model's caches saved at some length, apart from the live caches, and resumed later.
+
+A saved state shares no array object with any live cache (see
+:func:`~specdec_cli.caches.clone_layer`), so neither side's writes reach the
+other. Attention layers that keep every key resume at any shorter length (a
+trim). The others can only resume where their state was kept: recurrent
+layers, and sliding-window layers once their window has moved past the keys
+that length needs. Their state is kept at the end of the saved caches and at
+the checkpoints taken on the way (chat-segment ends, the end of the prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+from ..caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position
+
+
+def _tree(layers: list, leaves: list) -> list:
+    """``layers``' structure (CacheList nesting) with its leaves replaced, in order, by ``leaves``."""
+    it = iter(leaves)
+
+    def rebuild(c: Any) -> Any:
+        if isinstance(c, CacheList):
+            return CacheList(*[rebuild(x) for x in c.caches])
+        return next(it)
+
+    return [rebuild(c) for c in layers]
+
+
+def _holds_keys_for(leaf: Any, length: int) -> bool:
+    """Whether a sliding-window cache still holds every key a forward at ``length`` attends to."""
+    return isinstance(leaf, WindowKVCache) and leaf.start <= max(0, length - (leaf._span - 1))
+
+
+@dataclass
+class SavedCache:
+    """One model's caches at ``length`` tokens, plus checkpoints at shorter lengths.
+
+    Attributes:
+        length: Tokens the saved layers hold.
+        layers: The saved layer caches.
+        checkpoints: length -> copies of the layers that cannot trim back to it (leaf order).
+    """
+
+    length: int
+    layers: list
+    checkpoints: dict[int, tuple] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cache: ModelCache) -> "SavedCache":
+        """Save what ``cache`` holds now (it may go on being used: nothing is shared)."""
+        return cls(cache.length, [clone_layer(c, cache.length) for c in cache.layers])
+
+    @property
+    def fixed(self) -> list:
+        """The saved leaves that cannot trim back to any length (leaf order)."""
+        return [c for c in _leaves(self.layers) if fixed_position(c)]
+
+    def add(self, checkpoint: Checkpoint) -> None:
+        """Keep a checkpoint taken at a shorter length on the way to this state."""
+        if self.fixed and 0 < checkpoint.length < self.length:
+            self.checkpoints[checkpoint.length] = checkpoint.layers
+
+    def can_resume(self, length: int) -> bool:
+        """Whether :meth:`resume` can give the state after the first ``length`` tokens."""
+        if not 0 < length <= self.length:
+            return False
+        if length == self.length or length in self.checkpoints:
+            return True
+        return all(_holds_keys_for(c, length) for c in self.fixed)
+
+    def best(self, limit: int) -> int:
+        """The longest length up to ``limit`` this state can resume at (0: none)."""
+        limit = min(limit, self.length)
+        if limit <= 0 or self.can_resume(limit):
+            return max(limit, 0)
+        # Past the last checkpoint below it, nothing shorter resumes either.
+        return max((n for n in self.checkpoints if n <= limit), default=0)
+
+    def resume(self, model, length: int) -> ModelCache:
+        """A live :class:`ModelCache` for ``model`` holding the first ``length`` tokens."""
+        if not self.can_resume(length):
+            raise ValueError(f"this saved cache cannot resume at {length} tokens")
+        kept = iter(self.checkpoints[length]) if length < self.length and length in self.checkpoints else None
+        leaves = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
+                  for c in _leaves(self.layers)]
+        cache = ModelCache(model, _tree(self.layers, leaves))
+        cache.length = length
+        return cache
+
+    def checkpoint_at(self, length: int) -> tuple:
+        """Copies of the fixed-position layers at ``length`` (the end, or a kept checkpoint)."""
+        if length == self.length:
+            return tuple(clone_layer(c, length) for c in self.fixed)
+        return self.checkpoints[length]
+
+    def inherit(self, other: "SavedCache", upto: int) -> None:
+        """Take ``other``'s checkpoints (and its end) up to ``upto``: the state this one was resumed from."""
+        if not self.fixed:
+            return
+        for n in (*other.checkpoints, other.length):
+            if 0 < n <= upto and n < self.length:
+                self.checkpoints.setdefault(n, other.checkpoint_at(n))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays held (each array object counted once, a view at its own size)."""
+        leaves = _leaves(self.layers) + [c for kept in self.checkpoints.values() for c in _leaves(list(kept))]
+        seen: dict[int, int] = {}
+        for c in leaves:
+            arrays = c.cache if type(c) is ArraysCache else _arrays(c.keys) + _arrays(c.values)
+            for a in arrays:
+                if a is not None:
+                    seen[id(a)] = a.nbytes
+        return sum(seen.values())
