@@ -36,7 +36,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .errors import UnsupportedModelError
+from .errors import Cancelled, UnsupportedModelError
 from .hooks import RecurrentSteps, StepRecord, recurrent_steps
 
 # How far (in tokens) a restore may go below the offset at which the latest
@@ -465,7 +465,7 @@ class ModelCache:
 
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None, *,
                 seconds: Optional[float] = None, sizes: Optional[Sequence[int]] = None,
-                stops: Sequence[int] = ()) -> list:
+                stops: Sequence[int] = (), cancelled: Optional[Callable[[], bool]] = None) -> list:
         """Feed ``tokens`` in chunks, evaluating each chunk.
 
         Chunks are ``step_size`` tokens, unless ``seconds`` sizes them by time
@@ -488,6 +488,11 @@ class ModelCache:
                 grows), so no single evaluation keeps the host waiting long.
             sizes: Exact chunk sizes (a schedule from an earlier prefill).
             stops: Counts of ``tokens`` after which to take a :meth:`checkpoint`.
+            cancelled: Asked after each chunk; when it says True, prefill
+                stops there (the caches hold the chunks fed) and raises.
+
+        Raises:
+            Cancelled: ``cancelled`` said so.
 
         Returns:
             With a tap, the hidden states it recorded, one evaluated part per chunk.
@@ -525,6 +530,8 @@ class ModelCache:
             if pending and start == pending[0]:
                 self.marks.append(self.checkpoint())
                 pending.pop(0)
+            if cancelled is not None and start < n and cancelled():
+                raise Cancelled(f"prefill cancelled after {start} of {n} tokens")
             if cut < size:
                 continue  # cut short by a stop: its time says little about the rate
             if seconds and sizes is None:

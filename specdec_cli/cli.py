@@ -506,6 +506,150 @@ def sweep(
     _run(sweep_command, SweepOptions, params)
 
 
+SERVER = "Server"
+
+
+def _size(value: Optional[str]) -> Optional[int]:
+    # Bytes, or with a unit: 512M, 8GB, 2GiB (as mlx_lm.server takes it).
+    if value is None:
+        return None
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        n = float(digits)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a size: give bytes, or a number with K, M or G") from None
+    if not math.isfinite(n) or n < 0:
+        raise typer.BadParameter(f"{value!r} is not a size >= 0")
+    return int(n * scale)
+
+
+HostOpt = Annotated[str, _opt("--host", help="Address to listen on; anything but loopback needs --api-key or "
+                              "--no-api-key.", rich_help_panel=SERVER)]
+PortOpt = Annotated[int, _opt("--port", min=0, max=65535, help="Port to listen on (0: any free one, printed at "
+                              "start).", rich_help_panel=SERVER)]
+ApiKeyOpt = Annotated[Optional[str], _opt(
+    "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request "
+    "(also read from SPECDEC_API_KEY).", rich_help_panel=SERVER, **_default("none"))]
+NoApiKeyOpt = Annotated[bool, _opt(
+    "--no-api-key", help="Serve a non-loopback --host without a key (anyone who reaches it can use the model).",
+    rich_help_panel=SERVER, **OFF)]
+PromptCacheSizeOpt = Annotated[int, _opt(
+    "--prompt-cache-size", min=0, max=1 << 16, help="Most prompt caches kept across requests (0 turns the "
+    "cache off).", rich_help_panel=SERVER)]
+PromptCacheBytesOpt = Annotated[Optional[str], _opt(
+    "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes the prompt caches may hold "
+    "(e.g. 4G).", rich_help_panel=SERVER, **_default("no bound"))]
+QueueOpt = Annotated[int, _opt(
+    "--queue-size", min=1, max=1 << 16, help="Requests that may wait while one is generated; more get 503.",
+    rich_help_panel=SERVER)]
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+@app.command(
+    cls=_Command,
+    epilog="Exit codes: 0 stopped (Ctrl-C, SIGTERM); 1 error; 2 bad option.\n\n"
+    "Example: specdec serve --port 8080, then point any OpenAI client at http://127.0.0.1:8080/v1"
+)
+def serve(
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    dtype: DTypeOpt = DType.auto,
+    adapter_path: AdapterOpt = None,
+    trust_remote_code: TrustOpt = False,
+    force_download: ForceDownloadOpt = False,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupOpt = 64,
+    prefill_step_size: PrefillOpt = 2048,
+    chat_template_config: TemplateConfigOpt = None,
+    drafter: DrafterOpt = None,
+    block_size: BlockSizeOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    adaptive: AdaptiveOpt = True,
+    rollback: RollbackOpt = Rollback.auto,
+    rollback_memory_cap: RollbackCapOpt = None,
+    max_tokens: Annotated[int, _opt(
+        "--max-tokens", "-m", min=1, help="Most tokens per answer when a request does not say (max_tokens).",
+        rich_help_panel=SAMPLING)] = 512,
+    temp: Annotated[float, _opt("--temp", min=0.0, callback=_finite, help="Temperature when a request does not "
+                                "say (0 = greedy).", rich_help_panel=SAMPLING)] = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    extra_eos_token: ExtraEosOpt = None,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8080,
+    api_key: ApiKeyOpt = None,
+    no_api_key: NoApiKeyOpt = False,
+    prompt_cache_size: PromptCacheSizeOpt = 10,
+    prompt_cache_bytes: PromptCacheBytesOpt = None,
+    queue_size: QueueOpt = 16,
+    log_level: Annotated[LogLevel, _opt("--log-level", help="What the server logs on stderr (info: a line per "
+                                        "request; debug adds each HTTP request).", rich_help_panel=SERVER)]
+    = LogLevel.info,
+    memory_check: MemoryCheckOpt = True,
+    debug: DebugOpt = False,
+) -> None:
+    """Serve the OpenAI API (chat and text completions) with exact speculative decoding."""
+    params = dict(locals())
+    from .serve.command import ServeOptions, serve_command
+
+    _run(serve_command, ServeOptions, params)
+
+
+@app.command(cls=_Command, epilog="Exit codes: 0 done; 1 error; 2 bad option.\n\n"
+             "Example: specdec chat --system-prompt 'Answer briefly.'")
+def chat(
+    model: ModelOpt = None,
+    draft_model: DraftModelOpt = None,
+    dtype: DTypeOpt = DType.auto,
+    adapter_path: AdapterOpt = None,
+    trust_remote_code: TrustOpt = False,
+    force_download: ForceDownloadOpt = False,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupOpt = 64,
+    prefill_step_size: PrefillOpt = 2048,
+    system_prompt: SystemOpt = None,
+    chat_template_config: TemplateConfigOpt = None,
+    drafter: DrafterOpt = None,
+    block_size: BlockSizeOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    adaptive: AdaptiveOpt = True,
+    rollback: RollbackOpt = Rollback.auto,
+    rollback_memory_cap: RollbackCapOpt = None,
+    max_tokens: Annotated[int, _opt("--max-tokens", "-m", min=1, help="Most tokens per answer.",
+                                    rich_help_panel=SAMPLING)] = 512,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    extra_eos_token: ExtraEosOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = 10,
+    live: LiveOpt = True,
+    memory_check: MemoryCheckOpt = True,
+    debug: DebugOpt = False,
+) -> None:
+    """Chat in the terminal; each turn reuses the last one's caches."""
+    params = dict(locals())
+    from .chat import ChatOptions, chat_command
+
+    _run(chat_command, ChatOptions, params)
+
+
 TRAINING = "Training"
 
 

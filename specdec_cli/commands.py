@@ -55,7 +55,7 @@ from .session import (
     check_model_options,
     load_setup,
     make_policy,
-    note_blas,
+    blas_note,
     resolve_block_size,
     sampling_params,
 )
@@ -95,6 +95,11 @@ class SweepOptions(ModelOptions):
     json_output: bool = False
 
 
+def print_notes(setup: Setup) -> None:
+    """What loading decided, then the BLAS note: one line each on stderr."""
+    print_stderr([line for line in (*setup.notes, blas_note()) if line])
+
+
 def prompt_ids(setup: Setup, text: str) -> list[int]:
     """The command line's prompt through the chat template, with its system prompt and prefill."""
     opts = setup.options
@@ -111,7 +116,7 @@ def generate_command(opts: GenerateOptions) -> int:
     text = read_prompt(opts.prompt_arg, opts.prompt)
     setup = load_setup(opts, kind)
     ids = prompt_ids(setup, text)
-    note_blas()
+    print_notes(setup)
     asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
     kind, block_size = setup.kind, setup.block_size(asked, block_size)
     target, tokenizer = setup.target, setup.tokenizer
@@ -294,7 +299,7 @@ def sweep_command(opts: SweepOptions) -> int:
     text = read_prompt(opts.prompt_arg, opts.prompt)
     setup = load_setup(opts, kind)
     ids = prompt_ids(setup, text)
-    note_blas()
+    print_notes(setup)
     for size in sizes:
         setup.block_size(size, size)
     max_tokens, _ = setup.fit_context(len(ids), opts.max_tokens)

@@ -23,3 +23,7 @@ class OptionError(SpecdecError):
     """A bad option or option combination."""
 
     exit_code = 2
+
+
+class Cancelled(Exception):
+    """A generation was cancelled from outside (a client went away); not an error to report."""

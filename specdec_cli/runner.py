@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
@@ -99,6 +99,7 @@ def run(
     hidden_prefix: Optional[Hidden] = None,
     marks: Sequence[int] = (),
     choice: Optional[RollbackChoice] = None,
+    cancelled: Optional[Callable[[], bool]] = None,
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill the caches with ``prompt_ids`` and generate.
 
@@ -134,6 +135,8 @@ def run(
         marks: Prompt lengths at which to checkpoint the target during
             prefill (reported in :class:`Prefilled`).
         choice: The rollback strategy, already chosen (skips ``auto``'s measurement).
+        cancelled: Asked between prefill chunks; True stops the prefill with
+            :class:`~specdec_cli.errors.Cancelled` (between blocks, close the generator).
     """
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
@@ -152,7 +155,7 @@ def run(
     try:
         start = time.perf_counter()
         parts = cache.prefill(prompt_ids[cached:-1], prefill_step_size, tap, seconds=prefill_seconds,
-                              sizes=prefill_chunks, stops=[m - cached for m in marks])
+                              sizes=prefill_chunks, stops=[m - cached for m in marks], cancelled=cancelled)
         # The drafter is smaller than the target: the target's largest timed
         # chunk bounds how long one of its chunks takes.
         step = min(prefill_step_size, max(cache.chunks, default=prefill_step_size))

@@ -10,11 +10,12 @@ says and kept in the prompt cache for the next request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from ..caches import ModelCache, make_cache
+from ..errors import Cancelled
 from ..hooks import Hidden
 from ..rollback import RollbackChoice
 from ..runner import Finished, Prefilled, Step, Warmed, run
@@ -112,13 +113,16 @@ class Session:
             if opts.kv_bits else None
         return ModelCache(self.model, layers)
 
-    def generate(self, request: Request, *, policy=None) -> Iterator[Event]:
+    def generate(self, request: Request, *, policy=None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> Iterator[Event]:
         """Run ``request``; yields the runner's events.
 
         Args:
             request: What to generate.
             policy: The draft-length policy (default: a fresh one of the
                 session's kind); pass one to read its summary afterwards.
+            cancelled: Asked between prefill chunks (a long prompt is
+                cancellable too); True raises :class:`~specdec_cli.errors.Cancelled`.
         """
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
@@ -139,28 +143,33 @@ class Session:
             if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
                 drafter = _HiddenLog(drafter)
         emitted: list[int] = []
-        prefilled: Optional[Prefilled] = None
+        # Whether the caches hold whole tokens: after the prefill (the engine keeps its
+        # invariant from then on), or when a cancel stopped the prefill between chunks.
+        consistent = False
         events = run(
             self.model, ids, drafter=drafter, policy=policy, max_tokens=request.max_tokens,
             eos_ids=setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
             timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
-            marks=(*request.boundaries, len(ids) - 1), choice=self._choices.get(block),
+            marks=(*request.boundaries, len(ids) - 1), choice=self._choices.get(block), cancelled=cancelled,
         )
         try:
             for event in events:
                 if isinstance(event, Prefilled):
-                    prefilled = event
+                    consistent = True
                     if event.rollback is not None:
                         self._choices.setdefault(block, event.rollback)
                 elif isinstance(event, Step):
                     emitted += event.block.tokens
                 yield event
+        except Cancelled:
+            consistent = True
+            raise
         finally:
             # The engine's own exit first: the caches then hold every committed token but the last.
             events.close()
-            if self.prompt_cache is not None and prefilled is not None:
+            if self.prompt_cache is not None and consistent:
                 self._keep(ids + emitted, cache, drafter, hit)
 
     def _keep(self, tokens: list[int], cache: ModelCache, drafter, hit) -> None:
@@ -180,8 +189,7 @@ class Session:
         hidden = None
         if isinstance(drafter, _HiddenLog):
             rows = drafter.rows()
-            if rows.length != cache.length:
-                return  # the rows do not line up with the caches: keep nothing rather than mislead a drafter
-            hidden = rows
+            # Rows that do not line up with the caches (a cancelled prefill) are not kept.
+            hidden = rows if rows.length == cache.length else None
         self.prompt_cache.insert(Entry(tuple(tokens[: cache.length]), saved, draft, hidden))
 

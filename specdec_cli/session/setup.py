@@ -7,7 +7,7 @@ A :class:`Setup` is loaded once and serves every generation of a process: one
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +17,6 @@ from .. import blas, bundled
 from ..adaptive import MatchLength
 from ..caches import check_kv_quantization
 from ..defaults import DEFAULT_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
-from ..display import print_stderr
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
@@ -49,6 +48,8 @@ class Setup:
     mtp: Optional[LoadedHead] = None
     # The target's embedding and lm_head, for drafters that reuse them (dflash).
     parts: Optional[TargetParts] = None
+    # Lines for the user about what loading decided (auto's pick, a history set aside): the face prints them.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tokenizer(self):
@@ -177,9 +178,10 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     draft = mtp = parts = None
     draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
     head_path = None
+    notes = []
     if kind == "auto":
         kind, head_path, why = choose_drafter(target, draft_path)
-        print_stderr([f"drafter: auto -> {kind} ({why})"])
+        notes.append(f"drafter: auto -> {kind} ({why})")
     if kind == "model" and is_dflash(draft_path):
         # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
         # width and vocabulary.
@@ -212,15 +214,13 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
     if opts.lookup_history is not None:
         history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
         if history.warning:
-            print_stderr([f"warning: {history.warning}"])
-    return Setup(opts, kind, target, draft, history, mtp, parts)
+            notes.append(f"warning: {history.warning}")
+    return Setup(opts, kind, target, draft, history, mtp, parts, notes)
 
 
-def note_blas() -> None:
-    """One line on stderr when MLX's CPU backend runs on a slow BLAS (after the options are checked)."""
-    line = blas.note(cpu_backend=mx.default_device() == mx.cpu)
-    if line:
-        print_stderr([line])
+def blas_note() -> Optional[str]:
+    """A line for the user when MLX's CPU backend runs on a slow BLAS (None: it does not)."""
+    return blas.note(cpu_backend=mx.default_device() == mx.cpu)
 
 
 def choose_drafter(target: Loaded, draft_path: Optional[Path]) -> tuple[str, Optional[Path], str]:

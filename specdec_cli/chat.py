@@ -1,0 +1,138 @@
+"""``specdec chat``: a conversation in the terminal on the same session as ``serve``.
+
+Each turn renders the whole conversation through the chat template and
+generates on a :class:`~specdec_cli.session.Session` with a prompt cache, so a
+turn prefills only what the last one did not (the new message). The answer
+streams above the live stats line; a line of numbers follows it on stderr.
+``/reset`` starts over, ``/quit`` or Ctrl-D leaves, Ctrl-C stops an answer
+and keeps the chat.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from .display import print_stderr, text_view
+from .errors import OptionError
+from .prompts import clean, render_messages
+from .session import (
+    PromptCache,
+    PromptTooLongError,
+    Request,
+    Session,
+    blas_note,
+    check_model_options,
+    load_setup,
+    resolve_block_size,
+    sampling_params,
+)
+from .session.options import ModelOptions
+from .session.reply import Reply, TextStream
+from .stats import Stats
+
+HELP = "Type a message. /reset starts over, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer."
+
+
+@dataclass
+class ChatOptions(ModelOptions):
+    """Everything ``specdec chat`` was asked to do."""
+
+    block_size: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
+    adaptive: bool = True
+    max_tokens: int = 512
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    live: bool = True
+    prompt_cache_size: int = 10
+
+
+def turn_line(stats: Stats, interrupted: bool = False) -> str:
+    """The numbers of one answer, in one line."""
+    cached = f" ({stats.cached_tokens} cached)" if stats.cached_tokens else ""
+    end = "; stopped (Ctrl-C)" if interrupted else ""
+    return (f"[prompt {stats.prompt_tokens} tokens{cached}, {stats.prefill_s:.2f} s | {stats.generated} tokens, "
+            f"{stats.decode_tps:.1f} tok/s | acceptance {100 * stats.acceptance:.0f}%, "
+            f"{stats.tokens_per_block:.2f} tokens per block{end}]")
+
+
+def _read(prompt: str) -> Optional[str]:
+    """One line from the user; None at the end of input."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def chat_command(opts: ChatOptions) -> int:
+    """Run ``specdec chat``; returns the exit code."""
+    kind = check_model_options(opts)
+    block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
+    sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p)
+    if opts.prompt_cache_size < 0:
+        raise OptionError("--prompt-cache-size must be >= 0")
+    setup = load_setup(opts, kind)
+    if not setup.tokenizer.has_chat_template:
+        raise OptionError("this model's tokenizer has no chat template: use specdec generate with "
+                          "--ignore-chat-template, or a chat model")
+    asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
+    block_size = setup.block_size(asked, block_size)
+    cache = PromptCache(opts.prompt_cache_size) if opts.prompt_cache_size else None
+    session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
+    system = clean(opts.system_prompt, "--system-prompt")
+    start = [{"role": "system", "content": system}] if system is not None else []
+    messages = list(start)
+    print_stderr([line for line in (*setup.notes, blas_note()) if line]
+                 + [f"{setup.model_line}; drafter {setup.drafter_name}, block size {block_size}", HELP])
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = _read("> " if interactive else "")
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            continue
+        if line is None or line.strip() in ("/quit", "/exit"):
+            break
+        if line.strip() == "/reset":
+            messages = list(start)
+            print_stderr(["(the conversation starts over)"])
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": clean(line, "the message")})
+        try:
+            rendered = render_messages(setup.tokenizer, messages, template_kwargs=setup.template_kwargs)
+            max_tokens, _ = setup.fit_context(len(rendered.ids), opts.max_tokens)
+        except (OptionError, PromptTooLongError) as e:
+            messages.pop()
+            print_stderr([f"error: {e}" + ("; /reset starts over" if isinstance(e, PromptTooLongError) else "")])
+            continue
+        request = Request(rendered.ids, max_tokens, sampling, opts.seed, boundaries=rendered.boundaries)
+        reply = Reply(session, request, TextStream(setup.tokenizer, chat=False))
+        answer, interrupted = _stream(reply, opts.live, setup.drafter_name)
+        messages.append({"role": "assistant", "content": answer})
+        print_stderr([turn_line(reply.stats, interrupted)])
+    return 0
+
+
+def _stream(reply: Reply, live: bool, drafter: str) -> tuple[str, bool]:
+    """Show one answer as it comes; returns its text and whether Ctrl-C stopped it."""
+    view = text_view(live, drafter, False)
+    answer, interrupted = "", False
+    pieces = iter(reply)
+    try:
+        for piece in pieces:
+            answer += piece.content
+            view.write(piece.content)
+            view.update(reply.stats)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        pieces.close()  # the session keeps its caches, as after any answer
+        view.close()
+    return answer, interrupted

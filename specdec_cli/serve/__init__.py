@@ -1,0 +1,6 @@
+"""``specdec serve``: an OpenAI-compatible HTTP server over one :class:`~specdec_cli.session.Session`.
+
+``protocol`` (request and response shapes, no MLX), ``service`` (what a
+request becomes), ``worker`` (the one generation thread), ``app`` (the only
+module that imports the web framework) and ``command`` (options, bind, run).
+"""

@@ -1,0 +1,233 @@
+"""The HTTP layer: FastAPI routes, server-sent events, errors in OpenAI's shape, authentication.
+
+The only module that imports the web framework. Every failure a client can
+cause answers a 4xx in OpenAI's error shape (one exception handler per kind,
+here); generation runs on the service's own thread, so ``/health`` and
+``/v1/models`` answer while a request is generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import SpecdecError
+from .protocol import ApiError, ChatRequest, CompletionRequest, error_body
+from .service import Prepared, Service
+from .worker import Busy, Done, Failed
+
+log = logging.getLogger("specdec.serve")
+
+# A comment line keeps proxies and clients from timing out while a long prompt is prefilled.
+KEEPALIVE_S = 10.0
+# How often a non-streamed request checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+           kind: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+    err = ApiError(status, message, param, code, kind)
+    return JSONResponse(err.body(), status_code=status, headers=headers)
+
+
+class _BodyLimit:
+    """Refuse bodies over ``limit`` bytes with a 413 before they are read whole."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = _error(413, f"the request body is over {self.limit // 2**20} MiB", code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await too_big(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI application serving ``service``.
+
+    Args:
+        service: The session behind the API.
+        api_key: When set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+        max_body_bytes: Larger request bodies get a 413.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.worker.start()
+        try:
+            yield
+        finally:
+            service.worker.stop()
+
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(where) or None
+        if first.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON", code="invalid_json")
+        message = first.get("msg", "invalid request")
+        return _error(400, f"{param}: {message}" if param else message, param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        messages = {404: f"no route {request.url.path}: this server answers /v1/chat/completions, "
+                         "/v1/completions, /v1/models and /health",
+                    405: f"{request.method} is not allowed on {request.url.path}"}
+        return _error(e.status_code, messages.get(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return _error(500, "the server failed on this request; its log says why", kind="server_error")
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return _error(401, "a valid API key is needed: send Authorization: Bearer <key>",
+                              code="invalid_api_key")
+        return await call_next(request)
+
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return service.health()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return service.models()
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions", include_in_schema=False)
+    async def chat(body: ChatRequest, request: Request):
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.to_thread(service.prepare_chat, body, loop)
+        return await _answer(service, prepared, body.stream, request)
+
+    @app.post("/v1/completions")
+    @app.post("/completions", include_in_schema=False)
+    async def completions(body: CompletionRequest, request: Request):
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.to_thread(service.prepare_completion, body, loop)
+        return await _answer(service, prepared, body.stream, request)
+
+    return app
+
+
+def _failure(e: BaseException) -> ApiError:
+    """What a client is told about a failure during generation."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, SpecdecError):
+        return ApiError(400, str(e))
+    if isinstance(e, Busy):
+        return ApiError(503, str(e), code="overloaded")
+    log.error("generation failed: %s", e, exc_info=(type(e), e, e.__traceback__))
+    return ApiError(500, "generation failed on the server; its log says why", kind="server_error")
+
+
+async def _answer(service: Service, prepared: Prepared, stream: bool, request: Request):
+    try:
+        service.worker.submit(prepared.job)
+    except Busy as e:
+        return _error(503, f"the server is busy ({e}): try again shortly", code="overloaded",
+                      headers={"Retry-After": "1"})
+    if stream:
+        return StreamingResponse(_events(service, prepared), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _collect(service, prepared, request)
+
+
+async def _collect(service: Service, prepared: Prepared, request: Request):
+    job, pieces = prepared.job, []
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(job.out.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+                continue
+            if isinstance(item, Done):
+                return JSONResponse(service.response(prepared, pieces, item.reply))
+            if isinstance(item, Failed):
+                err = _failure(item.error)
+                return JSONResponse(err.body(), status_code=err.status)
+            pieces.append(item)
+    finally:
+        job.cancel()  # a no-op once done; cancels when the handler itself is cancelled
+
+
+async def _events(service: Service, prepared: Prepared) -> AsyncIterator[str]:
+    job = prepared.job
+    try:
+        yield _sse(service.chunk(prepared, first=True)) if prepared.kind == "chat" else ": started\n\n"
+        while True:
+            try:
+                item = await asyncio.wait_for(job.out.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            if isinstance(item, Done):
+                yield _sse(service.final_chunk(prepared, item.reply))
+                if prepared.include_usage:
+                    yield _sse(service.usage_chunk(prepared, item.reply))
+                break
+            if isinstance(item, Failed):
+                # The 200 is out already: the error goes in a frame of its own, then [DONE].
+                yield _sse(_failure(item.error).body())
+                break
+            yield _sse(service.chunk(prepared, item))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # the client went away (or we are done): stop at the next block
+
+
+__all__ = ["create_app", "error_body"]

@@ -1,0 +1,152 @@
+"""``specdec serve``: check the options, load the session, bind, serve until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import uvicorn
+
+from .. import bundled
+from ..display import print_stderr
+from ..errors import OptionError
+from ..session import (
+    ModelOptions,
+    PromptCache,
+    Session,
+    blas_note,
+    check_model_options,
+    load_setup,
+    resolve_block_size,
+    sampling_params,
+)
+from .app import create_app
+from .service import Defaults, Service
+
+log = logging.getLogger("specdec.serve")
+# uvicorn's own wait for open connections once asked to stop; generation is
+# cancelled at once and each block is short, so this bounds shutdown.
+GRACEFUL_S = 0.5
+
+
+@dataclass
+class ServeOptions(ModelOptions):
+    """Everything ``specdec serve`` was asked to do."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: Optional[str] = None
+    no_api_key: bool = False
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: Optional[int] = None
+    queue_size: int = 16
+    block_size: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
+    adaptive: bool = True
+    max_tokens: int = 512
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    log_level: str = "info"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_access(opts: ServeOptions) -> Optional[str]:
+    """Refuse an open bind without a decision on keys; returns the warning an open, keyless bind gets."""
+    if opts.api_key is not None and opts.no_api_key:
+        raise OptionError("give --api-key KEY or --no-api-key, not both")
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise OptionError("--api-key is empty: give a key, or --no-api-key to serve without one")
+    if is_loopback(opts.host) or opts.api_key is not None:
+        return None
+    if not opts.no_api_key:
+        raise OptionError(f"--host {opts.host} lets other machines in: protect it with --api-key KEY, or pass "
+                          "--no-api-key to serve it without one")
+    return (f"serving on {opts.host} without an API key: anyone who can reach port {opts.port} there can "
+            "use the model")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (bound here, so a port in use is one clear line)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is in use: pass another --port" if e.errno in (98, 48) else f"cannot be bound ({e.strerror})"
+        raise OptionError(f"{host}:{port} {why}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_command(opts: ServeOptions) -> int:
+    """Run ``specdec serve``; returns the exit code."""
+    kind = check_model_options(opts)
+    block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
+    sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p)
+    if opts.prompt_cache_size < 0 or (opts.prompt_cache_bytes is not None and opts.prompt_cache_bytes < 0):
+        raise OptionError("--prompt-cache-size and --prompt-cache-bytes must be >= 0")
+    warning = check_access(opts)
+    sock = bind(opts.host, opts.port)
+    setup = load_setup(opts, kind)
+    asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
+    block_size = setup.block_size(asked, block_size)
+    cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if opts.prompt_cache_size else None
+    session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
+    # The id clients send back: what --model named, or the bundled model's own name.
+    name = opts.model if opts.model is not None else bundled.NAME
+    service = Service(session, name, Defaults(opts.max_tokens, opts.temp, opts.top_p, opts.top_k, opts.min_p),
+                      opts.queue_size)
+    app = create_app(service, api_key=opts.api_key)
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    print_stderr([line for line in (*setup.notes, blas_note(), warning and f"warning: {warning}") if line])
+    cached = f"prompt cache {opts.prompt_cache_size} entries" if cache is not None else "no prompt cache"
+    print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
+                  f"{block_size}; {cached}",
+                  f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])
+    _logging(opts.log_level)
+    config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.log_level == "debug",
+                            timeout_graceful_shutdown=GRACEFUL_S, lifespan="on", log_config=None)
+    server = _Server(config, service)
+    server.run(sockets=[sock])
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also cancels generation the moment it is asked to stop."""
+
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        self.service.worker.stop(timeout=0)  # streams end now, with an error frame
+        super().handle_exit(sig, frame)
+
+
+def _logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    for name in ("specdec", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False

@@ -1,0 +1,234 @@
+"""The OpenAI API's shapes as the server speaks them: requests, responses, errors. No MLX, no HTTP.
+
+Requests are pydantic models (strict types, OpenAI's ranges). Fields of the
+OpenAI API this server cannot honour exactly (``n`` > 1, ``logprobs``,
+penalties, images, ...) are refused by name with a 400, never ignored; fields
+it does not know are ignored (clients send their own extensions).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..stats import Stats
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: The HTTP status.
+        message: What went wrong and how to fix it, in one line.
+        param: The request field at fault, if one is.
+        code: A machine-readable code (OpenAI's, where one exists).
+        kind: OpenAI's error type.
+    """
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or _KINDS.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+_KINDS = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    # Strict types (no "10" for 10, no true for 1); unknown fields are kept and looked at.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Fields chat and text completions share."""
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    num_draft_tokens: Optional[int] = Field(default=None, ge=0)
+    # Accepted where they change nothing (their default values); refused otherwise (see unsupported).
+    n: Optional[int] = Field(default=None, ge=1)
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: Optional[int] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+def unsupported(req: _Common) -> Optional[ApiError]:
+    """The first field this server cannot honour exactly, as a 400 naming it (None: all fine)."""
+    checks: list[tuple[str, bool, str]] = [
+        ("n", (req.n or 1) != 1, "only one choice per request is generated: drop n or set it to 1"),
+        ("logprobs", bool(req.logprobs), "log-probabilities are not returned: drop logprobs"),
+        ("top_logprobs", req.top_logprobs not in (None, 0), "log-probabilities are not returned: drop top_logprobs"),
+        ("frequency_penalty", bool(req.frequency_penalty), "penalties would change the model's distribution, "
+         "which speculative decoding reproduces exactly: drop frequency_penalty"),
+        ("presence_penalty", bool(req.presence_penalty), "penalties would change the model's distribution, "
+         "which speculative decoding reproduces exactly: drop presence_penalty"),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported: drop it"),
+    ]
+    if isinstance(req, ChatRequest):
+        fmt = (req.response_format or {}).get("type", "text")
+        checks += [
+            ("response_format", fmt != "text", f"response_format {fmt!r} is not supported (plain text only)"),
+            ("modalities", any(m != "text" for m in req.modalities or []), "only text output is generated"),
+            ("audio", req.audio is not None, "audio output is not supported: drop audio"),
+            ("tool_choice", not _tool_choice_ok(req.tool_choice),
+             "tool_choice can be 'auto' or 'none': the model decides when to call a tool"),
+        ]
+        for i, m in enumerate(req.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    checks.append((f"messages[{i}].content[{j}]", True,
+                                   f"content of type {part.type!r} is not supported: this server runs a text model"))
+    else:
+        checks += [
+            ("echo", bool(req.echo), "echo is not supported: drop it"),
+            ("suffix", req.suffix is not None, "suffix (insertion) is not supported: drop it"),
+            ("best_of", (req.best_of or 1) != 1, "best_of is not supported: drop it or set it to 1"),
+            ("prompt", isinstance(req.prompt, list) and len(req.prompt) > 0 and isinstance(req.prompt[0], str)
+             and len(req.prompt) != 1, "one prompt per request: send a string"),
+            ("prompt", isinstance(req.prompt, (str, list)) and len(req.prompt) == 0, "the prompt is empty"),
+        ]
+    for param, bad, why in checks:
+        if bad:
+            return ApiError(400, why, param, "unsupported_parameter" if param != "prompt" else "invalid_value")
+    return None
+
+
+def _tool_choice_ok(choice) -> bool:
+    return choice is None or choice in ("auto", "none")
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """The request's messages as the chat template takes them (text parts joined, arguments as objects)."""
+    out = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content)
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                call = json.loads(json.dumps(call))  # a copy
+                fn = call.get("function") or {}
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # a template that wants the string gets it
+                calls.append(call)
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(stats: Stats) -> dict:
+    """OpenAI's usage object; ``cached_tokens`` are prompt tokens the prompt cache held."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated,
+        "total_tokens": stats.prompt_tokens + stats.generated,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def timings(stats: Stats, drafter: str, block_size: int) -> dict:
+    """llama.cpp's ``timings`` names, then ours (acceptance = accepted / drafted)."""
+    rollback = stats.rollback_choice["strategy"] if stats.rollback_choice else None
+    return {
+        "prompt_n": stats.prompt_tokens - stats.cached_tokens,
+        "prompt_ms": 1000 * stats.prefill_s,
+        "prompt_per_second": stats.prompt_tps,
+        "predicted_n": stats.generated,
+        "predicted_ms": 1000 * stats.decode_s,
+        "predicted_per_second": stats.decode_tps,
+        "draft_n": stats.drafted,
+        "draft_n_accepted": stats.accepted,
+        "cache_n": stats.cached_tokens,
+        "drafter": drafter,
+        "block_size": block_size,
+        "acceptance": stats.acceptance,
+        "tokens_per_block": stats.tokens_per_block,
+        "rollback": rollback,
+    }

@@ -1,0 +1,253 @@
+"""What the server does with a request, apart from HTTP: check it, render it, run it, shape the answer.
+
+A :class:`Service` owns the session and the generation :class:`~.worker.Worker`.
+``prepare_chat`` / ``prepare_completion`` turn a validated request into a
+:class:`Prepared` job, raising :class:`~.protocol.ApiError` (a 4xx) for
+anything that can be known before generation starts (a field it cannot
+honour, an unknown model, a prompt over the context); the HTTP layer then
+queues it and streams or collects what comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import OptionError
+from ..prompts import encode_text, render_messages
+from ..sampling import SamplingParams
+from ..session import Request, Session
+from ..session.reply import Piece, Reply, TextStream
+from ..session.setup import MemoryLimitError, PromptTooLongError
+from . import protocol
+from .protocol import ApiError, ChatRequest, CompletionRequest
+from .worker import Job, Worker
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request gets for a field it leaves out (the server's command-line options)."""
+
+    max_tokens: int = 512
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready to queue.
+
+    Attributes:
+        kind: ``chat`` or ``text``.
+        request: The session request (prompt ids, limits, sampling).
+        job: The job to queue.
+        include_usage: Streamed: send a usage chunk before ``[DONE]``.
+    """
+
+    kind: str
+    request: Request
+    job: Job
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: protocol.new_id("chatcmpl"))
+    created: int = field(default_factory=protocol.now)
+    # Tool calls streamed so far (each streamed call carries its index).
+    calls: int = 0
+
+
+class Service:
+    """The session behind the API, and the thread that runs it.
+
+    Args:
+        session: The loaded session (with its prompt cache).
+        model_id: The name ``/v1/models`` lists and requests may use.
+        defaults: Values for fields a request leaves out.
+        max_queue: Requests that may wait while one runs.
+    """
+
+    def __init__(self, session: Session, model_id: str, defaults: Defaults = Defaults(), max_queue: int = 16):
+        self.session = session
+        self.model_id = model_id
+        self.defaults = defaults
+        self.worker = Worker(max_queue)
+        self.names = {model_id, "default_model", str(session.setup.target.path), session.setup.target.name}
+
+    @property
+    def tokenizer(self):
+        return self.session.setup.tokenizer
+
+    # --- answers that need no model run ------------------------------------------
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": protocol.now(),
+                                            "owned_by": "specdec"}]}
+
+    def health(self) -> dict:
+        cache = self.session.prompt_cache
+        return {"status": "ok", "model": self.model_id, "busy": self.worker.current is not None,
+                "waiting": self.worker.waiting, "prompt_cache_entries": len(cache) if cache else 0}
+
+    # --- checking and rendering ----------------------------------------------------
+
+    def _check_model(self, name: Optional[str]) -> None:
+        if name is not None and name not in self.names:
+            raise ApiError(404, f"the model {name!r} is not served here; this server runs {self.model_id!r} "
+                           "(GET /v1/models)", "model", "model_not_found")
+
+    def _limits(self, req, ids: list[int], max_tokens: Optional[int], param: str) -> int:
+        setup = self.session.setup
+        asked = max_tokens if max_tokens is not None else self.defaults.max_tokens
+        try:
+            most, _ = setup.fit_context(len(ids), asked)
+            setup.check_memory(len(ids) + most)
+        except PromptTooLongError as e:
+            raise ApiError(400, str(e), param, "context_length_exceeded") from None
+        except MemoryLimitError as e:
+            raise ApiError(400, str(e), "max_tokens") from None
+        return most
+
+    def _sampling(self, req) -> SamplingParams:
+        d = self.defaults
+        temp = d.temp if req.temperature is None else req.temperature
+        if temp == 0:
+            return SamplingParams()  # filters change nothing when greedy
+        return SamplingParams(temp, d.top_p if req.top_p is None else req.top_p,
+                              d.top_k if req.top_k is None else req.top_k,
+                              d.min_p if req.min_p is None else req.min_p)
+
+    def _request(self, req, ids: list[int], boundaries: tuple[int, ...], max_tokens: Optional[int],
+                 param: str) -> Request:
+        most = self._limits(req, ids, max_tokens, param)
+        block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
+        return Request(ids, most, self._sampling(req), req.seed, block, boundaries)
+
+    def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
+        """Check a chat request and make its job.
+
+        Raises:
+            ApiError: A 4xx naming the field at fault.
+        """
+        self._check_model(req.model)
+        bad = protocol.unsupported(req)
+        if bad is not None:
+            raise bad
+        tools = req.tools if req.tool_choice != "none" else None
+        kwargs = {**self.session.setup.template_kwargs, **(req.chat_template_kwargs or {})}
+        try:
+            rendered = render_messages(self.tokenizer, protocol.chat_messages(req), tools=tools,
+                                       template_kwargs=kwargs)
+        except OptionError as e:
+            raise ApiError(400, str(e), "messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages")
+        return self._prepared("chat", req, request, loop, tools, chat=True)
+
+    def prepare_completion(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
+        """Check a text completion request and make its job.
+
+        Raises:
+            ApiError: A 4xx naming the field at fault.
+        """
+        self._check_model(req.model)
+        bad = protocol.unsupported(req)
+        if bad is not None:
+            raise bad
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode_text(self.tokenizer, prompt)
+        else:
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"token ids must be within [0, {vocab})", "prompt", "invalid_value")
+            ids = list(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", "prompt", "invalid_value")
+        request = self._request(req, ids, (), req.max_tokens, "prompt")
+        prepared = self._prepared("text", req, request, loop, None, chat=False)
+        prepared.id = protocol.new_id("cmpl")
+        return prepared
+
+    def _prepared(self, kind: str, req, request: Request, loop, tools, chat: bool) -> Prepared:
+        stop = req.stop_strings
+        tokenizer, session = self.tokenizer, self.session
+        job: Job
+
+        def make() -> Reply:
+            stream = TextStream(tokenizer, stop, tools, chat=chat, prompt=request.prompt_ids)
+            return Reply(session, request, stream, cancelled=job.cancelled.is_set)
+
+        job = Job(make, loop)
+        include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return Prepared(kind, request, job, include)
+
+    # --- answers -------------------------------------------------------------------
+
+    def block_size(self, request: Request) -> int:
+        return min(request.block_size or self.session.block_size, self.session.block_size)
+
+    def timings(self, prepared: Prepared, reply: Reply) -> dict:
+        name = "plain" if self.session.plain else self.session.setup.drafter_name
+        return protocol.timings(reply.stats, name, self.block_size(prepared.request))
+
+    def response(self, prepared: Prepared, pieces: list[Piece], reply: Reply) -> dict:
+        """The whole answer of a request that was not streamed."""
+        content = "".join(p.content for p in pieces)
+        body: dict[str, Any] = {"id": prepared.id, "created": prepared.created, "model": self.model_id}
+        if prepared.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            reasoning = "".join(p.reasoning for p in pieces)
+            calls = [c for p in pieces for c in p.tool_calls]
+            if reasoning:
+                message["reasoning"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            body.update(object="chat.completion",
+                        choices=[{"index": 0, "message": message, "finish_reason": reply.finish_reason,
+                                  "logprobs": None}])
+        else:
+            body.update(object="text_completion",
+                        choices=[{"index": 0, "text": content, "finish_reason": reply.finish_reason,
+                                  "logprobs": None}])
+        body["usage"] = protocol.usage(reply.stats)
+        body["timings"] = self.timings(prepared, reply)
+        return body
+
+    def chunk(self, prepared: Prepared, piece: Optional[Piece] = None, first: bool = False,
+              finish: Optional[str] = None) -> dict:
+        """One streamed chunk: the role first (chat), then text deltas, then the finish reason."""
+        body: dict[str, Any] = {"id": prepared.id, "created": prepared.created, "model": self.model_id}
+        if prepared.kind == "chat":
+            delta: dict[str, Any] = {}
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            if piece is not None:
+                if piece.content:
+                    delta["content"] = piece.content
+                if piece.reasoning:
+                    delta["reasoning"] = piece.reasoning
+                if piece.tool_calls:
+                    delta["tool_calls"] = [{"index": i, **c}
+                                           for i, c in enumerate(piece.tool_calls, start=prepared.calls)]
+                    prepared.calls += len(piece.tool_calls)
+            body.update(object="chat.completion.chunk",
+                        choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+        else:
+            body.update(object="text_completion",
+                        choices=[{"index": 0, "text": piece.content if piece else "", "finish_reason": finish,
+                                  "logprobs": None}])
+        return body
+
+    def final_chunk(self, prepared: Prepared, reply: Reply) -> dict:
+        body = self.chunk(prepared, finish=reply.finish_reason)
+        body["timings"] = self.timings(prepared, reply)
+        return body
+
+    def usage_chunk(self, prepared: Prepared, reply: Reply) -> dict:
+        obj = "chat.completion.chunk" if prepared.kind == "chat" else "text_completion"
+        return {"id": prepared.id, "object": obj, "created": prepared.created, "model": self.model_id,
+                "choices": [], "usage": protocol.usage(reply.stats)}
+

@@ -1,0 +1,231 @@
+"""One reply as a client sees it: tokens -> text, stop strings cut, reasoning and tool calls split out.
+
+:class:`TextStream` turns committed tokens into the text that may be shown
+so far: a stop string is never emitted (text that could be the start of one is
+held back until it cannot), and with a chat model's markers the text is split
+into content, reasoning and tool calls by mlx-lm's own state machine and tool
+parsers. :class:`Reply` drives one generation of a :class:`~.generate.Session`
+through it; ``chat`` and ``serve`` both read replies this way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+
+from ..runner import Step
+from ..stats import Stats
+from .generate import Request, Session
+
+log = logging.getLogger("specdec")
+
+
+@dataclass
+class Piece:
+    """Text that became safe to show.
+
+    Attributes:
+        content: The answer's text.
+        reasoning: Text inside the model's thinking markers.
+        tool_calls: Tool calls completed in this piece, OpenAI-shaped.
+    """
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+def _held(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that starts some stop string (kept back until resolved)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
+class TextStream:
+    """Tokens to client text: stop strings, then (chat) reasoning and tool calls.
+
+    Args:
+        tokenizer: mlx-lm's tokenizer wrapper.
+        stop: Strings that end the reply; never emitted.
+        tools: The request's tools (passed to the tool parser).
+        chat: Split reasoning and tool calls out (chat replies); completions get the raw text.
+        prompt: The prompt's ids (a prompt ending inside a thinking block starts in reasoning).
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), tools: Optional[list] = None, chat: bool = True,
+                 prompt: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.stops = [s for s in stop if s]
+        self.tools = tools
+        self.stopped = False
+        self.text = ""  # everything emitted, raw (before the split)
+        self._held = ""
+        self._machine = None
+        self._tool_text = ""
+        self._calls = 0
+        if chat and (tokenizer.has_thinking or tokenizer.has_tool_calling):
+            machine = make_text_state_machine(tokenizer)
+            initial = "normal"
+            if tokenizer.has_thinking and prompt:
+                if tokenizer.rfind_think_start(list(prompt)) > tokenizer.rfind_think_end(list(prompt)):
+                    initial = "reasoning"
+            self._machine = machine.make_state(initial)
+
+    def add(self, tokens: Sequence[int]) -> Piece:
+        """Take committed tokens; returns the text that became safe to show."""
+        if self.stopped:
+            return Piece()
+        for t in tokens:
+            self.detok.add_token(t)
+        return self._raw(self.detok.last_segment, final=False)
+
+    def finish(self) -> Piece:
+        """The reply ended: flush what was held back (a stop string found now still cuts it)."""
+        if self.stopped:
+            return Piece()
+        self.detok.finalize()
+        piece = self._raw(self.detok.last_segment, final=True)
+        if self._machine is not None:
+            self._machine, rest, state = TextStateMachine.flush(self._machine)
+            self._route(piece, state, rest)
+            if self._tool_text:
+                self._close_tool(piece)
+        return piece
+
+    def _raw(self, segment: str, final: bool) -> Piece:
+        text = self._held + segment
+        cut = None
+        for s in self.stops:
+            i = text.find(s)
+            if i >= 0 and (cut is None or i < cut):
+                cut = i
+        if cut is not None:
+            self.stopped = True
+            out, self._held = text[:cut], ""
+        else:
+            keep = 0 if final else _held(text, self.stops)
+            out, self._held = text[: len(text) - keep], text[len(text) - keep:]
+        self.text += out
+        return self._split(out)
+
+    def _split(self, text: str) -> Piece:
+        piece = Piece()
+        if self._machine is None:
+            piece.content = text
+            return piece
+        self._machine, segments = TextStateMachine.split(self._machine, text)
+        previous = None
+        for state, part in segments:
+            if previous == "tool" and state != "tool":
+                self._close_tool(piece)
+            self._route(piece, state, part)
+            previous = state
+        return piece
+
+    def _route(self, piece: Piece, state: Optional[str], text: str) -> None:
+        if state == "tool":
+            self._tool_text += text
+        elif state == "reasoning":
+            piece.reasoning += text
+        else:
+            piece.content += text
+
+    def _close_tool(self, piece: Piece) -> None:
+        """A tool call's text ended: parse it with mlx-lm's parser for this model."""
+        text, self._tool_text = self._tool_text, ""
+        try:
+            parsed = self.tokenizer.tool_parser(text, self.tools)
+        except Exception as e:  # parsers raise what their format's library raises
+            # Never lose model output: a call that does not parse is shown as text.
+            log.warning("a tool call did not parse (%s); it is returned as text", " ".join(str(e).split()))
+            piece.content += f"{self.tokenizer.tool_call_start}{text}{self.tokenizer.tool_call_end or ''}"
+            return
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            piece.tool_calls.append(_tool_call(call))
+            self._calls += 1
+
+    @property
+    def made_tool_calls(self) -> bool:
+        return self._calls > 0
+
+
+def _tool_call(call: dict) -> dict:
+    """One parsed call in OpenAI's shape (arguments as a JSON string)."""
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.get("name", ""), "arguments": arguments}}
+
+
+class Reply:
+    """One generation read as text: iterate it for :class:`Piece` objects, then read the totals.
+
+    Closing the iterator (or breaking out of a ``for`` over it) cancels the
+    generation at the next block; the session keeps its caches consistent.
+
+    Args:
+        session: The session that generates.
+        request: What to generate.
+        stream: How tokens become text (stop strings, reasoning, tools).
+        cancelled: Asked between prefill chunks (see :meth:`Session.generate`).
+
+    Attributes:
+        stats: The generation's statistics (acceptance, timings), filled as it runs.
+        finish_reason: ``stop`` (EOS or a stop string), ``length`` or
+            ``tool_calls`` once it has run to its end; None if it was cancelled.
+        tokens: The generated tokens.
+    """
+
+    def __init__(self, session: Session, request: Request, stream: TextStream,
+                 cancelled: Optional[Callable[[], bool]] = None):
+        self.session = session
+        self.request = request
+        self.stream = stream
+        self.cancelled = cancelled
+        self.stats = Stats(prompt_tokens=len(request.prompt_ids))
+        self.tokens: list[int] = []
+        self.finish_reason: Optional[str] = None
+
+    def __iter__(self) -> Iterator[Piece]:
+        events = self.session.generate(self.request, cancelled=self.cancelled)
+        try:
+            for event in events:
+                if not isinstance(event, Step):
+                    self.stats.note(event)
+                    continue
+                self.tokens += event.block.tokens
+                self.stats.add(event.block, event.seconds)
+                piece = self.stream.add(event.block.tokens)
+                if piece:
+                    yield piece
+                if self.stream.stopped:
+                    break
+        finally:
+            events.close()
+        piece = self.stream.finish()
+        self.finish_reason = self._reason()
+        if piece:
+            yield piece
+
+    def _reason(self) -> str:
+        if self.stream.stopped:
+            return "stop"
+        if self.stats.finish_reason == "length":
+            return "length"
+        return "tool_calls" if self.stream.made_tool_calls else "stop"

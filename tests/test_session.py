@@ -1,0 +1,227 @@
+"""The session layer: prompt caches across requests (hybrids and sliding windows too) and replies as text."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from helpers import PROMPT, cache_arrays, max_cache_diff
+from mtp_fixtures import fitted_head, hf_checkpoint
+from specdec_cli.caches import ModelCache
+from specdec_cli.errors import Cancelled
+from specdec_cli.runner import Prefilled, Step
+from specdec_cli.session import ModelOptions, PromptCache, Request, SavedCache, Session, load_setup
+from specdec_cli.session.reply import Reply, TextStream
+from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+
+FAMILIES = ["llama", "qwen3_5", "gemma3_text", "nemotron_h"]
+MORE = list(b" And once more, the quick brown fox jumps over the lazy dog.")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("session")
+    out = {f: make_model_dir(root / f, f, seed=0) for f in FAMILIES}
+    out["llama-draft"] = make_model_dir(root / "llama-draft", "llama", seed=0, noise=0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setups(dirs):
+    return {f: load_setup(ModelOptions(model=str(dirs[f]), dtype="float32"), "lookup") for f in FAMILIES}
+
+
+def gen(session: Session, ids, n: int = 40, **kw) -> tuple[list[int], Prefilled]:
+    tokens, prefilled = [], None
+    for event in session.generate(Request(ids, n, **kw)):
+        if isinstance(event, Prefilled):
+            prefilled = event
+        elif isinstance(event, Step):
+            tokens += event.block.tokens
+            gen.finish = event.block.finish_reason
+    return tokens, prefilled
+
+
+def held(prompt, tokens) -> int:
+    """What the caches hold after a run: the prompt and every token but the last (an EOS is the last)."""
+    return len(prompt) + len(tokens) - (0 if gen.finish == "stop" else 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_later_turn_resumes_everything_the_last_one_left_and_generates_what_a_cold_session_does(setups, family):
+    setup = setups[family]
+    warm, cold = Session(setup, 16, prompt_cache=PromptCache()), Session(setup, 16)
+    first, _ = gen(warm, PROMPT)
+    kept = held(PROMPT, first)
+    second = PROMPT + first + MORE
+    out, pre = gen(warm, second)
+    ref, cold_pre = gen(cold, second)
+    assert out == ref and cold_pre.cached == 0
+    assert pre.cached == kept
+    again, pre = gen(warm, second)
+    assert again == ref and pre.cached == len(second) - 1  # the same prompt again: only its last token is fed
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "gemma3_text"])
+def test_recurrent_and_window_layers_resume_at_a_checkpoint_a_request_named(setups, family):
+    setup = setups[family]
+    warm, cold = Session(setup, 16, prompt_cache=PromptCache()), Session(setup, 16)
+    cut = 30
+    gen(warm, PROMPT, boundaries=(cut,))
+    branch = PROMPT[:cut] + MORE
+    out, pre = gen(warm, branch)
+    assert out == gen(cold, branch)[0]
+    assert pre.cached == cut
+    # Without that checkpoint only an attention-only model could have trimmed back to it.
+    plain = Session(setup, 16, prompt_cache=PromptCache())
+    gen(plain, PROMPT)
+    assert gen(plain, branch)[1].cached == 0
+
+
+def test_an_attention_model_trims_to_any_shared_prefix(setups):
+    warm = Session(setups["llama"], 16, prompt_cache=PromptCache())
+    gen(warm, PROMPT)
+    out, pre = gen(warm, PROMPT[:23] + MORE)
+    assert pre.cached == 23 and out == gen(Session(setups["llama"], 16), PROMPT[:23] + MORE)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_resumed_cache_is_the_saved_one_bit_for_bit_and_never_written_through(setups, family):
+    model = setups[family].target.model
+    cache = ModelCache(model)
+    cache.prefill(PROMPT[:-1], 16, stops=[20])
+    saved = SavedCache.of(cache)
+    for mark in cache.marks:
+        saved.add(mark)
+    before = [mx.array(a) for a in cache_arrays(cache)]
+    lengths = [saved.length, 20]
+    for n in lengths:
+        resumed = saved.resume(model, n)
+        direct = ModelCache(model)
+        direct.prefill(PROMPT[:n], 16, sizes=cache.chunks)  # the same chunks: the same bits
+        assert max_cache_diff(resumed, direct) == 0.0
+        # Writing on the resumed copy leaves the saved state (and the live cache) as they were.
+        resumed.feed(mx.array(MORE, dtype=mx.uint32))
+        mx.eval(resumed.state_arrays())
+    again = saved.resume(model, saved.length)
+    assert max_cache_diff(again, cache) == 0.0
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, cache_arrays(cache)))
+
+
+def test_a_saved_cache_refuses_lengths_it_cannot_resume_exactly(setups):
+    model = setups["qwen3_5"].target.model
+    cache = ModelCache(model)
+    cache.prefill(PROMPT[:-1], 16)
+    saved = SavedCache.of(cache)
+    assert not saved.can_resume(10) and saved.best(40) == 0 and saved.best(len(PROMPT)) == saved.length
+    with pytest.raises(ValueError):
+        saved.resume(model, 10)
+
+
+def test_the_prompt_cache_is_bounded_by_entries_and_bytes(setups):
+    setup = setups["llama"]
+    session = Session(setup, 16, prompt_cache=PromptCache(max_entries=2))
+    for i in range(4):
+        gen(session, [65 + i] + PROMPT, n=4)
+    assert len(session.prompt_cache) == 2
+    one = session.prompt_cache.nbytes // 2
+    tight = Session(setup, 16, prompt_cache=PromptCache(max_entries=10, max_bytes=one + one // 2))
+    for i in range(3):
+        gen(tight, [65 + i] + PROMPT, n=4)
+    assert len(tight.prompt_cache) == 1 and tight.prompt_cache.nbytes <= one + one // 2
+    off = Session(setup, 16, prompt_cache=PromptCache(max_entries=0))
+    gen(off, PROMPT, n=4)
+    assert len(off.prompt_cache) == 0 and gen(off, PROMPT, n=4)[1].cached == 0
+
+
+def test_an_entry_a_longer_one_extends_is_dropped(setups):
+    session = Session(setups["llama"], 16, prompt_cache=PromptCache())
+    first, _ = gen(session, PROMPT)
+    gen(session, PROMPT + first + MORE)
+    assert len(session.prompt_cache) == 1  # the second turn's entry serves everything the first did
+
+
+def test_a_draft_model_resumes_its_own_caches(dirs):
+    setup = load_setup(ModelOptions(model=str(dirs["llama"]), draft_model=str(dirs["llama-draft"]),
+                                    dtype="float32"), "model")
+    warm, cold = Session(setup, 4, prompt_cache=PromptCache()), Session(setup, 4)
+    first, _ = gen(warm, PROMPT)
+    second = PROMPT + first + MORE
+    hit = warm.prompt_cache.fetch(second, setup.target.model, setup.draft.model)
+    assert hit.draft is not None and hit.draft.length > len(PROMPT)
+    out, pre = gen(warm, second)
+    assert out == gen(cold, second)[0] and pre.cached > len(PROMPT)
+
+
+def test_a_drafter_reading_hidden_states_gets_them_for_the_cached_tokens(tmp_path):
+    path = hf_checkpoint(tmp_path / "mtp", "qwen3_5", fitted_head("qwen3_5"))
+    setup = load_setup(ModelOptions(model=str(path), dtype="float32"), "mtp")
+    warm, cold = Session(setup, 4, prompt_cache=PromptCache()), Session(setup, 4)
+    first, _ = gen(warm, PROMPT)
+    kept = held(PROMPT, first)
+    entry = next(iter(warm.prompt_cache._entries.values()))
+    assert entry.hidden is not None and entry.hidden.length == entry.target.length == kept
+    second = PROMPT + first + MORE
+    out, pre = gen(warm, second)
+    ref, _ = gen(cold, second)
+    assert out == ref and pre.cached == kept
+
+
+def test_a_cancelled_prefill_keeps_what_it_fed_and_the_next_request_resumes_it(setups):
+    setup = setups["qwen3_5"]
+    session = Session(setup, 16, prompt_cache=PromptCache(), prefill_seconds=None)
+    calls = []
+
+    def cancelled() -> bool:
+        calls.append(1)
+        return len(calls) >= 2  # after the second chunk
+
+    long = PROMPT * 4
+    setup.options.prefill_step_size = 32
+    try:
+        with pytest.raises(Cancelled):
+            for _ in session.generate(Request(long, 8), cancelled=cancelled):
+                pass
+        entry = next(iter(session.prompt_cache._entries.values()))
+        assert entry.target.length == 64 and tuple(long[:64]) == entry.tokens
+        out, pre = gen(session, long, n=8)
+    finally:
+        setup.options.prefill_step_size = 2048
+    assert pre.cached == 64 and out == gen(Session(setup, 16), long, n=8)[0]
+
+
+# --- replies as text ------------------------------------------------------------------
+
+def _stream_text(tokenizer, text: str, stop, chat=False) -> tuple[str, bool]:
+    stream = TextStream(tokenizer, stop, chat=chat)
+    out = ""
+    for t in tokenizer.encode(text):
+        out += stream.add([t]).content
+        if stream.stopped:
+            break
+    return out + stream.finish().content, stream.stopped
+
+
+def test_stop_strings_are_cut_never_emitted_even_across_tokens(setups):
+    tok = setups["llama"].tokenizer
+    assert _stream_text(tok, "one two three four", ["three"]) == ("one two ", True)
+    assert _stream_text(tok, "one two three four", ["thr", "two"]) == ("one ", True)
+    assert _stream_text(tok, "one two thirty", ["three"]) == ("one two thirty", False)  # held back, then freed
+    # Held-back text is never shown early: each piece is safe.
+    stream, shown = TextStream(tok, ["STOP"]), []
+    for t in tok.encode("abc STO and STOP"):
+        shown.append(stream.add([t]).content)
+    assert "".join(shown) == "abc STO and " and stream.stopped
+    assert all("STO" not in "".join(shown[: i + 1]) or i >= 7 for i in range(len(shown)))
+
+
+def test_a_reply_ends_at_a_stop_string_with_finish_reason_stop(setups):
+    setup = setups["llama"]
+    session = Session(setup, 16)
+    full = Reply(session, Request(PROMPT, 40), TextStream(setup.tokenizer))
+    text = "".join(p.content for p in full)
+    stop = text[10:14]
+    cut = Reply(session, Request(PROMPT, 40), TextStream(setup.tokenizer, [stop]))
+    assert "".join(p.content for p in cut) == text[: text.index(stop)]
+    assert cut.finish_reason == "stop" and full.finish_reason == "length"
+    assert cut.stats.generated < full.stats.generated
