@@ -126,7 +126,10 @@ def serve_command(opts: ServeOptions) -> int:
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.log_level == "debug",
                             timeout_graceful_shutdown=GRACEFUL_S, lifespan="on", log_config=None)
     server = _Server(config, service)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the signal it caught again once it has shut down: stopping is the normal end
     return 0
 
 

@@ -88,6 +88,8 @@ class _Common(_Strict):
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
     num_draft_tokens: Optional[int] = Field(default=None, ge=0)
+    # llama.cpp's and vLLM's extension: generate past end-of-sequence tokens (benchmarks).
+    ignore_eos: bool = False
     # Accepted where they change nothing (their default values); refused otherwise (see unsupported).
     n: Optional[int] = Field(default=None, ge=1)
     logprobs: Union[bool, int, None] = None

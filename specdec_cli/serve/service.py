@@ -121,7 +121,7 @@ class Service:
                  param: str) -> Request:
         most = self._limits(req, ids, max_tokens, param)
         block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
-        return Request(ids, most, self._sampling(req), req.seed, block, boundaries)
+        return Request(ids, most, self._sampling(req), req.seed, block, boundaries, ignore_eos=req.ignore_eos)
 
     def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
         """Check a chat request and make its job.

@@ -147,7 +147,7 @@ class Worker:
             finally:
                 pieces.close()  # a cancel lands here: the session keeps its caches consistent
             if job.cancelled.is_set():
-                log.info("cancelled after %d tokens (the client went away)", reply.stats.generated)
+                log.info("cancelled after %d tokens", reply.stats.generated)
                 return
             job.send(Done(reply))
             log.info(_line(reply))

@@ -44,6 +44,7 @@ class Request:
         block_size: Most tokens verified per target forward (None: the session's).
         boundaries: Prompt lengths worth a resumable snapshot (chat segment ends).
         timed: Time each block's phases (adds host syncs).
+        ignore_eos: Generate past end-of-sequence tokens (to ``max_tokens``).
     """
 
     prompt_ids: Sequence[int]
@@ -53,6 +54,7 @@ class Request:
     block_size: Optional[int] = None
     boundaries: tuple[int, ...] = ()
     timed: bool = False
+    ignore_eos: bool = False
 
 
 class _HiddenLog:
@@ -148,7 +150,7 @@ class Session:
         consistent = False
         events = run(
             self.model, ids, drafter=drafter, policy=policy, max_tokens=request.max_tokens,
-            eos_ids=setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
+            eos_ids=() if request.ignore_eos else setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
             timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,

@@ -1,0 +1,176 @@
+"""A real ``specdec serve`` process for the tests, and a tiny model that calls a tool.
+
+:class:`Server` starts the CLI as a subprocess on a free port (``--port 0``;
+the port is read from its start-up line), waits for ``/health``, keeps its
+stderr, and is stopped with SIGTERM (then killed, as a hang guard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import openai
+
+from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, save_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"serving the OpenAI API on (http://\S+)/v1")
+# Hang guards only: a healthy start takes seconds, the bundled model ~20 s on a busy machine.
+START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 30
+
+
+def env(**extra: str) -> dict:
+    out = dict(os.environ)
+    out.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **extra})
+    return out
+
+
+class Server:
+    """``specdec serve ARGS`` on a free port.
+
+    Args:
+        args: Command-line arguments after ``serve``.
+    """
+
+    def __init__(self, *args: str, extra_env: Optional[dict] = None):
+        self.args = [str(a) for a in args]
+        cmd = [sys.executable, "-m", "specdec_cli", "serve", "--port", "0", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=env(**(extra_env or {})))
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url: Optional[str] = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(START_TIMEOUT_S) or self.url is None:
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + self.log)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not answer /health:\n" + self.log)
+            time.sleep(0.05)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            m = READY.search(line)
+            if m:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                             timeout=kw.pop("timeout", 120), **kw)
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        headers = {"content-type": "application/json", **kw.pop("headers", {})}
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=120, **kw)
+
+    def stop(self, sig: int = signal.SIGTERM) -> Optional[int]:
+        """Ask the server to stop; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+# --- a tiny model that calls a tool --------------------------------------------------
+
+# Qwen2.5's way of writing tools and calls, cut down: mlx-lm reads the json_tools parser from it.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou can call these tools:\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n"
+    "</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n"
+    "</tool_call>{%- endfor %}{%- else %}{{ message['content'] }}{%- endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_ANSWER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tool_model_dir(path: Path, steps: int = 300) -> Path:
+    """A tiny llama trained (seconds) to answer ``TOOL_QUESTION`` with ``TOOL_ANSWER``, then EOS.
+
+    Its chat template renders tools the way Qwen2.5's does, so mlx-lm infers
+    its json_tools parser; greedy decoding reproduces the call exactly (checked).
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from specdec_cli.prompts import render_messages
+
+    config = TINY_CONFIGS["llama"]
+    model = build_model(config, seed=3)
+    save_model_dir(path, model, config)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = TOOLS_TEMPLATE
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.has_tool_calling, "mlx-lm should infer a tool parser from this template"
+    prompt = render_messages(tokenizer, TOOL_QUESTION, tools=[WEATHER_TOOL]).ids
+    answer = tokenizer.encode(TOOL_ANSWER, add_special_tokens=False) + [EOS_ID]
+    ids = mx.array(prompt + answer[:-1], dtype=mx.uint32)[None]
+    labels = mx.array(answer, dtype=mx.uint32)
+    n = len(answer)
+
+    def loss_fn(m):
+        logits = m(ids)[0, -n:]
+        return nn.losses.cross_entropy(logits, labels).mean()
+
+    opt = optim.Adam(learning_rate=3e-3)
+    grad = nn.value_and_grad(model, loss_fn)
+    model.train()
+    for step in range(steps):
+        _, g = grad(model)
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+        if step % 25 == 24 and _says(model, prompt, answer):
+            break
+    model.eval()
+    assert _says(model, prompt, answer), "the tiny model did not learn its tool call"
+    save_model_dir(path, model, config, tokenizer=False)
+    return path
+
+
+def _says(model, prompt: list[int], answer: list[int]) -> bool:
+    """Greedy decoding of ``prompt`` gives ``answer`` (teacher-forced argmax, the same thing for one sequence)."""
+    logits = model(mx.array(prompt + answer[:-1], dtype=mx.uint32)[None])[0, -len(answer):]
+    return mx.argmax(logits, axis=-1).tolist() == answer

@@ -1,0 +1,374 @@
+"""``specdec serve`` as a client sees it: a real server process, the official openai client, a real socket."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from server import TOOL_QUESTION, WEATHER_TOOL, Server, tool_model_dir
+from specdec_cli.cli import app
+from specdec_cli.synthetic import make_model_dir
+
+FAMILIES = ["llama", "qwen3_5", "gemma3_text"]
+QUESTION = "Copy this: the quick brown fox jumps over the lazy dog, and the quick brown fox runs."
+N = 40
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    return {f: make_model_dir(root / f, f, seed=0) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def servers(dirs):
+    started = {f: Server("--model", dirs[f]) for f in FAMILIES}
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+def generate(*args) -> dict:
+    """``specdec generate --json --compare-ar`` in this process: the text and the proof it is plain decoding's."""
+    result = CliRunner().invoke(app, ["generate", "--json", "--compare-ar", "-m", str(N), *map(str, args)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["compare"]["identical"], report["compare"]
+    return report
+
+
+def chat_text(client, messages, **kw) -> tuple[str, object]:
+    out = client.chat.completions.create(model=kw.pop("model", "default_model"), messages=messages,
+                                         max_tokens=kw.pop("max_tokens", N), **kw)
+    return out.choices[0].message.content, out
+
+
+def streamed(client, kind: str, **kw) -> tuple[str, list]:
+    """Text and chunks of a streamed request (chat or text completion)."""
+    make = client.chat.completions.create if kind == "chat" else client.completions.create
+    chunks = list(make(model="default_model", stream=True, **kw))
+    if kind == "chat":
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = "".join(c.choices[0].text or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_served_text_is_generates_and_so_plain_decodings(servers, dirs, family):
+    server = servers[family]
+    client = server.client()
+    messages = [{"role": "user", "content": QUESTION}]
+    want_chat = generate("--model", dirs[family], "-p", QUESTION)["text"]
+    want_text = generate("--model", dirs[family], "--ignore-chat-template", "-p", QUESTION)["text"]
+
+    text, out = chat_text(client, messages)
+    assert text == want_chat
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    text, chunks = streamed(client, "chat", messages=messages, max_tokens=N,
+                           stream_options={"include_usage": True})
+    assert text == want_chat
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].model_extra["timings"]["predicted_n"] == chunks[-1].usage.completion_tokens
+
+    done = client.completions.create(model="default_model", prompt=QUESTION, max_tokens=N)
+    assert done.choices[0].text == want_text and done.object == "text_completion"
+    text, _ = streamed(client, "text", prompt=QUESTION, max_tokens=N)
+    assert text == want_text
+
+
+def test_usage_and_timings_say_what_ran(servers):
+    client = servers["llama"].client()
+    _, out = chat_text(client, [{"role": "user", "content": QUESTION}], max_tokens=N)
+    t = out.model_extra["timings"]
+    assert out.usage.completion_tokens == t["predicted_n"] <= N
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert t["prompt_n"] == out.usage.prompt_tokens - out.usage.prompt_tokens_details.cached_tokens
+    assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    assert t["acceptance"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0)
+    assert t["drafter"] == "lookup" and t["block_size"] == 64 and t["rollback"] == "trim"
+    assert t["tokens_per_block"] >= 1 and t["predicted_per_second"] > 0
+    # A request may verify fewer tokens per forward than the server, never more.
+    _, out = chat_text(client, [{"role": "user", "content": QUESTION}], extra_body={"num_draft_tokens": 2})
+    assert out.model_extra["timings"]["block_size"] == 3
+    _, out = chat_text(client, [{"role": "user", "content": QUESTION}], extra_body={"num_draft_tokens": 500})
+    assert out.model_extra["timings"]["block_size"] == 64
+
+
+def test_stop_strings_end_the_answer_and_are_never_sent(servers):
+    client = servers["llama"].client()
+    messages = [{"role": "user", "content": QUESTION}]
+    full, _ = chat_text(client, messages)
+    stop = full[12:15]
+    cut, out = chat_text(client, messages, stop=[stop, "never-there"])
+    assert cut == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+    text, chunks = streamed(client, "chat", messages=messages, max_tokens=N, stop=stop)
+    assert text == cut and stop not in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_second_turn_reuses_the_cache_and_answers_as_a_cold_server(servers, dirs, family):
+    client = servers[family].client()
+    first = [{"role": "user", "content": "Tell me about the fox and the dog."}]
+    answer, out1 = chat_text(client, first)
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the fox again?"}]
+    text, out2 = chat_text(client, second)
+    cached = out2.usage.prompt_tokens_details.cached_tokens
+    # At least turn one's prompt is reused (a random model's bytes need not survive the trip through
+    # text and back, so its answer may not be; the bundled model's test checks that part).
+    assert cached >= out1.usage.prompt_tokens - 1
+    assert out2.model_extra["timings"]["prompt_n"] == out2.usage.prompt_tokens - cached
+    cold = Server("--model", dirs[family], "--prompt-cache-size", "0")
+    try:
+        again, out3 = chat_text(cold.client(), second)
+    finally:
+        cold.stop()
+    assert again == text and out3.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_tool_call_comes_back_parsed(tmp_path):
+    server = Server("--model", tool_model_dir(tmp_path / "tools"))
+    try:
+        client = server.client()
+        out = client.chat.completions.create(model="default_model", messages=TOOL_QUESTION, tools=[WEATHER_TOOL],
+                                             max_tokens=120)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id
+        chunks = list(client.chat.completions.create(model="default_model", messages=TOOL_QUESTION,
+                                                     tools=[WEATHER_TOOL], max_tokens=120, stream=True))
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+            [(0, "get_weather", {"city": "Paris"})]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # The call and its result go back in the conversation, as a client sends them.
+        follow = TOOL_QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        out = client.chat.completions.create(model="default_model", messages=follow, tools=[WEATHER_TOOL],
+                                             max_tokens=8)
+        assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        server.stop()
+
+
+def test_a_client_that_goes_away_mid_stream_is_cancelled_and_the_next_request_served(servers):
+    server = servers["gemma3_text"]
+    client = server.client()
+    # Plain decoding (no drafts) of thousands of tokens: far longer than reading one chunk takes.
+    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Go"}],
+                                            max_tokens=3000, stream=True, extra_body={"num_draft_tokens": 0, "ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+    text, out = chat_text(client, [{"role": "user", "content": QUESTION}])
+    assert out.choices[0].finish_reason in ("stop", "length")
+    cancelled = [int(m.group(1)) for m in re.finditer(r"cancelled after (\d+) tokens", server.log)]
+    assert cancelled and cancelled[-1] < 3000
+
+
+def test_concurrent_clients_each_get_their_own_exact_text(servers):
+    client = servers["llama"].client()
+    questions = [f"Question {i}: where does the fox {w}?" for i, w in enumerate(["run", "sleep", "eat", "hide"])]
+    alone = [chat_text(client, [{"role": "user", "content": q}])[0] for q in questions]
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = chat_text(client, [{"role": "user", "content": questions[i]}])[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [together[i] for i in range(len(questions))] == alone
+
+
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, None),
+    ("not an object", "/v1/chat/completions", [1, 2], 400, None),
+    ("no messages", "/v1/chat/completions", {"model": "default_model"}, 400, "messages"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("a string for a number", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "10"}, 400, "max_tokens"),
+    ("out of range", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
+    ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("an image", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[0]"),
+    ("penalty", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("unknown model", "/v1/chat/completions",
+     {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("no prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("token id out of the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("echo", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_4xx_in_openais_shape_and_the_server_keeps_serving(servers, name, path, body, status,
+                                                                           param):
+    server = servers["llama"]
+    r = server.post(path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == ERROR_KEYS and error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert chat_text(server.client(), [{"role": "user", "content": "hi"}], max_tokens=3)[1].choices
+
+
+def test_a_prompt_over_the_context_names_both_numbers(servers):
+    server = servers["llama"]
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model="default_model", max_tokens=3,
+                                                messages=[{"role": "user", "content": "x" * 5000}])
+    error = e.value.body
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert re.search(r"the prompt is 50\d\d tokens but the model's context is 4096 tokens", error["message"])
+
+
+def test_routes_methods_and_size_limits_answer_in_the_error_shape(servers):
+    server = servers["llama"]
+    for r, status in ((httpx.get(f"{server.url}/v1/nothing"), 404),
+                      (httpx.get(f"{server.url}/v1/chat/completions"), 405),
+                      (server.post("/v1/completions", b"x" * (33 * 2**20)), 413)):
+        assert r.status_code == status and set(r.json()["error"]) == ERROR_KEYS
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == str(server.args[1])
+
+
+def test_health_and_models_answer_while_a_generation_runs(servers):
+    server = servers["qwen3_5"]
+    client = server.client()
+    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Go"}],
+                                            max_tokens=2000, stream=True, extra_body={"num_draft_tokens": 0, "ignore_eos": True})
+    try:
+        next(iter(stream))
+        health = httpx.get(f"{server.url}/health", timeout=30).json()
+        assert health["status"] == "ok" and health["busy"] is True
+        assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 200
+    finally:
+        stream.close()
+
+
+def test_a_full_queue_answers_503_with_retry_after(dirs):
+    server = Server("--model", dirs["llama"], "--queue-size", "1")
+    try:
+        body = {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 3000, "num_draft_tokens": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as running:
+                lines = running.iter_lines()  # kept: a closed iterator closes the response
+                while '"content": "' not in (line := next(lines)) or '"content": ""' in line:
+                    pass  # until a token shows that the first is being generated
+                with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as waiting:
+                    assert waiting.status_code == 200  # queued
+                    over = server.post("/v1/chat/completions", body)
+                    assert over.status_code == 503 and over.headers["retry-after"] == "1"
+                    assert over.json()["error"]["code"] == "overloaded"
+    finally:
+        server.stop()
+
+
+def test_an_api_key_is_required_when_given(dirs):
+    server = Server("--model", dirs["llama"], "--api-key", "sesame")
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        for key in ("none", "sesam"):
+            with pytest.raises(openai.AuthenticationError) as e:
+                server.client(api_key=key).chat.completions.create(model="default_model", messages=messages)
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert server.post("/v1/models", {}).status_code == 401
+        assert server.client(api_key="sesame").chat.completions.create(
+            model="default_model", messages=messages, max_tokens=2).choices
+        assert httpx.get(f"{server.url}/health").status_code == 200  # health checks need no key
+    finally:
+        server.stop()
+
+
+def test_binding_beyond_loopback_needs_a_decision_about_keys(dirs):
+    result = CliRunner().invoke(app, ["serve", "--model", str(dirs["llama"]), "--host", "0.0.0.0"])
+    assert result.exit_code == 2
+    assert "--api-key KEY" in result.stderr and "--no-api-key" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    server = Server("--model", dirs["llama"], "--host", "0.0.0.0", "--no-api-key")
+    try:
+        assert any("without an API key: anyone who can reach port" in line for line in server.lines)
+    finally:
+        server.stop()
+
+
+def test_a_port_in_use_is_one_line(servers, dirs):
+    port = servers["llama"].url.rsplit(":", 1)[1]
+    result = CliRunner().invoke(app, ["serve", "--model", str(dirs["llama"]), "--port", port])
+    assert result.exit_code == 2 and f"127.0.0.1:{port} is in use: pass another --port" in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_stop_the_server_mid_generation(dirs, sig):
+    server = Server("--model", dirs["llama"])
+    client = server.client()
+    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Go"}],
+                                            max_tokens=3000, stream=True, extra_body={"num_draft_tokens": 0, "ignore_eos": True})
+    next(iter(stream))
+    start = time.monotonic()
+    code = server.stop(sig)
+    took = time.monotonic() - start
+    assert code == 0, server.log
+    assert took < 30  # a hang guard; scripts/bench_serve.py measures the real time
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in stream:  # ended with an error frame ("shutting down"), or the connection closed
+            pass
+    assert "Traceback" not in server.log
+
+
+def test_the_bundled_model_serves_with_no_options():
+    prompt = "Copy this text exactly: The city council met on Tuesday to discuss the new park."
+    server = Server()
+    try:
+        client = server.client()
+        assert client.models.list().data[0].id == "smollm2-135m-instruct"
+        first = [{"role": "user", "content": prompt}]
+        text, out = chat_text(client, first, model="smollm2-135m-instruct")
+        # The next turn reuses the whole first one: its prompt and its answer.
+        _, out2 = chat_text(client, first + [{"role": "assistant", "content": text},
+                                             {"role": "user", "content": "Now in fewer words."}], max_tokens=4)
+        assert out2.usage.prompt_tokens_details.cached_tokens >= out.usage.total_tokens - 1
+    finally:
+        server.stop()
+    result = CliRunner().invoke(app, ["generate", "--json", "-m", str(N), "-p", prompt])
+    assert result.exit_code == 0, result.output
+    assert text == json.loads(result.stdout)["text"]
+    assert out.model_extra["timings"]["drafter"] == "lookup"
+
+
+def test_chat_in_the_terminal_reuses_the_last_turn(dirs):
+    lines = "Tell me about the fox.\nAnd the dog?\n/reset\nTell me about the fox.\n/quit\n"
+    result = CliRunner().invoke(app, ["chat", "--model", str(dirs["qwen3_5"]), "--no-live", "-m", "12"],
+                                input=lines)
+    assert result.exit_code == 0, result.output
+    turns = [line for line in result.stderr.splitlines() if line.startswith("[prompt ")]
+    assert len(turns) == 3
+    cached = [int(m.group(1)) if (m := re.search(r"\((\d+) cached\)", t)) else 0 for t in turns]
+    # Turn two resumes turn one; after /reset, the first message again resumes its own checkpoint.
+    assert cached[1] > 0 and cached[2] > 0
+    answers = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(answers) >= 2 and answers[0] == answers[-1]
