@@ -40,6 +40,31 @@ class FixedLength:
         return {"policy": "fixed", "k": self.k}
 
 
+class FirstBlock:
+    """Another policy, with the first block capped at ``k`` drafts (the first token arrives sooner).
+
+    A long first verify delays the first token a client sees; capping it
+    costs at most one extra forward. Everything else is ``policy``'s.
+    """
+
+    def __init__(self, policy, k: int):
+        self.policy, self.cap = policy, k
+        self._first = True
+
+    def next_k(self) -> int:
+        k = self.policy.next_k()
+        if self._first:
+            self._first = False
+            return min(k, self.cap)
+        return k
+
+    def observe(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
+        self.policy.observe(drafted, accepted, emitted, seconds)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
 @dataclass
 class AdaptiveLength:
     """Draft length that follows acceptance, and speculation that turns itself off when it loses.

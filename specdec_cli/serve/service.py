@@ -25,6 +25,10 @@ from .protocol import ApiError, ChatRequest, CompletionRequest
 from .worker import Job, Worker
 
 
+# Drafts in a streamed reply's first block (see Request.first_draft).
+FIRST_DRAFT_STREAMED = 0
+
+
 @dataclass(frozen=True)
 class Defaults:
     """What a request gets for a field it leaves out (the server's command-line options)."""
@@ -121,7 +125,10 @@ class Service:
                  param: str) -> Request:
         most = self._limits(req, ids, max_tokens, param)
         block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
-        return Request(ids, most, self._sampling(req), req.seed, block, boundaries, ignore_eos=req.ignore_eos)
+        # Streamed, the first token comes from a one-row forward: a long first verify would hold it back.
+        first = FIRST_DRAFT_STREAMED if req.stream else None
+        return Request(ids, most, self._sampling(req), req.seed, block, boundaries, ignore_eos=req.ignore_eos,
+                       first_draft=first)
 
     def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
         """Check a chat request and make its job.

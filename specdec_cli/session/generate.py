@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..adaptive import FirstBlock
 from ..caches import ModelCache, make_cache
 from ..errors import Cancelled
 from ..hooks import Hidden
@@ -45,6 +46,8 @@ class Request:
         boundaries: Prompt lengths worth a resumable snapshot (chat segment ends).
         timed: Time each block's phases (adds host syncs).
         ignore_eos: Generate past end-of-sequence tokens (to ``max_tokens``).
+        first_draft: Most drafts in the first block (None: the policy's):
+            a streamed reply's first token comes sooner after a short verify.
     """
 
     prompt_ids: Sequence[int]
@@ -55,6 +58,7 @@ class Request:
     boundaries: tuple[int, ...] = ()
     timed: bool = False
     ignore_eos: bool = False
+    first_draft: Optional[int] = None
 
 
 class _HiddenLog:
@@ -144,6 +148,8 @@ class Session:
             drafter = setup.make_drafter(policy, hit.draft if hit else None)
             if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
                 drafter = _HiddenLog(drafter)
+            if request.first_draft is not None:
+                policy = FirstBlock(policy, request.first_draft)
         emitted: list[int] = []
         # Whether the caches hold whole tokens: after the prefill (the engine keeps its
         # invariant from then on), or when a cancel stopped the prefill between chunks.

@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""specdec serve against mlx_lm.server: the same requests, side by side in one run, the texts compared.
+
+Both servers run the bundled SmolLM2-135M-Instruct in float32 (mlx_lm.server on
+the weights ``mlx_lm.convert -d --dtype float32`` writes, specdec on the same
+weights dequantized at load), greedy, each with its own prompt cache, on the
+same BLAS (the system OpenBLAS is preloaded for both when there is one).
+specdec runs its default drafter (prompt lookup). Requests alternate between
+the servers, each kind ``--repeats`` times after one untimed warm-up each:
+
+- edit: a 150-word notice sent whole with one word to change (the answer copies it);
+- summary: a paragraph to summarise;
+- open: an open question (nothing to copy);
+- chat: a three-turn conversation on a ~400-token document (time to first
+  token of each turn: the later turns reuse the earlier ones' caches).
+
+Per request: wall time, time to first token (TTFT), decode tok/s (completion
+tokens after the first / the time between the first and the last), and
+whether the two servers' texts are identical. Ratios are specdec / mlx_lm of
+medians over the repeats. Results go to ``bench-results/serve.json``.
+
+Usage: python scripts/bench_serve.py [--repeats 3] [--out bench-results/serve.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specdec_cli import blas, bundled  # noqa: E402
+
+NOTICE = (
+    "Notice to all residents of Elm Street. The city will repair the water main under Elm Street starting on "
+    "Tuesday, the third of June. Work will begin at seven in the morning and end at five in the afternoon "
+    "each day. During this time the street will be closed to cars between Oak Avenue and Pine Road, but people "
+    "on foot may still use the sidewalks on both sides. Water service to the houses on the street will be "
+    "turned off for about four hours on the first day only. Please fill a few bottles with water the night "
+    "before. Parking on the street will not be allowed while the work goes on, so please move your car to "
+    "the lot behind the library on Maple Lane. The work should take about two weeks if the weather is good. "
+    "If you have any questions, call the city office during business hours. Thank you for your patience."
+)
+# Worded so that this small model returns the notice edited rather than rewritten (tried: four wordings).
+EDIT = (f"Fix the day in this notice: the work starts on Wednesday, not Tuesday. Return the corrected notice "
+        f"in full.\n\n{NOTICE}")
+SUMMARY = ("Summarize the following text in two sentences.\n\nThe city council met on Tuesday to discuss the new "
+           "park. The park will have a playground, a small lake and walking paths. The council said the park will "
+           "open next spring. Residents asked for more trees and benches, and the council agreed to add more trees "
+           "and benches to the park.")
+OPEN = "Explain in a short paragraph why the sky is blue."
+DOCUMENT = " ".join([NOTICE] * 2)
+TURNS = [f"Read this notice carefully.\n\n{DOCUMENT}\n\nWhat is being repaired?",
+         "When does the work start?", "Where should residents park?"]
+KINDS = {"edit": (EDIT, 256), "summary": (SUMMARY, 96), "open": (OPEN, 128)}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], port: int, env: dict, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[0]} exited: see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{cmd[0]} did not start: see {log}")
+
+
+def stop(proc: subprocess.Popen) -> float:
+    """SIGTERM; returns the seconds until the process was gone."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return time.monotonic() - t0
+
+
+def ask(port: int, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat request: text, TTFT, wall, decode tok/s, usage (and timings when given)."""
+    body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, first, last, usage, timings = "", None, None, None, None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("timings"):
+                timings = chunk["timings"]
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    text += piece
+    wall = time.perf_counter() - t0
+    n = (usage or {}).get("completion_tokens", 0)
+    decode = (n - 1) / (last - first) if first and last and last > first and n > 1 else None
+    return {"text": text, "wall_s": wall, "ttft_s": (first - t0) if first else None, "decode_tps": decode,
+            "completion_tokens": n, "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {})
+            .get("cached_tokens"), "timings": timings}
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench-results" / "serve.json"))
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["HF_HUB_OFFLINE"] = "1"
+    library = blas.find_system_openblas() if sys.platform == "linux" else None
+    peer_env = dict(env)
+    if library:
+        peer_env["LD_PRELOAD"] = str(library)
+    f32 = work / "smollm2-f32"
+    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
+                    "--dtype", "float32", "--mlx-path", str(f32)], check=True, env=peer_env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    ports = {"mlx_lm": free_port(), "specdec": free_port()}
+    procs = {
+        "mlx_lm": start([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32), "--port",
+                         str(ports["mlx_lm"])], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
+        "specdec": start([sys.executable, "-m", "specdec_cli", "serve", "--port", str(ports["specdec"])],
+                         ports["specdec"], env, work / "specdec.log"),
+    }
+    results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
+                     "blas": str(library) if library else "bundled reference BLAS", "repeats": args.repeats,
+                     "requests": {}}
+    try:
+        for name in ("mlx_lm", "specdec"):  # untimed warm-up of each server
+            ask(ports[name], [{"role": "user", "content": "Hello"}], 8)
+        for kind, (prompt, max_tokens) in KINDS.items():
+            runs = {"mlx_lm": [], "specdec": []}
+            for _ in range(args.repeats):
+                for name in ("mlx_lm", "specdec"):
+                    runs[name].append(ask(ports[name], [{"role": "user", "content": prompt}], max_tokens))
+            row = {name: {"wall_s": median(r["wall_s"] for r in rs), "ttft_s": median(r["ttft_s"] for r in rs),
+                          "decode_tps": median(r["decode_tps"] for r in rs),
+                          "completion_tokens": rs[0]["completion_tokens"]} for name, rs in runs.items()}
+            row["identical"] = all(a["text"] == b["text"] for a, b in zip(runs["mlx_lm"], runs["specdec"]))
+            row["wall_ratio"] = row["mlx_lm"]["wall_s"] / row["specdec"]["wall_s"]
+            row["decode_ratio"] = row["specdec"]["decode_tps"] / row["mlx_lm"]["decode_tps"]
+            row["specdec_timings"] = runs["specdec"][-1]["timings"]
+            row["texts"] = {name: runs[name][0]["text"] for name in runs}
+            results["requests"][kind] = row
+            print(f"{kind:8s} decode {row['specdec']['decode_tps']:7.1f} vs {row['mlx_lm']['decode_tps']:7.1f} "
+                  f"tok/s ({row['decode_ratio']:.2f}x), wall {row['wall_ratio']:.2f}x faster, "
+                  f"identical={row['identical']}", flush=True)
+        convo = {}
+        for name in ("mlx_lm", "specdec"):
+            turns, messages = [], []
+            for text in TURNS:
+                messages.append({"role": "user", "content": text})
+                out = ask(ports[name], messages, 64)
+                messages.append({"role": "assistant", "content": out["text"]})
+                turns.append({k: out[k] for k in ("ttft_s", "wall_s", "decode_tps", "cached_tokens")})
+            convo[name] = turns
+            ttft = [t["ttft_s"] for t in turns]
+            print(f"chat     {name:8s} TTFT per turn " + ", ".join(f"{x:.3f}s" for x in ttft)
+                  + f" (later/first: {', '.join(f'{x / ttft[0]:.0%}' for x in ttft[1:])})", flush=True)
+        results["conversation"] = convo
+    finally:
+        results["stop_s"] = {name: stop(p) for name, p in procs.items()}
+        shutil.rmtree(work, ignore_errors=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
