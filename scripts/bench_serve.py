@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """specdec serve against mlx_lm.server: the same requests, side by side in one run, the texts compared.
 
-Both servers run the bundled SmolLM2-135M-Instruct in float32 (mlx_lm.server on
-the weights ``mlx_lm.convert -d --dtype float32`` writes, specdec on the same
-weights dequantized at load), greedy, each with its own prompt cache, on the
-same BLAS (the system OpenBLAS is preloaded for both when there is one).
+Both servers run the bundled SmolLM2-135M-Instruct in float32 from the same
+files (``mlx_lm.convert -d --dtype float32`` writes them), greedy, each with its
+own prompt cache, on the same BLAS (the system OpenBLAS is preloaded for both
+when there is one).
 specdec runs its default drafter (prompt lookup). Requests alternate between
 the servers, each kind ``--repeats`` times after one untimed warm-up each:
 
@@ -161,8 +161,10 @@ def main() -> None:
     procs = {
         "mlx_lm": start([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32), "--port",
                          str(ports["mlx_lm"])], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
-        "specdec": start([sys.executable, "-m", "specdec_cli", "serve", "--port", str(ports["specdec"])],
-                         ports["specdec"], env, work / "specdec.log"),
+        # The same files for both: the bundled 4-bit weights dequantized in-process round differently
+        # from mlx_lm.convert's, which changes near-tie tokens.
+        "specdec": start([sys.executable, "-m", "specdec_cli", "serve", "--model", str(f32), "--port",
+                          str(ports["specdec"])], ports["specdec"], env, work / "specdec.log"),
     }
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
                      "blas": str(library) if library else "bundled reference BLAS", "repeats": args.repeats,

@@ -117,7 +117,8 @@ TOOLS_TEMPLATE = (
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n"
     "</tool_call>{%- endfor %}{%- else %}{{ message['content'] }}{%- endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if brief is defined and brief %}Briefly: "
+    "{% endif %}{% endif %}"
 )
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

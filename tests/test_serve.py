@@ -155,6 +155,11 @@ def test_a_tool_call_comes_back_parsed(tmp_path):
         assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
             [(0, "get_weather", {"city": "Paris"})]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # chat_template_kwargs reach the template (this one adds a prefix to the reply when asked).
+        plain = client.chat.completions.create(model="default_model", messages=TOOL_QUESTION, max_tokens=1)
+        brief = client.chat.completions.create(model="default_model", messages=TOOL_QUESTION, max_tokens=1,
+                                               extra_body={"chat_template_kwargs": {"brief": True}})
+        assert brief.usage.prompt_tokens == plain.usage.prompt_tokens + len("Briefly: ")
         # The call and its result go back in the conversation, as a client sends them.
         follow = TOOL_QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]

@@ -78,6 +78,23 @@ def test_recurrent_and_window_layers_resume_at_a_checkpoint_a_request_named(setu
     assert gen(plain, branch)[1].cached == 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_three_turns_then_a_branch_back_to_where_the_first_ended(setups, family):
+    setup = setups[family]
+    warm, cold = Session(setup, 16, prompt_cache=PromptCache()), Session(setup, 16)
+    first, _ = gen(warm, PROMPT)
+    kept = held(PROMPT, first)
+    second = PROMPT + first + MORE
+    answer, _ = gen(warm, second)  # takes turn one's caches over (no copy)
+    third = second + answer + MORE
+    out, pre = gen(warm, third)
+    assert out == gen(cold, third)[0] and pre.cached == held(second, answer)
+    # Where turn one ended is still a checkpoint, two hand-overs later.
+    branch = (PROMPT + first)[:kept] + list(b" but then something else happened.")
+    out, pre = gen(warm, branch)
+    assert pre.cached == kept and out == gen(cold, branch)[0]
+
+
 def test_an_attention_model_trims_to_any_shared_prefix(setups):
     warm = Session(setups["llama"], 16, prompt_cache=PromptCache())
     gen(warm, PROMPT)
@@ -147,8 +164,8 @@ def test_a_draft_model_resumes_its_own_caches(dirs):
     warm, cold = Session(setup, 4, prompt_cache=PromptCache()), Session(setup, 4)
     first, _ = gen(warm, PROMPT)
     second = PROMPT + first + MORE
-    hit = warm.prompt_cache.fetch(second, setup.target.model, setup.draft.model)
-    assert hit.draft is not None and hit.draft.length > len(PROMPT)
+    entry = next(iter(warm.prompt_cache._entries.values()))
+    assert entry.draft is not None and entry.draft.length > len(PROMPT)
     out, pre = gen(warm, second)
     assert out == gen(cold, second)[0] and pre.cached > len(PROMPT)
 

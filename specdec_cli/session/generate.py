@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from ..adaptive import FirstBlock
-from ..caches import ModelCache, make_cache
+from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
 from ..hooks import Hidden
 from ..rollback import RollbackChoice
@@ -160,7 +160,7 @@ class Session:
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
             timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
-            marks=(*request.boundaries, len(ids) - 1), choice=self._choices.get(block), cancelled=cancelled,
+            marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
         )
         try:
             for event in events:
@@ -180,11 +180,17 @@ class Session:
             if self.prompt_cache is not None and consistent:
                 self._keep(ids + emitted, cache, drafter, hit)
 
+    def _marks(self, cache: ModelCache, request: Request, n: int) -> tuple[int, ...]:
+        """Where to checkpoint the prompt: only layers that cannot trim back need it (each mark ends a chunk)."""
+        if self.prompt_cache is None or not any(fixed_position(c) for c in _leaves(cache.layers)):
+            return ()
+        return (*request.boundaries, n - 1)
+
     def _keep(self, tokens: list[int], cache: ModelCache, drafter, hit) -> None:
         """Save what the caches hold now as a prompt cache entry."""
         if not 0 < cache.length <= len(tokens):
             return  # never keep caches whose tokens are not known
-        saved = SavedCache.of(cache)
+        saved = SavedCache.of(cache, own=True)  # the live caches end here
         for checkpoint in cache.marks:
             saved.add(checkpoint)
         if hit is not None:
@@ -193,7 +199,7 @@ class Session:
         draft = None
         held = getattr(drafter, "cache", None)
         if isinstance(held, ModelCache) and 0 < held.length <= cache.length:
-            draft = SavedCache.of(held)
+            draft = SavedCache.of(held, own=True)
         hidden = None
         if isinstance(drafter, _HiddenLog):
             rows = drafter.rows()

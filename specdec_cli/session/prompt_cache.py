@@ -128,12 +128,20 @@ class PromptCache:
         n, shared, key = best
         entry = self._entries[key]
         self._entries.move_to_end(key)
+        # An entry the prompt wholly extends will be superseded by this request's own:
+        # its caches are handed over (no copy) instead of copied on the first write.
+        move = shared == len(entry.tokens) and n == entry.target.length
+        if move:
+            del self._entries[key]
         draft = None
         if entry.draft is not None and draft_model is not None:
             m = entry.draft.best(shared)
-            draft = entry.draft.resume(draft_model, m) if m > 0 else None
+            if m > 0:
+                draft = entry.draft.take(draft_model) if move and m == entry.draft.length \
+                    else entry.draft.resume(draft_model, m)
         hidden = entry.hidden.rows(0, n) if entry.hidden is not None else None
-        return Hit(n, entry.target.resume(target_model, n), draft, hidden, entry)
+        target = entry.target.take(target_model) if move else entry.target.resume(target_model, n)
+        return Hit(n, target, draft, hidden, entry)
 
     def insert(self, entry: Entry) -> None:
         """Add ``entry`` as the most recent; drop the entries it makes redundant, then the oldest past the bounds."""

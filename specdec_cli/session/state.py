@@ -12,7 +12,7 @@ the checkpoints taken on the way (chat-segment ends, the end of the prompt).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from mlx_lm.models.cache import ArraysCache, CacheList
 
@@ -49,11 +49,32 @@ class SavedCache:
     length: int
     layers: list
     checkpoints: dict[int, tuple] = field(default_factory=dict)
+    # The fixed-position layers at ``length``, kept when the layers themselves were taken.
+    end: Optional[tuple] = None
 
     @classmethod
-    def of(cls, cache: ModelCache) -> "SavedCache":
-        """Save what ``cache`` holds now (it may go on being used: nothing is shared)."""
-        return cls(cache.length, [clone_layer(c, cache.length) for c in cache.layers])
+    def of(cls, cache: ModelCache, own: bool = False) -> "SavedCache":
+        """Save what ``cache`` holds now.
+
+        Args:
+            cache: The live caches.
+            own: ``cache`` is not used again: keep its layers as they are (no
+                copies; their buffers keep their spare room for the next writes).
+                Otherwise ``cache`` may go on being used: nothing is shared.
+        """
+        layers = list(cache.layers) if own else [clone_layer(c, cache.length) for c in cache.layers]
+        return cls(cache.length, layers)
+
+    def take(self, model) -> ModelCache:
+        """The saved layers themselves as a live cache (no copy): this state is not resumed again.
+
+        Its own end stays available as a checkpoint (:meth:`checkpoint_at`) for a later state to inherit.
+        """
+        self.end = tuple(clone_layer(c, self.length) for c in self.fixed)
+        cache = ModelCache(model, self.layers)
+        cache.length = self.length
+        self.layers = []
+        return cache
 
     @property
     def fixed(self) -> list:
@@ -95,7 +116,7 @@ class SavedCache:
     def checkpoint_at(self, length: int) -> tuple:
         """Copies of the fixed-position layers at ``length`` (the end, or a kept checkpoint)."""
         if length == self.length:
-            return tuple(clone_layer(c, length) for c in self.fixed)
+            return self.end if self.end is not None else tuple(clone_layer(c, length) for c in self.fixed)
         return self.checkpoints[length]
 
     def inherit(self, other: "SavedCache", upto: int) -> None:
