@@ -24,7 +24,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import openai
 
-from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, save_model_dir
+from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, save_model_dir, write_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"serving the OpenAI API on (http://\S+)/v1")
@@ -133,19 +133,12 @@ def tool_model_dir(path: Path, steps: int = 300) -> Path:
     Its chat template renders tools the way Qwen2.5's does, so mlx-lm infers
     its json_tools parser; greedy decoding reproduces the call exactly (checked).
     """
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     from specdec_cli.prompts import render_messages
 
     config = TINY_CONFIGS["llama"]
     model = build_model(config, seed=3)
     save_model_dir(path, model, config)
-    cfg_file = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["chat_template"] = TOOLS_TEMPLATE
-    cfg_file.write_text(json.dumps(cfg, indent=2))
-    tokenizer = load_tokenizer(path)
-    assert tokenizer.has_tool_calling, "mlx-lm should infer a tool parser from this template"
+    tokenizer = tools_tokenizer(path)
     prompt = render_messages(tokenizer, TOOL_QUESTION, tools=[WEATHER_TOOL]).ids
     answer = tokenizer.encode(TOOL_ANSWER, add_special_tokens=False) + [EOS_ID]
     ids = mx.array(prompt + answer[:-1], dtype=mx.uint32)[None]
@@ -169,6 +162,21 @@ def tool_model_dir(path: Path, steps: int = 300) -> Path:
     assert _says(model, prompt, answer), "the tiny model did not learn its tool call"
     save_model_dir(path, model, config, tokenizer=False)
     return path
+
+
+def tools_tokenizer(path: Path):
+    """The test tokenizer in ``path``, with the tools template; returns mlx-lm's wrapper of it."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    if not (path / "tokenizer.json").exists():
+        write_tokenizer(path)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = TOOLS_TEMPLATE
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.has_tool_calling, "mlx-lm should infer a tool parser from this template"
+    return tokenizer
 
 
 def _says(model, prompt: list[int], answer: list[int]) -> bool:

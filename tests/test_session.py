@@ -7,6 +7,7 @@ import pytest
 
 from helpers import PROMPT, cache_arrays, max_cache_diff
 from mtp_fixtures import fitted_head, hf_checkpoint
+from server import TOOL_ANSWER, tools_tokenizer
 from specdec_cli.caches import ModelCache
 from specdec_cli.errors import Cancelled
 from specdec_cli.runner import Prefilled, Step
@@ -242,3 +243,28 @@ def test_a_reply_ends_at_a_stop_string_with_finish_reason_stop(setups):
     assert "".join(p.content for p in cut) == text[: text.index(stop)]
     assert cut.finish_reason == "stop" and full.finish_reason == "length"
     assert cut.stats.generated < full.stats.generated
+
+
+def test_tool_calls_are_split_out_and_parsed_whatever_the_pieces(tmp_path):
+    tok = tools_tokenizer(tmp_path / "tok")
+    text = "Let me check. " + TOOL_ANSWER + " Done."
+    for step in (1, 3, 1000):  # tokens per piece: markers split over pieces, or all at once
+        stream, pieces = TextStream(tok, tools=None), []
+        ids = tok.encode(text, add_special_tokens=False)
+        for i in range(0, len(ids), step):
+            pieces.append(stream.add(ids[i : i + step]))
+        pieces.append(stream.finish())
+        content = "".join(p.content for p in pieces)
+        calls = [c for p in pieces for c in p.tool_calls]
+        assert content == "Let me check.  Done." and stream.made_tool_calls
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+            [("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_tool_call_that_does_not_parse_is_returned_as_text(tmp_path):
+    tok = tools_tokenizer(tmp_path / "tok")
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
+    stream = TextStream(tok)
+    piece = stream.add(tok.encode(broken, add_special_tokens=False))
+    rest = stream.finish()
+    assert (piece.content + rest.content) == broken and not stream.made_tool_calls

@@ -78,6 +78,7 @@ class TextStream:
         self._machine = None
         self._tool_text = ""
         self._calls = 0
+        self._state: Optional[str] = None  # the split's state after the last piece
         if chat and (tokenizer.has_thinking or tokenizer.has_tool_calling):
             machine = make_text_state_machine(tokenizer)
             initial = "normal"
@@ -129,12 +130,11 @@ class TextStream:
             piece.content = text
             return piece
         self._machine, segments = TextStateMachine.split(self._machine, text)
-        previous = None
         for state, part in segments:
-            if previous == "tool" and state != "tool":
-                self._close_tool(piece)
+            if self._state == "tool" and state != "tool":
+                self._close_tool(piece)  # a call's end marker came (in this piece or the last)
             self._route(piece, state, part)
-            previous = state
+            self._state = state
         return piece
 
     def _route(self, piece: Piece, state: Optional[str], text: str) -> None:
