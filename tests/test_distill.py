@@ -325,6 +325,45 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path, tiny_dir, args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("files, message", [
+    ({"README.md": "# my project", "training.json": "{}", "src.py": "x = 1"},
+     "would overwrite README.md, training.json"),
+    ({"notes.txt": "mine"}, "it holds notes.txt"),
+    ({"cache/other.bin": "x"}, "would overwrite cache"),
+])
+def test_out_refuses_a_folder_of_other_files_before_loading(tmp_path, tiny_dir, monkeypatch, files, message):
+    import specdec_cli.distill_command as command
+
+    monkeypatch.setattr(command, "load_target", lambda *a, **kw: pytest.fail("the model loaded"))
+    out = tmp_path / "project"
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    result = _distill("--model", tiny_dir, "--out", out, "--steps", 2)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "give a new or empty directory" in errors[0]
+    assert {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()} == files
+
+
+def test_out_accepts_new_empty_an_earlier_head_and_an_interrupted_run(tmp_path):
+    from specdec_cli.distill_command import check_out
+
+    assert check_out(str(tmp_path / "new")) == tmp_path / "new"
+    (tmp_path / "empty").mkdir()
+    check_out(str(tmp_path / "empty"))
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"model_type": "specdec_mtp"}))
+    (head / "notes.txt").write_text("kept")  # beside an earlier head: only the head's files are replaced
+    check_out(str(head))
+    cut = tmp_path / "cut"  # Ctrl-C before the first head: the corpus cache and the staging folder only
+    (cut / "cache").mkdir(parents=True)
+    (cut / "cache" / "corpus.json").write_text("{}")
+    (cut / ".writing").mkdir()
+    check_out(str(cut))
+
+
 def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monkeypatch):
     real = train_module.Trainer.run
 
