@@ -15,7 +15,8 @@ from .commands import ModelOptions, load_target
 from .defaults import DISTILL
 from .display import print_stderr
 from .distill.data import Generated
-from .distill.pipeline import DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance, write_head
+from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
+                               model_key, write_head)
 from .distill.train import Step, TrainConfig
 from .drafters.mtp import SPECDEC_TYPE
 from .errors import OptionError
@@ -200,7 +201,8 @@ def distill_command(opts: DistillCommandOptions) -> int:
     finished = None
     try:
         with _View() as view:
-            for event in distill(target.model, target.tokenizer, parts, out, dopts):
+            for event in distill(target.model, target.tokenizer, parts, out, dopts,
+                                 model_id=model_key(target.path, target.dtype)):
                 view.show(event)
                 if isinstance(event, Training):
                     training = event
