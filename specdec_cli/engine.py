@@ -144,6 +144,9 @@ def speculative_generate_step(
         policy = FixedLength(num_draft_tokens)
     if rollback not in ROLLBACKS:
         raise ValueError(f"rollback must be one of {ROLLBACKS}")
+    # Before the first token: every verify row count this run can use must compute as one-token decoding.
+    cache.check_verify(max(verify_rows(getattr(policy, "k_max", getattr(policy, "k", 0)), cache.recurrent,
+                                       rollback)))
     record = rollback if rollback in ("capture", "tape") and cache.recurrent else None
     if record and not cache.can_record:
         raise ValueError(f"--rollback {rollback} cannot run on this model ({cache.record_problem})")
@@ -256,7 +259,8 @@ class Warmup:
 
 def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry") -> list[int]:
     """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets."""
-    extra = MAX_CARRY if recurrent and rollback == "carry" else 0
+    # Without drafts every block is a full accept: nothing is ever carried.
+    extra = MAX_CARRY if recurrent and rollback == "carry" and max_draft > 0 else 0
     return list(range(1, max_draft + 2 + extra))
 
 

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from .adaptive import DraftPolicy
 from .caches import ModelCache, make_cache
 from .drafters import Drafter
-from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, warm_up
+from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, verify_rows, warm_up
 from .hooks import Hidden, HiddenTap
 from .errors import OptionError
 from .rollback import RollbackChoice, choose
@@ -121,6 +121,9 @@ def run(
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
     cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
+    if drafter is not None:
+        # Refused here, before the prefill, if verify forwards cannot compute as one-token decoding does.
+        cache.check_verify(max(verify_rows(_max_draft(policy, num_draft_tokens), cache.recurrent, "carry")))
     # A drafter that reads the target's hidden states gets them from the
     # target's own forwards; the tap comes off the model when the run ends.
     specs = getattr(drafter, "taps", None)
