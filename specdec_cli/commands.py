@@ -587,6 +587,7 @@ def generate_command(opts: GenerateOptions) -> int:
             max_tokens=max_tokens, eos_ids=setup.eos_ids, sampling=sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes,
             prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S, timed=opts.verbose, **kv,
+            seed=opts.seed,
         )
         # closing(): whatever stops the loop, the run's own cleanup happens now.
         with closing(events):

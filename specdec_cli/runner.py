@@ -9,7 +9,7 @@ spends displaying is never counted as decode time.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
@@ -91,6 +91,7 @@ def run(
     kv_group_size: int = 64,
     timed: bool = False,
     warmup: bool = True,
+    seed: Optional[int] = None,
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill fresh caches with ``prompt_ids`` and generate.
 
@@ -117,7 +118,12 @@ def run(
         timed: Ask the engine for per-phase timings (adds syncs).
         warmup: Run every shape once before decoding (see
             :func:`~specdec_cli.engine.warm_up`), timed apart.
+        seed: At temperature > 0, key every draw by (seed, position): the
+            text is then the same whatever the draft lengths, and equal to
+            plain decoding's with the same seed (see :mod:`specdec_cli.sampling`).
     """
+    if seed is not None and not sampling.greedy:
+        sampling = replace(sampling, seed=seed)
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
     cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
