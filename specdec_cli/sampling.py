@@ -26,6 +26,7 @@ rejection sampling does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -118,6 +119,14 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=4)
+def _token_hashes(vocab: int) -> mx.array:
+    # One hash per token id, the same for every position (computed once per vocabulary size).
+    ids = _mix32(mx.arange(vocab, dtype=mx.uint32) * mx.array(0x9E3779B1, dtype=mx.uint32) + 1)
+    mx.eval(ids)
+    return ids
+
+
 def position_noise(seed: int, first: int, rows: int, vocab: int) -> mx.array:
     """Gumbel noise ``[rows, vocab]``; row r belongs to generated position ``first + r``.
 
@@ -129,8 +138,7 @@ def position_noise(seed: int, first: int, rows: int, vocab: int) -> mx.array:
     """
     seed_key = _mix32((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ _mix32((seed >> 32) & 0xFFFFFFFF)
     keys = [_mix32(seed_key ^ _mix32((first + r) & 0xFFFFFFFF) ^ ((first + r) >> 32)) for r in range(rows)]
-    ids = _mix32(mx.arange(vocab, dtype=mx.uint32) * mx.array(0x9E3779B1, dtype=mx.uint32) + 1)
-    bits = _mix32(mx.array(keys, dtype=mx.uint32)[:, None] ^ ids[None, :])
+    bits = _mix32(mx.array(keys, dtype=mx.uint32)[:, None] ^ _token_hashes(vocab)[None, :])
     u = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -mx.log(-mx.log(u))
 
