@@ -148,10 +148,8 @@ def load_corpus(folder: Path, key: dict) -> Optional[tuple[list[list[int]], list
     """The corpus (token sequences, their target states, its description) saved in ``folder`` under ``key``.
 
     None when there is none, it was made under another key (another model,
-    other data), it is damaged, or the model is unknown (``key["model"]`` None).
+    other data), or it is damaged.
     """
-    if key.get("model") is None:
-        return None
     meta_file, arrays = folder / "corpus.json", folder / "corpus.safetensors"
     if not (meta_file.is_file() and arrays.is_file()):
         return None
@@ -210,7 +208,8 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     key = _corpus_key(opts, fingerprint, source.digest, model_id)
     cache_dir = out / CACHE_DIR
     t0 = time.perf_counter()
-    cached = load_corpus(cache_dir, key)
+    # An unknown model (no files to identify it by) never reuses a corpus.
+    cached = load_corpus(cache_dir, key) if model_id is not None else None
     if cached is not None:
         seqs, states, description = cached
         yield Stage("data", f"reusing the corpus in {cache_dir} ({sum(map(len, seqs))} tokens: {description})")
@@ -232,7 +231,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         for i, h in enumerate(teacher_states(model, seqs), 1):
             states.append(h)
             yield States(i, len(seqs))
-        if key["model"] is not None:
+        if model_id is not None:
             save_corpus(cache_dir, key, seqs, states, description)
     data_seconds = time.perf_counter() - t0
 
