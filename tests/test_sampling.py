@@ -242,11 +242,10 @@ def draw_keyed(kind: str, params: SamplingParams, samples: int = SAMPLES, k: int
     return counts, texts, (accepted, drafted)
 
 
-@pytest.mark.parametrize("kind", ["plain", "model"])
-def test_seeded_speculative_sampling_follows_the_target_distribution(kind):
-    counts, _, (accepted, drafted) = draw_keyed(kind, FILTERED)
-    if kind != "plain":
-        assert accepted >= 50 and drafted - accepted >= 50, (accepted, drafted)
+def test_seeded_speculative_sampling_follows_the_target_distribution():
+    # (Seeded plain decoding prints the same texts: the next test.)
+    counts, _, (accepted, drafted) = draw_keyed("model", FILTERED)
+    assert accepted >= 50 and drafted - accepted >= 50, (accepted, drafted)
     exact = exact_marginals(FILTERED)
     for pos in range(POSITIONS):
         stat, critical = chi_square(counts[pos], exact[pos])
