@@ -456,6 +456,22 @@ class ModelCache:
         self._ran.add(tokens.shape[0])
         return logits[0]
 
+    def check_verify(self, rows: int) -> None:
+        """Make sure verify forwards of up to ``rows`` tokens compute what one-token decoding computes.
+
+        The recurrent layers' several-token recurrence is checked against its
+        one-token steps at every row count (see
+        :meth:`~specdec_cli.hooks.RecurrentSteps.check_rows`); where it differs
+        the hooks compute it one token at a time.
+
+        Raises:
+            UnsupportedModelError: It differs and no hook can avoid it.
+        """
+        if self.steps is not None and rows > 1:
+            why = self.steps.check_rows(rows)
+            if why:
+                raise UnsupportedModelError(why)
+
     @property
     def record_problem(self) -> str | None:
         """Why capture/tape cannot run here (None when they can)."""

@@ -661,7 +661,8 @@ TRAINING = "Training"
 def distill(
     out: Annotated[Optional[str], typer.Option(
         "--out", help="Directory to write the head to (a specdec_mtp sidecar: config.json, model.safetensors, "
-        "README.md); an earlier head there is replaced.", rich_help_panel=MODEL, show_default=False)] = None,
+        "README.md, training.json, cache/): new, empty, or an earlier head's, which is replaced; a folder "
+        "holding anything else is refused.", rich_help_panel=MODEL, show_default=False)] = None,
     model: ModelOpt = None,
     dtype: DTypeOpt = DType.auto,
     trust_remote_code: TrustOpt = False,

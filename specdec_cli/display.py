@@ -253,7 +253,6 @@ def policy_lines(summary: dict) -> list[str]:
 
 def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
     """The ``--compare-ar`` verdict. ``decode`` turns a token id into text."""
-    speedup = specdec.decode_tps / cmp.plain.decode_tps if cmp.plain.decode_tps else 0.0
     lines = []
     if cmp.identical:
         lines.append(f"Compare: identical ({cmp.tokens} tokens)")
@@ -283,10 +282,17 @@ def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
                 f"Compare: DIVERGED {where}, less than the margin between the two tokens ({margin}; "
                 f"top-2 logit margin {d.top2_margin:.6g}){why}: a bug"
             )
-    lines.append(
-        f"Plain decoding: {cmp.plain.decode_tps:.3f} tokens-per-sec; speedup {speedup:.2f}x"
-    )
+    lines.append(f"Plain decoding: {cmp.plain.decode_tps:.3f} tokens-per-sec; {speedup_words(specdec, cmp.plain)}")
     return lines
+
+
+def speedup_words(specdec: Stats, plain: Stats) -> str:
+    """``speedup 1.52x``, or why there is none to measure (a side generated nothing, or took no time)."""
+    if not specdec.generated or not plain.generated:
+        return "no speedup measurable (no tokens generated)"
+    if not (specdec.decode_tps and plain.decode_tps):
+        return "no speedup measurable (no decode time)"
+    return f"speedup {specdec.decode_tps / plain.decode_tps:.2f}x"
 
 
 def print_stderr(lines: list[str]) -> None:
@@ -316,29 +322,70 @@ def _speed_bar(speedup: float, best: float, width: int = 12) -> str:
 
 
 _SAME = {"identical": "yes", "rounding tie": "tie", "diverged": "NO"}
+# The sweep's columns in table order ("" is the speed bar).
+_SWEEP_COLUMNS = ("block", "tok/s", "speedup", "", "accept", "acc/blk", "draft", "verify", "rollback", "syncs",
+                  "same")
+# Always shown: the verdict and the speedup. The others join while they fit, in this order; the bar
+# takes what width is left (up to 12 cells) and is the first to go.
+_SWEEP_ESSENTIAL = ("block", "speedup", "same")
+_SWEEP_OPTIONAL = ("tok/s", "accept", "acc/blk", "verify", "draft", "rollback", "syncs")
+_BAR_WIDTH = 12
 
 
-def print_sweep(result: SweepResult, drafter: str) -> None:
-    """The sweep table on stdout: one row per block size, the best one marked."""
-    table = Table(
-        title=f"specdec sweep · {drafter} · {result.tokens} tokens · plain {result.ar_decode_tps:.2f} tok/s",
-        title_justify="left", caption="phase times in ms per block; * fastest", caption_justify="left",
-    )
-    for name in ("block", "tok/s", "speedup", "", "accept", "acc/blk", "draft", "verify", "rollback",
-                 "syncs", "same"):
-        table.add_column(name, justify="left" if name == "" else "right", no_wrap=True)
+def _table_width(widths: list[int]) -> int:
+    # Rich's default box: one padding cell each side of a column, one rule between and around them.
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = None) -> None:
+    """The sweep table on stdout: one row per block size, the best one marked.
+
+    On a narrow terminal columns are left out (the bar first, then the phase
+    times, ...) rather than truncated: the speedup and the ``same`` verdict
+    always show in full.
+    """
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console = Console(highlight=False, width=120)
     best = max((r.speedup for r in result.rows), default=0.0)
-    for r in result.rows:
-        mark = "*" if r.block_size == result.best_block_size else " "
-        table.add_row(
-            f"{r.block_size}{mark}", f"{r.decode_tps:.2f}", f"{r.speedup:.2f}x", _speed_bar(r.speedup, best),
-            f"{100 * r.acceptance:.1f}%", f"{r.mean_accepted_per_block:.2f}", f"{r.draft_ms:.1f}",
-            f"{r.verify_ms:.1f}", f"{r.rollback_ms:.1f}", f"{r.syncs_per_block:.2f}",
-            _SAME[r.verdict],
-        )
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console = Console(highlight=False, width=120)
-    console.print(table)
+    cells = [{
+        "block": f"{r.block_size}{'*' if r.block_size == result.best_block_size else ' '}",
+        "tok/s": f"{r.decode_tps:.2f}", "speedup": f"{r.speedup:.2f}x" if result.tokens else "-", "accept": f"{100 * r.acceptance:.1f}%",
+        "acc/blk": f"{r.mean_accepted_per_block:.2f}", "draft": f"{r.draft_ms:.1f}", "verify": f"{r.verify_ms:.1f}",
+        "rollback": f"{r.rollback_ms:.1f}", "syncs": f"{r.syncs_per_block:.2f}", "same": _SAME[r.verdict],
+    } for r in result.rows]
+
+    def width(name: str) -> int:
+        return max([len(name)] + [len(c[name]) for c in cells])
+
+    shown = list(_SWEEP_ESSENTIAL)
+    for name in _SWEEP_OPTIONAL:
+        if _table_width([width(n) for n in shown + [name]]) <= console.width:
+            shown.append(name)
+    bar = min(_BAR_WIDTH, console.width - _table_width([width(n) for n in shown]) - 3)
+    if bar >= 3:
+        shown.append("")
+    title = f"specdec sweep · {drafter} · {result.tokens} tokens · plain {result.ar_decode_tps:.2f} tok/s"
+    hidden = [n for n in _SWEEP_COLUMNS if n and n not in shown]
+    caption = "phase times in ms per block; * fastest" if {"draft", "verify", "rollback"} & set(shown) else "* fastest"
+    if not result.tokens:
+        caption += "; no tokens generated: no speedup measurable"
+    if hidden:
+        caption += f"; too narrow for {', '.join(hidden)} (--json has every column)"
+    if _table_width([width(n) for n in _SWEEP_ESSENTIAL]) > console.width:
+        # Narrower than the smallest table: one line per block size.
+        console.print(title, markup=False)
+        for c in cells:
+            console.print(f"{c['block'].strip()} {c['speedup']} same:{c['same']}", markup=False)
+        console.print(caption, markup=False)
+    else:
+        table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+        columns = [n for n in _SWEEP_COLUMNS if n in shown]
+        for name in columns:
+            table.add_column(name, justify="left" if name == "" else "right", no_wrap=True)
+        for r, c in zip(result.rows, cells):
+            table.add_row(*(_speed_bar(r.speedup, best, bar) if n == "" else c[n] for n in columns))
+        console.print(table)
     print_stderr([f"best block size: {result.best_block_size} (speedup = decode tok/s over plain decoding's, "
                   "same prompt ids, median of repeats)"])

@@ -15,7 +15,8 @@ from .session import ModelOptions, load_target
 from .defaults import DISTILL
 from .display import print_stderr
 from .distill.data import Generated
-from .distill.pipeline import DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance, write_head
+from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
+                               model_key, write_head)
 from .distill.train import Step, TrainConfig
 from .drafters.mtp import SPECDEC_TYPE
 from .errors import OptionError
@@ -52,23 +53,59 @@ class DistillCommandOptions:
     measure: bool = True
 
 
+# What distill writes into --out (pipeline.write_head, its staging folder, the corpus cache).
+WRITES = ("config.json", "model.safetensors", "training.json", "README.md", ".writing", "cache")
+# What an interrupted earlier run may have left before its first head was written.
+_CACHE_FILES = {"corpus.json", "corpus.safetensors"}
+
+
+def _leftovers_of_ours(path: Path, names: list[str]) -> bool:
+    """Only what an earlier distill into ``path`` leaves before its first head: the staging folder and the corpus cache."""
+    for name in names:
+        if name == ".writing":
+            continue
+        if name == "cache" and (path / name).is_dir() and set(p.name for p in (path / name).iterdir()) <= _CACHE_FILES:
+            continue
+        return False
+    return True
+
+
 def check_out(out: Optional[str]) -> Path:
-    """The output directory: new, empty, or an earlier head's (overwritten)."""
+    """The output directory: new, empty, or an earlier head's (its files are replaced).
+
+    Raises:
+        OptionError: No ``--out``, a file, a folder holding another model, or
+            a folder holding other files (named, with those it would overwrite).
+    """
     if not out:
         raise OptionError("give --out DIR: the directory to write the head to")
     path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise OptionError(f"--out {out} is a file; give a directory")
+    if not path.exists():
+        return path
     config = path / "config.json"
     if config.is_file():
         try:
             kind = json.loads(config.read_text()).get("model_type")
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, AttributeError):
             kind = None
-        if kind != SPECDEC_TYPE:
-            raise OptionError(f"--out {out} holds another model (config.json model_type {kind!r}); "
-                              "give a new directory")
-    return path
+        if kind == SPECDEC_TYPE:
+            return path  # an earlier head of ours: replaced
+        raise OptionError(f"--out {out} holds another model (config.json model_type {kind!r}); "
+                          "give a new directory")
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError as e:
+        raise OptionError(f"--out {out}: cannot list it ({e.strerror}); give another directory") from None
+    if not names or _leftovers_of_ours(path, names):
+        return path
+    clash = [n for n in names if n in WRITES]
+    shown = ", ".join(clash[:6]) + (", ..." if len(clash) > 6 else "")
+    others = ", ".join(names[:4]) + (f", ... ({len(names)} entries)" if len(names) > 4 else "")
+    what = f"writing the head would overwrite {shown}" if clash else f"it holds {others}"
+    raise OptionError(f"--out {out} is not empty and holds no earlier head (config.json of a specdec_mtp head): "
+                      f"{what}; give a new or empty directory")
 
 
 def memory_plan(hidden: int, layer_params: int, tokens: int, draft_vocab: int, cfg: TrainConfig) -> dict:
@@ -164,7 +201,8 @@ def distill_command(opts: DistillCommandOptions) -> int:
     finished = None
     try:
         with _View() as view:
-            for event in distill(target.model, target.tokenizer, parts, out, dopts):
+            for event in distill(target.model, target.tokenizer, parts, out, dopts,
+                                 model_id=model_key(target.path, target.dtype)):
                 view.show(event)
                 if isinstance(event, Training):
                     training = event

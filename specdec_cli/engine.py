@@ -21,7 +21,7 @@ from .adaptive import DraftPolicy, FixedLength
 from .caches import ModelCache
 from .drafters import Drafter
 from .hooks import HiddenTap
-from .sampling import GREEDY, SamplingParams, accept_greedy, accept_sampled, choose, greedy, log_probs
+from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, log_probs
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,11 @@ def speculative_generate_step(
     timed: bool = False,
     tap: Optional[HiddenTap] = None,
 ) -> Iterator[Block]:
-    """Speculative decoding: greedy, or lossless rejection sampling at temp > 0.
+    """Speculative decoding: greedy, or lossless sampling at temp > 0.
+
+    Sampling is rejection sampling, or with a seed (``sampling.seed``) draws
+    keyed by position (see :mod:`specdec_cli.sampling`): then the text does
+    not depend on the draft lengths.
 
     Each block drafts up to k tokens, verifies ``[last, d1..dk]`` in one
     target forward, computes the accepted length on the device and reads it
@@ -144,6 +148,9 @@ def speculative_generate_step(
         policy = FixedLength(num_draft_tokens)
     if rollback not in ROLLBACKS:
         raise ValueError(f"rollback must be one of {ROLLBACKS}")
+    # Before the first token: every verify row count this run can use must compute as one-token decoding.
+    cache.check_verify(max(verify_rows(getattr(policy, "k_max", getattr(policy, "k", 0)), cache.recurrent,
+                                       rollback)))
     record = rollback if rollback in ("capture", "tape") and cache.recurrent else None
     if record and not cache.can_record:
         raise ValueError(f"--rollback {rollback} cannot run on this model ({cache.record_problem})")
@@ -159,7 +166,9 @@ def speculative_generate_step(
             done = False
             try:
                 t0 = time.perf_counter()
-                draft = drafter.propose(last, min(policy.next_k(), room - 1), sampling)
+                # With a seed, draws are keyed by the generated position: row i of this block is token emitted + i.
+                params = sampling.at(emitted)
+                draft = drafter.propose(last, min(policy.next_k(), room - 1), params)
                 k, syncs = draft.size, draft.syncs
                 if timed:
                     mx.eval(draft.tokens)
@@ -172,6 +181,8 @@ def speculative_generate_step(
                 hidden = tap.take() if tap is not None else None
                 if sampling.greedy:
                     n_acc, nxt = accept_greedy(logits, draft.tokens)
+                elif sampling.keyed:
+                    n_acc, nxt = accept_keyed(logits, draft.tokens, params)
                 else:
                     n_acc, nxt = accept_sampled(logits, draft.tokens, draft.logprobs, sampling)
                 mx.eval(n_acc, nxt, draft.tokens)
@@ -256,7 +267,8 @@ class Warmup:
 
 def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry") -> list[int]:
     """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets."""
-    extra = MAX_CARRY if recurrent and rollback == "carry" else 0
+    # Without drafts every block is a full accept: nothing is ever carried.
+    extra = MAX_CARRY if recurrent and rollback == "carry" and max_draft > 0 else 0
     return list(range(1, max_draft + 2 + extra))
 
 
@@ -337,19 +349,19 @@ def plain_generate_step(
     """
     eos = frozenset(eos_ids)
 
-    def step(token: mx.array) -> mx.array:
-        return choose(cache.feed(token)[-1:], sampling)
+    def step(token: mx.array, position: int) -> mx.array:
+        return choose(cache.feed(token)[-1:], sampling.at(position))
 
     # The state that matches what has been emitted: every committed token but
     # the last one fed. Restored on exit, which drops a queued step.
     safe = cache.snapshot()
     try:
-        y = step(mx.array([last], dtype=mx.uint32))
+        y = step(mx.array([last], dtype=mx.uint32), 0)
         mx.async_eval(y)
         for i in range(max_tokens):
             snap = cache.snapshot()
             if i + 1 < max_tokens:
-                nxt = step(y)
+                nxt = step(y, i + 1)
                 mx.async_eval(nxt)
             tok = y.item()
             safe = snap

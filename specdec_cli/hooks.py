@@ -404,6 +404,8 @@ _STEP_FUNCTIONS = {
     "ssm_update": ("mlx_lm.models.ssm", _MAMBA2),
 }
 STEP_MODES = ("off", "step", "capture", "tape")
+# The arguments of each step function that hold one row per token.
+_PER_TOKEN = {"gated_delta_update": ("q", "k", "v", "a", "b"), "ssm_update": ("hidden_states", "B", "C", "dt")}
 
 
 @dataclass
@@ -492,10 +494,26 @@ class RecurrentSteps:
     Installed once per model by :func:`recurrent_steps`; a probe checks on the
     model itself that the records reproduce what mlx-lm stores.
 
+    Two things are checked apart. The records (capture/tape): when they do
+    not reproduce mlx-lm's states, ``problem`` says why, the hooks stay and
+    verify forwards still take the one-token path (rollback by carry). The
+    recurrence itself (:meth:`check_rows`, at every verify row count a run
+    uses): where mlx-lm's several-token call differs from its one-token calls,
+    several tokens are computed one at a time (``per_token``); where that
+    cannot be done (no hook), speculation is refused (``refusal``).
+
     Attributes:
         kinds: The kind of each recurrent layer cache (in layer order), None where no hook covers it.
         problem: Why capture/tape cannot run on this model, or None.
         bytes_per_step: Extra bytes one verified token costs with ``capture`` / ``tape``.
+        per_token: A GatedDeltaNet's several-token call differs from its
+            one-token calls: verify forwards call it one token at a time.
+        stepping: The hooks are in place, so ``step`` computes verify forwards
+            with the one-token formula (False: mlx-lm's own forward runs).
+        inexact: Where mlx-lm's several-token recurrence was found to differ
+            from its one-token one: ``{kind: (rows, what differed)}``.
+        refusal: Why speculation must not run on this model (from
+            ``refused_from`` verify rows on), or None.
     """
 
     def __init__(self, model: nn.Module):
@@ -503,16 +521,29 @@ class RecurrentSteps:
         self.kinds: list[Optional[str]] = []
         self.problem: Optional[str] = None
         self.bytes_per_step = {"capture": 0, "tape": 0}
+        self.per_token = False
+        self.inexact: dict[str, tuple[int, str]] = {}
+        self.refusal: Optional[str] = None
+        self.refused_from: Optional[int] = None
         self._current: Optional[StepRecord] = None
         self._records: dict[int, StepRecord] = {}
         self._installed: list[nn.Module] = []
         self._arch = type(model).__module__.rsplit(".", 1)[-1]
+        # Per step function: (layer name, kind, mlx-lm's function, our wrapper or None, a call's bound arguments).
+        self._functions: dict[str, list] = {}
+        self._checked = 1
         try:
-            for module in model.modules():
+            for name, module in model.named_modules():
                 kind, calls = _mixer_kind(module)
-                if kind is not None:
-                    self._install(module, kind, calls)
+                if kind is None:
+                    continue
+                for fn, gname in calls.values():
+                    self._functions.setdefault(gname, [name, kind, fn.__globals__[gname], None, None])
+                self._install(module, kind, calls)
             self._probe(model)
+        except _RecordingOnly as e:
+            # The verify forwards still compute with the one-token formula; only capture/tape are off.
+            self.problem = str(e)
         except _Unsupported as e:
             self.close()
             self.problem = str(e)
@@ -539,7 +570,11 @@ class RecurrentSteps:
         hook = self
         ns: dict[str, Any] = {"_specdec_steps_base": cls}
         for name, (fn, gname) in calls.items():
-            ns[name] = _rebind(fn, gname, _WRAPPERS[gname](hook, fn.__globals__[gname]))
+            wrapper = _WRAPPERS[gname](hook, fn.__globals__[gname])
+            ns[name] = _rebind(fn, gname, wrapper)
+            entry = self._functions.get(gname)
+            if entry is not None and entry[3] is None:
+                entry[3] = wrapper
         if kind == _MAMBA1:
             ns["ssm_step"] = _mamba1_step(hook, cls.ssm_step)
         base_call = ns.get("__call__", cls.__call__)
@@ -582,6 +617,13 @@ class RecurrentSteps:
             if base is not None:
                 module.__class__ = base
         self._installed.clear()
+        for entry in self._functions.values():
+            entry[3] = None
+
+    @property
+    def stepping(self) -> bool:
+        """The hooks are in place: ``step`` forwards use the one-token formula."""
+        return bool(self._installed)
 
     # -- one forward -------------------------------------------------------------------
 
@@ -603,6 +645,90 @@ class RecurrentSteps:
         out = [self._records.get(id(c)) for c in caches]
         self._records.clear()
         return out
+
+    # -- the recurrence at every verify row count ------------------------------------------
+
+    def _keep_sample(self, gname: str, bound: dict) -> None:
+        entry = self._functions.get(gname)
+        if entry is not None and entry[4] is None:
+            entry[4] = dict(bound)
+
+    def check_rows(self, rows: int) -> Optional[str]:
+        """Check the recurrence for every verify forward of 2 .. ``rows`` tokens; the refusal that applies.
+
+        For each step function the model's mixers call, mlx-lm's several-token
+        call is compared bit for bit (outputs and final state) with the same
+        tokens fed one at a time, as plain decoding feeds them, at every row
+        count: on the layer's own shapes and a probe forward's own inputs,
+        repeated to ``rows`` tokens (on a tiny synthetic state when the hooks
+        could not be installed). A GatedDeltaNet that differs is then computed
+        one token at a time in verify forwards (``per_token``); Mamba2 always
+        is. The path verify forwards take is then checked the same way. Where
+        that path is mlx-lm's own several-token forward (no hooks) and it
+        differs, speculation is refused. Results are kept: a later call only
+        checks the row counts not checked yet.
+
+        Returns:
+            Why speculation must not run with verify forwards of up to
+            ``rows`` tokens, or None.
+        """
+        if rows > self._checked:
+            for gname, entry in self._functions.items():
+                self._check_function(gname, entry, rows)
+            self._checked = rows
+        return self.refusal if self.refused_from is not None and self.refused_from <= rows else None
+
+    def _check_function(self, gname: str, entry: list, rows: int) -> None:
+        layer, kind, real, wrapper, sample = entry
+        names = _PER_TOKEN[gname]
+        args = _repeat_rows(sample if sample is not None else _synthetic(gname), names, rows)
+
+        def call(fn, lo: int, hi: int, state):
+            return fn(**{**args, **{n: args[n][:, lo:hi] for n in names}, "state": state})
+
+        ref_y, ref_states, state = [], [], args["state"]
+        for t in range(rows):
+            y, state = call(real, t, t + 1, state)
+            ref_y.append(y)
+            ref_states.append(state)
+
+        def differs(y, final, m: int) -> Optional[str]:
+            want_y, want_s = mx.concatenate(ref_y[:m], axis=1), ref_states[m - 1]
+            if mx.array_equal(y, want_y).item() and mx.array_equal(final, want_s).item():
+                return None
+            dy = mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item()
+            ds = mx.abs(final.astype(mx.float32) - want_s.astype(mx.float32)).max().item()
+            return f"the output by up to {dy:.3g} and the state by up to {ds:.3g}"
+
+        # mlx-lm's several-token call, where verify forwards would use it: a GatedDeltaNet not yet
+        # computed one token at a time, or any layer when the hooks are off (mlx-lm's own forward).
+        if not self.stepping or (kind == _GDN and not self.per_token):
+            for m in range(max(2, self._checked + 1), rows + 1):
+                what = differs(*call(real, 0, m, args["state"]), m)
+                if what is not None:
+                    self.inexact.setdefault(kind, (m, what))
+                    if self.stepping:
+                        self.per_token = True  # verify forwards now call it one token at a time
+                    else:
+                        self._refuse(layer, kind, m, what)
+                    break
+        if self.stepping and wrapper is not None:
+            # The path verify forwards take, as the hook computes it (one token at a time), at the longest
+            # row count: its per-token outputs and last state cover every shorter one.
+            with self.forward("step"):
+                what = differs(*call(wrapper, 0, rows, args["state"]), rows)
+            if what is not None:
+                self._refuse(layer, kind, rows, what + " (specdec's one-token path)")
+
+    def _refuse(self, layer: str, kind: str, rows: int, what: str) -> None:
+        if self.refused_from is not None and self.refused_from <= rows:
+            return
+        self.refused_from = rows
+        self.refusal = (
+            f"speculative decoding cannot run exactly on this {self._arch} model: its {kind} layer {layer} "
+            f"computed for {rows} tokens at once differs from {rows} one-token steps ({what}), and specdec cannot "
+            "verify it one token at a time here" + (f" ({self.problem})" if self.problem else "")
+            + ": run plain decoding with --block-size 1 (one token per forward), or mlx_lm.generate")
 
     # -- the capability check ----------------------------------------------------------
 
@@ -635,6 +761,8 @@ class RecurrentSteps:
             start = state()
             captured = forward("capture", [3, 4, 5])
             after = state()
+            # The recurrence itself, before tape relies on it (a run checks its own row counts later).
+            self.check_rows(3)
             back(start, 3)
             taped = forward("tape", [3, 4, 5])
             back(start, 3)
@@ -650,10 +778,14 @@ class RecurrentSteps:
         for cap, tape, final, first in zip(captured, taped, after, one):
             name = f"{self._arch} {cap.kind}"
             for r in (cap, tape):
+                if r.steps != 3:
+                    # The wrapper did not see the recurrence: verify forwards would not take the one-token path.
+                    raise _Unsupported(f"{name}: the recurrence was not seen once per token of a forward")
+            for r in (cap, tape):
                 if r.problem:
-                    raise _Unsupported(f"{name}: {r.problem}")
-                if r.steps != 3 or r.conv_calls != 1 or r.conv_input is None or r.conv_input.shape[1] != r.n_keep + 3:
-                    raise _Unsupported(f"{name}: the recurrence or its conv input was not seen once per forward")
+                    raise _RecordingOnly(f"{name}: {r.problem}")
+                if r.conv_calls != 1 or r.conv_input is None or r.conv_input.shape[1] != r.n_keep + 3:
+                    raise _RecordingOnly(f"{name}: the conv input was not seen once per forward")
             exact = (
                 len(cap.states) == 3
                 and mx.array_equal(cap.conv_state(3), final[0]).item()
@@ -668,14 +800,43 @@ class RecurrentSteps:
                 for a, b in ((cap.conv_state(1), first[0]), (cap.state(1), first[1]))
             )
             if not (exact and close):
-                raise _Unsupported(f"{name}: the recorded per-token states do not reproduce what mlx-lm stores "
-                                   "(this mlx-lm release changed the layer)")
+                raise _RecordingOnly(f"{name}: the recorded per-token states do not reproduce what mlx-lm stores "
+                                     "(this mlx-lm release changed the layer)")
             self.bytes_per_step["capture"] += cap.states[0].nbytes
             self.bytes_per_step["tape"] += tape.tape_bytes() // 3
 
 
 class _Unsupported(Exception):
     pass
+
+
+class _RecordingOnly(_Unsupported):
+    """Capture/tape records are wrong; the one-token verify path itself is sound."""
+
+
+def _repeat_rows(bound: dict, names: Sequence[str], rows: int) -> dict:
+    """``bound`` with its per-token arguments cycled (along the token axis) to ``rows`` tokens."""
+    have = bound[names[0]].shape[1]
+    idx = mx.array([t % have for t in range(rows)], dtype=mx.int32)
+    return {**bound, **{n: mx.take(bound[n], idx, axis=1) for n in names}}
+
+
+def _synthetic(gname: str) -> dict:
+    """Arguments for a step function on a tiny state, for when no forward could be hooked to borrow them."""
+    k = iter(mx.random.split(mx.random.key(0), 8))
+
+    def normal(*shape):
+        return mx.random.normal(shape, key=next(k))
+
+    if gname == "gated_delta_update":
+        q, key = normal(1, 4, 1, 32), normal(1, 4, 1, 32)
+        return {"q": q / mx.linalg.norm(q, axis=-1, keepdims=True) / 32 ** 0.5,
+                "k": key / mx.linalg.norm(key, axis=-1, keepdims=True), "v": normal(1, 4, 1, 32),
+                "a": normal(1, 4, 1), "b": normal(1, 4, 1), "A_log": mx.zeros((1,)), "dt_bias": mx.zeros((1,)),
+                "state": mx.zeros((1, 1, 32, 32))}
+    return {"hidden_states": normal(1, 4, 2, 8), "A_log": mx.zeros((2,)), "B": normal(1, 4, 1, 16),
+            "C": normal(1, 4, 1, 16), "D": mx.ones((2,)), "dt": normal(1, 4, 2), "dt_bias": mx.zeros((2,)),
+            "state": mx.zeros((1, 2, 8, 16))}
 
 
 def _bind(fn: Callable) -> Callable[..., dict]:
@@ -691,39 +852,46 @@ def _bind(fn: Callable) -> Callable[..., dict]:
 
 def _gdn_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
     bind = _bind(real)
-    per_token = ("q", "k", "v", "a", "b")
+    per_token = _PER_TOKEN["gated_delta_update"]
 
     def gated_delta_update(*args, **kwargs):
         record = hook._current
-        if record is None:
-            # mlx-lm's several-token recurrence is already its one-token step in a loop.
+        if hook.mode == "off" or (record is None and not hook.per_token):
+            # mlx-lm's several-token recurrence, checked equal to its one-token steps (check_rows).
             return real(*args, **kwargs)
         a = bind(*args, **kwargs)
-        if a.get("mask") is not None:
+        hook._keep_sample("gated_delta_update", a)
+        if a.get("mask") is not None and record is not None:
             record.problem = "a padding mask reached the recurrence"
         start, steps = a["state"], a["q"].shape[1]
-        record.steps = steps
+        if record is not None:
+            record.steps = steps
 
         def run(lo: int, hi: int, state):
             return real(**{**a, **{n: a[n][:, lo:hi] for n in per_token}, "state": state})
 
-        if hook.mode == "capture":
+        def one_at_a_time(m: int, keep: Optional[list] = None):
             ys, state = [], start
-            for t in range(steps):
+            for t in range(m):
                 y, state = run(t, t + 1, state)
                 ys.append(y)
-                record.states.append(state)
+                if keep is not None:
+                    keep.append(state)
             return mx.concatenate(ys, axis=1), state
-        record.tape = [a[n] for n in per_token]
-        record.replay = lambda m: run(0, m, start)[1]
-        return real(*args, **kwargs)
+
+        if hook.mode == "capture" and record is not None:
+            return one_at_a_time(steps, record.states)
+        if record is not None:  # tape
+            record.tape = [a[n] for n in per_token]
+            record.replay = (lambda m: one_at_a_time(m)[1]) if hook.per_token else (lambda m: run(0, m, start)[1])
+        return one_at_a_time(steps) if hook.per_token else real(*args, **kwargs)
 
     return gated_delta_update
 
 
 def _ssm_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
     bind = _bind(real)
-    per_token = ("hidden_states", "B", "C", "dt")
+    per_token = _PER_TOKEN["ssm_update"]
 
     def ssm_update(*args, **kwargs):
         record = hook._current
@@ -733,6 +901,7 @@ def _ssm_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
         steps = a["hidden_states"].shape[1]
         if steps == 1 and record is None:
             return real(*args, **kwargs)
+        hook._keep_sample("ssm_update", a)
         if a.get("mask") is not None or a.get("lengths") is not None:
             if record is not None:
                 record.problem = "a padding mask reached the recurrence"

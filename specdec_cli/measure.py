@@ -195,7 +195,8 @@ def sweep(
         rows.append(SweepRow(
             block_size=b,
             decode_tps=statistics.median(s.decode_tps for s in runs),
-            speedup=statistics.median(s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0),
+            # No ratio when nothing was generated (e.g. an EOS first): 0.0, shown as "-".
+            speedup=statistics.median([s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0] or [0.0]),
             acceptance=runs[0].acceptance,
             mean_accepted_per_block=runs[0].mean_accepted_per_block,
             draft_ms=ms["draft_ms"],

@@ -9,7 +9,7 @@ spends displaying is never counted as decode time.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
@@ -17,7 +17,7 @@ import mlx.nn as nn
 from .adaptive import DraftPolicy
 from .caches import Checkpoint, ModelCache, make_cache
 from .drafters import Drafter
-from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, warm_up
+from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, verify_rows, warm_up
 from .hooks import Hidden, HiddenTap
 from .errors import OptionError
 from .rollback import RollbackChoice, choose
@@ -95,6 +95,7 @@ def run(
     kv_group_size: int = 64,
     timed: bool = False,
     warmup: bool = True,
+    seed: Optional[int] = None,
     cache: Optional[ModelCache] = None,
     hidden_prefix: Optional[Hidden] = None,
     marks: Sequence[int] = (),
@@ -126,6 +127,9 @@ def run(
         timed: Ask the engine for per-phase timings (adds syncs).
         warmup: Run every shape once before decoding (see
             :func:`~specdec_cli.engine.warm_up`), timed apart.
+        seed: At temperature > 0, key every draw by (seed, position): the
+            text is then the same whatever the draft lengths, and equal to
+            plain decoding's with the same seed (see :mod:`specdec_cli.sampling`).
         cache: The target's caches holding a prefix of ``prompt_ids`` (a
             prompt cache hit), built fresh when None. The caller may keep
             them after the run: they then hold the prompt and every
@@ -138,6 +142,8 @@ def run(
         cancelled: Asked between prefill chunks; True stops the prefill with
             :class:`~specdec_cli.errors.Cancelled` (between blocks, close the generator).
     """
+    if seed is not None and not sampling.greedy:
+        sampling = replace(sampling, seed=seed)
     if not prompt_ids:
         raise OptionError("the prompt is empty: give some text")
     if cache is None:
@@ -145,6 +151,9 @@ def run(
     cached = cache.length
     if not 0 <= cached < len(prompt_ids):
         raise ValueError(f"the caches hold {cached} tokens of a {len(prompt_ids)}-token prompt")
+    if drafter is not None:
+        # Refused here, before the prefill, if verify forwards cannot compute as one-token decoding does.
+        cache.check_verify(max(verify_rows(_max_draft(policy, num_draft_tokens), cache.recurrent, "carry")))
     # A drafter that reads the target's hidden states gets them from the
     # target's own forwards; the tap comes off the model when the run ends.
     specs = getattr(drafter, "taps", None)

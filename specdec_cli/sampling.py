@@ -12,11 +12,22 @@ probability p(x), and a rejection draws from p with x removed.
 
 p and q go through the same transforms as mlx-lm's sampler: top-p, min-p and
 top-k mask the temperature-1 log-probabilities, then the temperature scales.
+
+With a seed (``SamplingParams.seed``) draws are keyed by position instead:
+the token at generated position i is ``argmax(log p_i + g_i)`` (Gumbel-max,
+an exact draw from p_i), where the Gumbel noise g_i is a function of the seed,
+i and the token id alone. A draft is kept iff it equals that token, so the
+text is the same whatever the draft lengths (and equal to plain decoding's
+with the same seed); sampling drafters draft ``argmax(log q_i + g_i)`` with
+the same noise, which makes them agree as often as this coupling allows.
+For a deterministic drafter this keeps a draft with probability p(x), as
+rejection sampling does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -25,16 +36,33 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """mlx-lm's sampling options; ``temp == 0`` is greedy."""
+    """mlx-lm's sampling options; ``temp == 0`` is greedy.
+
+    Attributes:
+        seed: Key draws by (seed, position) (see the module docstring); None:
+            draw from MLX's global random state.
+        position: With a seed, the generated-token index of the first row drawn.
+    """
 
     temp: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
+    seed: Optional[int] = None
+    position: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temp == 0
+
+    @property
+    def keyed(self) -> bool:
+        """Draws are keyed by position: sampling with a seed."""
+        return self.seed is not None and not self.greedy
+
+    def at(self, position: int) -> "SamplingParams":
+        """The same options with draws starting at generated position ``position``."""
+        return replace(self, position=position) if self.keyed else self
 
 
 GREEDY = SamplingParams()
@@ -73,12 +101,64 @@ def sample(logprobs: mx.array) -> mx.array:
     return mx.random.categorical(logprobs).astype(mx.uint32)
 
 
-def draw(logits: mx.array, params: SamplingParams) -> tuple[mx.array, Optional[mx.array]]:
-    """A drafter's tokens for each row, and its log q (None when greedy: q is one-hot)."""
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
+
+
+def _mix32(x):
+    """murmur3's 32-bit finaliser (a bijection with full avalanche), on Python ints or uint32 arrays."""
+    if isinstance(x, int):
+        x ^= x >> 16
+        x = (x * _M1) & 0xFFFFFFFF
+        x ^= x >> 13
+        x = (x * _M2) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    x = x ^ (x >> 16)
+    x = x * mx.array(_M1, dtype=mx.uint32)
+    x = x ^ (x >> 13)
+    x = x * mx.array(_M2, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+@functools.lru_cache(maxsize=4)
+def _token_hashes(vocab: int) -> mx.array:
+    # One hash per token id, the same for every position (computed once per vocabulary size).
+    ids = _mix32(mx.arange(vocab, dtype=mx.uint32) * mx.array(0x9E3779B1, dtype=mx.uint32) + 1)
+    mx.eval(ids)
+    return ids
+
+
+def position_noise(seed: int, first: int, rows: int, vocab: int) -> mx.array:
+    """Gumbel noise ``[rows, vocab]``; row r belongs to generated position ``first + r``.
+
+    Each value is a function of (seed, position, token id) alone (a counter
+    hash, not a random stream), so a draft model with a padded vocabulary,
+    a drafter that draws one row at a time and the target's verify all see
+    the same noise for the same token at the same position. 24 bits of
+    uniform per value, as a float32 uniform has.
+    """
+    seed_key = _mix32((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ _mix32((seed >> 32) & 0xFFFFFFFF)
+    keys = [_mix32(seed_key ^ _mix32((first + r) & 0xFFFFFFFF) ^ ((first + r) >> 32)) for r in range(rows)]
+    bits = _mix32(mx.array(keys, dtype=mx.uint32)[:, None] ^ _token_hashes(vocab)[None, :])
+    u = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -mx.log(-mx.log(u))
+
+
+def keyed_pick(logprobs: mx.array, params: SamplingParams, offset: int = 0) -> mx.array:
+    """Gumbel-max draws for rows at positions ``params.position + offset + r``: each exactly from its row's p."""
+    rows, vocab = logprobs.shape
+    noise = position_noise(params.seed, params.position + offset, rows, vocab)
+    return mx.argmax(logprobs + noise, axis=-1).astype(mx.uint32)
+
+
+def draw(logits: mx.array, params: SamplingParams, offset: int = 0) -> tuple[mx.array, Optional[mx.array]]:
+    """A drafter's tokens for each row, and its log q (None when greedy: q is one-hot).
+
+    ``offset``: with a seed, the rows are the drafts at ``params.position + offset`` onwards.
+    """
     if params.greedy:
         return greedy(logits), None
     lp = log_probs(logits, params)
-    return sample(lp), lp
+    return (keyed_pick(lp, params, offset) if params.keyed else sample(lp)), lp
 
 
 def top_probability(logits: mx.array, logprobs: Optional[mx.array]) -> mx.array:
@@ -89,8 +169,25 @@ def top_probability(logits: mx.array, logprobs: Optional[mx.array]) -> mx.array:
 
 
 def choose(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Next tokens from raw logits: greedy or sampled."""
-    return greedy(logits) if params.greedy else sample(log_probs(logits, params))
+    """Next tokens from raw logits: greedy or sampled (keyed by ``params.position`` with a seed)."""
+    if params.greedy:
+        return greedy(logits)
+    lp = log_probs(logits, params)
+    return keyed_pick(lp, params) if params.keyed else sample(lp)
+
+
+def accept_keyed(logits: mx.array, drafts: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """Position-keyed sampling: drafts are kept while they equal the target's keyed draws.
+
+    Row i of ``logits`` is the target's distribution at generated position
+    ``params.position + i``; its token is :func:`keyed_pick` of it, whatever
+    was drafted. Returns lazy scalars: accepted count n, and the token after
+    the kept prefix.
+    """
+    picks = keyed_pick(log_probs(logits, params), params)
+    k = drafts.shape[0]
+    n = mx.cumprod((drafts == picks[:k]).astype(mx.int32)).sum() if k else mx.array(0)
+    return n, picks[n]
 
 
 def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:

@@ -275,13 +275,15 @@ def test_lookup_history_drafts_from_earlier_runs(models, tmp_path):
     assert b["text"] == a["text"] and b["compare"]["identical"]
     assert b["accepted"] >= 16 and b["accepted"] > a["accepted"]
     assert len(json.loads(history.read_text())["entries"]) == 1  # the same output is kept once
-    # A corrupt file: a warning, the same output, and the file is rewritten.
-    history.write_text("{ not json")
+    # A damaged history: a warning, the same output, the file set aside and a new one written.
+    damaged = history.read_text()[:-5]
+    history.write_text(damaged)
     third = invoke(*args)
     assert third.exit_code == 0, third.output
-    assert "warning: lookup history" in third.stderr and "corrupt" in third.stderr
+    assert "warning: lookup history" in third.stderr and "damaged" in third.stderr
     assert json.loads(third.stdout)["text"] == a["text"]
     assert len(json.loads(history.read_text())["entries"]) == 1
+    assert (tmp_path / "history.json.corrupt").read_text() == damaged
 
 
 def test_adaptive_by_default_fixed_on_request(models):

@@ -50,3 +50,84 @@ def test_summary_has_mlx_lm_lines_first():
     assert "Blocks: 2, mean accepted per block: 1.00, tokens per block: 2.00" in lines
     assert "Accepted per block (histogram): 0:1  2:1" in lines
     assert "Acceptance by draft position: 50% 50% 0%" in lines
+
+
+# --- the sweep table at any width --------------------------------------------------------
+
+def _sweep_result():
+    from specdec_cli.measure import SweepResult, SweepRow
+
+    rows = [SweepRow(b, 20.0 + b, s, 0.612, 1.83, 12.3, 45.6, 1.2, 2.0, v == "identical", v)
+            for b, s, v in ((2, 1.13, "identical"), (4, 1.52, "rounding tie"), (16, 0.87, "diverged"))]
+    return SweepResult(18.25, rows, 64)
+
+
+def _render_sweep(width: int) -> str:
+    from specdec_cli.display import print_sweep
+
+    out = io.StringIO()
+    print_sweep(_sweep_result(), "lookup", Console(file=out, width=width, highlight=False))
+    text = out.getvalue()
+    assert all(len(line) <= width for line in text.splitlines()), text
+    return text
+
+
+def _row(text: str, block: str) -> str:
+    return next(line for line in text.splitlines() if re.search(rf"(^|[│ ]){re.escape(block)}[ │]", line))
+
+
+def test_sweep_table_at_120_columns_shows_everything():
+    text = _render_sweep(120)
+    header = next(line for line in text.splitlines() if "speedup" in line)
+    for name in ("block", "tok/s", "accept", "acc/blk", "draft", "verify", "rollback", "syncs", "same"):
+        assert name in header
+    assert "█" in _row(text, "4*") and "too narrow" not in text
+    assert "…" not in text
+
+
+def test_sweep_table_at_80_columns_keeps_the_verdict_and_speedup_and_drops_the_bar_first():
+    text = _render_sweep(80)
+    for block, speedup, same in (("2", "1.13x", "yes"), ("4*", "1.52x", "tie"), ("16", "0.87x", "NO")):
+        row = _row(text, block)
+        assert speedup in row and re.search(rf"\b{same}\b", row), row
+    assert "…" not in text and "█" not in text and "too narrow for" in text
+
+
+def test_sweep_table_at_30_columns_still_shows_every_speedup_and_verdict():
+    text = _render_sweep(30)
+    for block, speedup, same in (("2", "1.13x", "yes"), ("4*", "1.52x", "tie"), ("16", "0.87x", "NO")):
+        row = _row(text, block)
+        assert speedup in row and re.search(rf"\b{same}\b", row), row
+    assert "…" not in text
+
+
+def test_sweep_at_20_columns_falls_back_to_lines():
+    text = _render_sweep(20)
+    assert "4* 1.52x same:tie" in text and "16 0.87x same:NO" in text
+
+
+def test_a_run_of_no_tokens_claims_no_speedup():
+    from specdec_cli.compare import Comparison
+    from specdec_cli.display import comparison_lines
+
+    def stats(generated, seconds):
+        s = Stats()
+        if generated:
+            s.add(Block(tuple(range(generated)), 0, 0, "none", 1), seconds)
+        return s
+
+    none = comparison_lines(Comparison(True, 0, None, stats(0, 0.0)), stats(0, 0.0), str)[-1]
+    assert "0.00x" not in none and "no speedup measurable (no tokens generated)" in none
+    some = comparison_lines(Comparison(True, 8, None, stats(8, 2.0)), stats(8, 1.0), str)[-1]
+    assert some == "Plain decoding: 4.000 tokens-per-sec; speedup 2.00x"
+
+
+def test_a_sweep_of_no_tokens_shows_no_speedup():
+    from specdec_cli.display import print_sweep
+    from specdec_cli.measure import SweepResult, SweepRow
+
+    out = io.StringIO()
+    row = SweepRow(4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True)
+    print_sweep(SweepResult(0.0, [row], 0), "lookup", Console(file=out, width=120, highlight=False))
+    text = out.getvalue()
+    assert "0.00x" not in text and "no speedup measurable" in text

@@ -282,12 +282,82 @@ def test_pipeline_answers_prompts_and_reuses_its_cache(tmp_path):
     jsonl.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in ("cats", "rain", "tea")))
     opts = DistillOptions(data=str(jsonl), tokens=600, answer_tokens=60, gen_batch=4, draft_vocab=0,
                           train=TrainConfig(steps=2, batch_size=2, seq_len=16, depth=2, eval_every=1))
-    events = list(distill(model, tok, parts, tmp_path / "h", opts))
+    key = {"files": "the tiny llama", "dtype": "float32"}
+    events = list(distill(model, tok, parts, tmp_path / "h", opts, model_id=key))
     kinds = [type(e).__name__ for e in events]
     assert "Generated" in kinds and "States" in kinds and isinstance(events[-1], Finished)
     assert (tmp_path / "h" / "config.json").is_file() and (tmp_path / "h" / "cache" / "corpus.json").is_file()
-    again = list(distill(model, tok, parts, tmp_path / "h", opts))
+    again = list(distill(model, tok, parts, tmp_path / "h", opts, model_id=key))
     assert "reusing the corpus" in again[0].detail and "Generated" not in [type(e).__name__ for e in again]
+
+
+def first_stage(model, tok, out, opts, key) -> str:
+    """The first line a distill run prints (says whether the corpus cache is reused); nothing trains."""
+    events = distill(model, tok, target_parts(model), out, opts, model_id=key)
+    try:
+        return next(events).detail
+    finally:
+        events.close()
+
+
+def test_the_corpus_cache_is_keyed_by_the_model_and_the_data_content(tmp_path):
+    from specdec_cli.distill.pipeline import model_key
+    from specdec_cli.loading import load
+
+    base = make_model_dir(tmp_path / "base", "llama", seed=0)
+    tuned = make_model_dir(tmp_path / "tuned", "llama", seed=0, noise=0.05)  # same tokenizer, other weights
+    assert (base / "tokenizer.json").read_bytes() == (tuned / "tokenizer.json").read_bytes()
+    model, tok = target("llama", "float32"), load(str(base)).tokenizer
+    data = tmp_path / "data.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    opts = DistillOptions(data=str(data), tokens=600, draft_vocab=0,
+                          train=TrainConfig(steps=1, batch_size=2, seq_len=16, depth=2, eval_every=1))
+    out = tmp_path / "head"
+    key = model_key(base, "float32")
+    assert key == model_key(base, "float32") != model_key(tuned, "float32") != model_key(base, "bfloat16")
+    list(distill(model, tok, target_parts(model), out, opts, model_id=key))
+    assert "reusing the corpus" in first_stage(model, tok, out, opts, key)
+    # Another model with the same tokenizer: its own states, never the base model's.
+    assert "reusing" not in first_stage(model, tok, out, opts, model_key(tuned, "float32"))
+    # The same path with other text in it: the new text.
+    data.write_text("Once upon a time, in a small town, there lived a cat. " * 30)
+    assert "reusing" not in first_stage(model, tok, out, opts, key)
+    # The same text again, even in another file: reused.
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    assert "reusing the corpus" in first_stage(model, tok, out, opts, key)
+    # An unknown model (no files to identify it by) never reuses a corpus.
+    assert "reusing" not in first_stage(model, tok, out, opts, None)
+
+
+@pytest.mark.parametrize("data", ["prompts", None])
+def test_every_number_reported_is_the_number_used(tmp_path, data):
+    from specdec_cli.distill.pipeline import Stage, States
+    from specdec_cli.loading import load
+
+    model, tok = target("llama", "float32"), load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
+    if data:
+        data = tmp_path / "p.jsonl"
+        words = ("cats", "rain", "tea", "maps", "boats", "snow", "bread", "owls")
+        data.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in words))
+    # A small goal and a batch of 32 long answers: the old code generated all 32 and used them all.
+    opts = DistillOptions(data=data and str(data), tokens=300, answer_tokens=60, gen_batch=32, draft_vocab=0,
+                          train=TrainConfig(steps=1, batch_size=2, seq_len=16, depth=2, eval_every=1))
+    events = list(distill(model, tok, target_parts(model), tmp_path / "h", opts,
+                          model_id={"files": "x", "dtype": "float32"}))
+    generated = [e for e in events if type(e).__name__ == "Generated"]
+    states = [e for e in events if isinstance(e, States)]
+    stage = next(e for e in events if isinstance(e, Stage) and e.name == "states")
+    result = events[-1].result
+    # At most the goal (the last answer cut to fit; a budget left smaller than a prompt stays unused).
+    assert generated[-1].tokens == result.corpus_tokens and 200 < result.corpus_tokens <= 300 == generated[-1].goal
+    assert f"at {result.corpus_tokens} positions" in stage.detail
+    answers = states[-1].total  # one sequence per answered prompt
+    assert generated[-1].answered == answers
+    what = "built-in seed prompts" if data is None else "prompts"
+    assert f"the model's answers to {answers} {what}" in result.source and result.source in stage.detail
+    info = json.loads((tmp_path / "h" / "training.json").read_text())
+    assert info["source"] == result.source and info["corpus_tokens"] == result.corpus_tokens
+    assert f"{answers} {what}" in (tmp_path / "h" / "README.md").read_text()
 
 
 def test_cli_distills_a_head_that_generate_loads(tmp_path, tiny_dir):
@@ -323,6 +393,45 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path, tiny_dir, args, message):
     result = _distill("--model", tiny_dir, *[a.format(**fill) for a in args])
     assert result.exit_code == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"README.md": "# my project", "training.json": "{}", "src.py": "x = 1"},
+     "would overwrite README.md, training.json"),
+    ({"notes.txt": "mine"}, "it holds notes.txt"),
+    ({"cache/other.bin": "x"}, "would overwrite cache"),
+])
+def test_out_refuses_a_folder_of_other_files_before_loading(tmp_path, tiny_dir, monkeypatch, files, message):
+    import specdec_cli.distill_command as command
+
+    monkeypatch.setattr(command, "load_target", lambda *a, **kw: pytest.fail("the model loaded"))
+    out = tmp_path / "project"
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    result = _distill("--model", tiny_dir, "--out", out, "--steps", 2)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "give a new or empty directory" in errors[0]
+    assert {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()} == files
+
+
+def test_out_accepts_new_empty_an_earlier_head_and_an_interrupted_run(tmp_path):
+    from specdec_cli.distill_command import check_out
+
+    assert check_out(str(tmp_path / "new")) == tmp_path / "new"
+    (tmp_path / "empty").mkdir()
+    check_out(str(tmp_path / "empty"))
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"model_type": "specdec_mtp"}))
+    (head / "notes.txt").write_text("kept")  # beside an earlier head: only the head's files are replaced
+    check_out(str(head))
+    cut = tmp_path / "cut"  # Ctrl-C before the first head: the corpus cache and the staging folder only
+    (cut / "cache").mkdir(parents=True)
+    (cut / "cache" / "corpus.json").write_text("{}")
+    (cut / ".writing").mkdir()
+    check_out(str(cut))
 
 
 def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monkeypatch):

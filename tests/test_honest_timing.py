@@ -25,6 +25,7 @@ from helpers import (
     kernels_agree,
     max_cache_diff,
     noisy_drafter,
+    plain,
     prefilled,
     target,
     tokens,
@@ -202,6 +203,14 @@ def test_sweep_marks_ties_and_keeps_the_exit_code(capsys):
 
     print_sweep(result, "model")
     assert re.search(r"│\s+tie\s+│", capsys.readouterr().out)
+
+
+def test_a_sweep_that_generates_nothing_reports_no_speedup():
+    model = target("llama", "float32")
+    first = plain(model, max_tokens=1)[0][0]  # made an end-of-sequence token: nothing is generated
+    result = list(sweep(model, PROMPT, lambda: ModelDrafter(noisy_drafter("llama", "float32")), [2],
+                        max_tokens=8, eos_ids=[first], warmup=0, repeats=1))[-1]
+    assert result.tokens == 0 and result.rows[0].speedup == 0.0
 
 
 # --- through the command line ----------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 
 from specdec_cli.adaptive import HybridLength
 from specdec_cli.drafters import HybridDrafter, SuffixDrafter
@@ -63,9 +62,10 @@ def test_hybrid_samples():
     model = target("llama", "float32")
     outs = []
     for _ in range(2):
-        mx.random.seed(3)
+        # The policy sizes drafts from measured time: only draws keyed by position (seed=) make the
+        # text independent of it (mx.random.seed alone failed here on a loaded machine).
         policy = HybridLength(k_max=15, head_prior=0.6, warmup=0)
         _, out = collect(run(model, PROMPT, drafter=_hybrid(t, policy), policy=policy, max_tokens=40,
-                             sampling=SamplingParams(temp=0.8)))
+                             sampling=SamplingParams(temp=0.8), seed=3))
         outs.append(out)
     assert outs[0] == outs[1] and len(outs[0]) == 40

@@ -291,17 +291,17 @@ def test_history_file_round_trip_is_bounded_and_per_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("content", [
-    "not json {",
-    json.dumps({"format": "something else", "version": VERSION, "entries": []}),
     json.dumps({"format": FORMAT, "version": VERSION, "entries": [{"tokenizer": "tokA", "tokens": ["x"]}]}),
     json.dumps({"format": FORMAT, "version": VERSION, "entries": [{"tokens": [1]}]}),
-    json.dumps([1, 2, 3]),
+    json.dumps({"format": FORMAT, "version": VERSION, "entries": []})[:-3],
 ])
-def test_a_corrupt_history_file_is_ignored_with_a_warning_and_rewritten(tmp_path, content):
+def test_a_damaged_history_file_is_set_aside_with_a_warning(tmp_path, content):
+    # (Files that are not a history at all are refused: tests/test_history_file.py.)
     path = tmp_path / "history.json"
     path.write_text(content)
     h = LookupHistory.load(path, "tokA")
-    assert h.outputs() == [] and "ignored" in h.warning
+    assert h.outputs() == [] and "damaged" in h.warning
+    assert (tmp_path / "history.json.corrupt").read_text() == content
     h.add([1, 2])
     h.save()
     again = LookupHistory.load(path, "tokA")

@@ -125,13 +125,95 @@ def test_a_run_over_the_device_memory_is_refused_with_both_figures(models, monke
 
 # --- 2. Ctrl-C, SIGTERM, a closed stdout ----------------------------------------
 
+# A sitecustomize for the Ctrl-C children (test-only: nothing in specdec knows about it). Every forward
+# of specdec's caches takes at least FORWARD_S longer, so whatever the machine's speed a run has far more
+# work left than the test's own delays (a starved test process) before its signal lands: a 3000-token
+# prefill in 1-token chunks lasts >= 150 s, 4000 tokens in 2-token blocks >= 100 s. With MARK set, the
+# engine writes DECODING to stderr once its first block is committed (the consumer asked for the next
+# one), for a --json run, which streams no text to wait for.
+FORWARD_S = 0.05
+DECODING = b"test-marker: decoding"
+SITECUSTOMIZE = f"""
+import importlib.abc, importlib.util, os, sys, time
+
+
+def _caches(module):
+    forward = module.ModelCache._forward
+
+    def slow_forward(self, tokens, mode):
+        out = forward(self, tokens, mode)
+        time.sleep({FORWARD_S})
+        return out
+
+    module.ModelCache._forward = slow_forward
+
+
+def _runner(module):
+    engine = module.speculative_generate_step
+
+    def marked(*args, **kwargs):
+        blocks = engine(*args, **kwargs)
+        try:
+            for i, block in enumerate(blocks):
+                yield block
+                if i == 0 and os.environ.get("MARK"):
+                    sys.stderr.write("{DECODING.decode()}\\n")
+                    sys.stderr.flush()
+        finally:
+            blocks.close()
+
+    module.speculative_generate_step = marked
+
+
+class _Patch(importlib.abc.MetaPathFinder):
+    patches = {{"specdec_cli.caches": _caches, "specdec_cli.runner": _runner}}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.patches:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run, patch = spec.loader.exec_module, self.patches[name]
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Patch())
+"""
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory) -> dict:
+    """The environment of a child whose every forward is slowed down (see SITECUSTOMIZE)."""
+    folder = tmp_path_factory.mktemp("slow-forwards")
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def _sigint_at_default() -> None:
+    # Started from a script's background job (`pytest ... &` without job control), the test process has
+    # SIGINT ignored and a child inherits that: Python then never raises KeyboardInterrupt and the run goes
+    # on to its end (exit 0). A foreground job on a terminal has it at default, as the child gets here.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(args, **kw):
     # Unbuffered: what the test reads before communicate() must not sit in a reader's buffer.
     return subprocess.Popen([sys.executable, "-m", "specdec_cli", "generate", *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                            preexec_fn=_sigint_at_default, **kw)
 
 
-def _wait_for(stream, marker: bytes, limit: float = 60.0) -> bytes:
+def _wait_for(stream, marker: bytes, limit: float = 120.0) -> bytes:
     """Read ``stream`` until ``marker`` shows up (one byte at a time: no read blocks past it)."""
     seen, start = b"", time.monotonic()
     while marker not in seen:
@@ -144,7 +226,12 @@ def _wait_for(stream, marker: bytes, limit: float = 60.0) -> bytes:
 def _interrupt(proc, sig=signal.SIGINT) -> tuple[bytes, bytes, float]:
     proc.send_signal(sig)
     start = time.monotonic()
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # a child the signal did not stop must not outlive the test
+            proc.communicate()
     return out, err, time.monotonic() - start
 
 
@@ -161,9 +248,10 @@ def looping(models):
     return prompt, reference
 
 
-def test_ctrl_c_during_prefill_exits_130_quickly(models):
+def test_ctrl_c_during_prefill_exits_130_quickly(models, slow):
     proc = _spawn(["--model", models["llama"], "p" * 3000, "--ignore-chat-template", "--verbose",
-                   "--prefill-step-size", "1", "-m", "4"])
+                   "--prefill-step-size", "1", "-m", "4"], env=slow)
+    # Printed just before the prefill starts; the prefill then lasts minutes (3000 slowed forwards).
     _wait_for(proc.stderr, b"Prefill: 3000 prompt tokens")
     out, err, took = _interrupt(proc)
     assert proc.returncode == 130, err
@@ -174,28 +262,27 @@ def test_ctrl_c_during_prefill_exits_130_quickly(models):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_during_decoding_prints_the_text_once(models, looping, sig):
+def test_ctrl_c_during_decoding_prints_the_text_once(models, looping, slow, sig):
     prompt, reference = looping
-    proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "1500",
-                   "--no-adaptive", "--block-size", "2"])
-    head = proc.stdout.read(1)  # text is streaming: decoding is under way
+    proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "4000",
+                   "--no-adaptive", "--block-size", "2"], env=slow)
+    head = proc.stdout.read(1)  # text is streaming: decoding is under way (and lasts minutes)
     out, err, took = _interrupt(proc, sig)
     assert proc.returncode == 130, err
     assert took < 5, took
     text = (head + out).decode()
     generated = int(re.search(rb"^Generation: (\d+) tokens", err, re.M).group(1))
-    assert 0 < generated < 1500
+    assert 0 < generated < 4000
     # Exactly what was generated, once: plain decoding's first tokens, then the closing newline.
     assert text == reference(generated) + "\n"
     assert b"Finish reason: interrupted" in err and b"Traceback" not in err
 
 
-def test_ctrl_c_with_json_gives_one_object(models, looping):
+def test_ctrl_c_with_json_gives_one_object(models, looping, slow):
     prompt, reference = looping
     proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "4000", "--json",
-                   "--verbose", "--no-adaptive", "--block-size", "2"])
-    _wait_for(proc.stderr, b"Prefill:")
-    time.sleep(1.0)  # into decoding (4000 tokens two at a time take several seconds)
+                   "--no-adaptive", "--block-size", "2"], env={**slow, "MARK": "1"})
+    _wait_for(proc.stderr, DECODING)  # the first block is committed, the second one is under way
     out, err, _ = _interrupt(proc)
     assert proc.returncode == 130, err
     report = json.loads(out)  # all of stdout is one object
@@ -204,17 +291,15 @@ def test_ctrl_c_with_json_gives_one_object(models, looping):
     assert report["text"] == reference(report["generated_tokens"])
 
 
-def test_a_closed_stdout_ends_quietly(models, looping):
+def test_a_closed_stdout_ends_quietly(models, looping, slow):
     prompt, _ = looping
-    proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "1500"])
+    proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "4000"], env=slow)
     proc.stdout.read(5)
     proc.stdout.close()  # `| head -c 5`
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141
     assert err == b"", err
 
-
-# --- 3. any bytes in ------------------------------------------------------------
 
 def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(models):
     result = generate("--model", models["llama"], "-", "-m", "4", "--json", "--ignore-chat-template",

@@ -192,3 +192,70 @@ def test_greedy_drafter_with_one_hot_q_is_lossless_too():
         counts[out[1]] += 1
     stat, critical = chi_square(counts, exact_marginals(PLAIN)[1])
     assert stat < critical
+
+
+# --- draws keyed by position (--seed) ------------------------------------------------------
+
+def test_keyed_draws_follow_the_distribution():
+    # Gumbel-max with the position noise: one draw per position, 20,000 positions, one seed.
+    from specdec_cli.sampling import keyed_pick
+
+    p = [0.4, 0.3, 0.15, 0.1, 0.04, 0.01, 0.0, 0.0]
+    logp = mx.log(mx.array(p))[None, :]
+    for seed in (0, 12345):
+        n = 20000
+        picks = keyed_pick(mx.broadcast_to(logp, (n, len(p))), SamplingParams(temp=1.0, seed=seed)).tolist()
+        counts = [picks.count(v) for v in range(len(p))]
+        assert counts[6] == counts[7] == 0  # zero probability: never drawn
+        stat, critical = chi_square(counts, p)
+        assert stat < critical, (seed, counts, stat, critical)
+
+
+def draw_keyed(kind: str, params: SamplingParams, samples: int = SAMPLES, k: int = 3):
+    """Like ``draw``, one seed per run (the runs are then independent samples)."""
+    target, draft = models()
+    cache, snap = _prefilled(target)
+    dcache, dsnap = _prefilled(draft)
+    counts = [[0] * VOCAB for _ in range(POSITIONS)]
+    texts, drafted, accepted = [], 0, 0
+    for seed in range(samples):
+        seeded = SamplingParams(params.temp, params.top_p, params.top_k, params.min_p, seed=seed)
+        cache.restore(snap)
+        if kind == "plain":
+            blocks = plain_generate_step(PROMPT[-1], cache, max_tokens=POSITIONS, sampling=seeded)
+        else:
+            if kind == "model":
+                dcache.restore(dsnap)
+                drafter = ModelDrafter(draft, cache=dcache)
+            else:
+                drafter = LookupDrafter(max_ngram=3, min_ngram=1)
+                drafter.prefill(PROMPT[:-1])
+            blocks = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k,
+                                               max_tokens=POSITIONS, sampling=seeded)
+        out = []
+        for b in blocks:
+            out += b.tokens
+            drafted, accepted = drafted + b.drafted, accepted + b.accepted
+        texts.append(out)
+        for i, tok in enumerate(out):
+            counts[i][tok] += 1
+    return counts, texts, (accepted, drafted)
+
+
+def test_seeded_speculative_sampling_follows_the_target_distribution():
+    # (Seeded plain decoding prints the same texts: the next test.)
+    counts, _, (accepted, drafted) = draw_keyed("model", FILTERED)
+    assert accepted >= 50 and drafted - accepted >= 50, (accepted, drafted)
+    exact = exact_marginals(FILTERED)
+    for pos in range(POSITIONS):
+        stat, critical = chi_square(counts[pos], exact[pos])
+        assert stat < critical, f"position {pos + 1}: chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_a_seed_gives_plain_decodings_text_whatever_the_drafter_and_draft_length():
+    # Same seeds, three ways: each run's text is the same token for token.
+    _, plain_texts, _ = draw_keyed("plain", PLAIN, samples=60)
+    for kind, k in (("model", 1), ("model", 3), ("lookup", 2)):
+        _, texts, (accepted, _) = draw_keyed(kind, PLAIN, samples=60, k=k)
+        assert texts == plain_texts, (kind, k)
+        assert accepted > 0, (kind, k)

@@ -9,6 +9,7 @@ every position (see :func:`teacher_states`), never the text's next token.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -103,11 +104,34 @@ Prompt = Union[str, list]  # a user message, or a chat (list of {"role", "conten
 
 @dataclass
 class Source:
-    """What the head trains on: prompts for the target to answer, and/or plain texts."""
+    """What the head trains on: prompts for the target to answer, and/or plain texts.
+
+    Attributes:
+        prompts: Prompts (or chats) for the target to answer.
+        texts: Texts used as they are.
+        description: What is on offer (before any of it is used).
+        digest: A hash of the content (the files' bytes, or the seed prompts), for the corpus cache key.
+        origin: Where it comes from (``from PATH``), or "" for the built-in seed prompts.
+    """
 
     prompts: list[Prompt] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     description: str = ""
+    digest: str = ""
+    origin: str = ""
+
+    def used(self, texts: int, answers: int) -> str:
+        """What a corpus of ``texts`` texts and ``answers`` answered prompts took from this source."""
+        if not self.origin:
+            return f"the model's answers to {answers} built-in seed prompts"
+        parts = []
+        if answers:
+            distinct = len(self.prompts)
+            parts.append(f"the model's answers to {answers} prompts" if answers <= distinct
+                         else f"{answers} answers of the model to {distinct} prompts")
+        if texts:
+            parts.append(f"{texts} text(s)")
+        return " and ".join(parts or ["nothing"]) + f" {self.origin}"
 
 
 _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".js", ".ts", ".c", ".cc", ".cpp", ".h", ".rs", ".go", ".java",
@@ -126,23 +150,29 @@ def read_source(path: Optional[str], seed: int = 0) -> Source:
     """
     if path is None:
         prompts = seed_prompts(seed)
-        return Source(prompts=list(prompts), description=f"the model's answers to {len(prompts)} built-in seed prompts")
+        digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+        return Source(prompts=list(prompts), digest=digest,
+                      description=f"the model's answers to built-in seed prompts ({len(prompts)} available)")
     root = Path(path).expanduser()
     if not root.exists():
         raise OptionError(f"--data {path}: no such file or directory")
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
     files = [f for f in files if f.suffix in _TEXT_SUFFIXES + (".jsonl",)] if root.is_dir() else files
-    source = Source()
+    source = Source(origin=f"from {path}")
+    digest = hashlib.sha256()
     for f in files:
         try:
-            if f.suffix == ".jsonl":
-                _read_jsonl(f, source)
-            else:
-                text = f.read_text(encoding="utf-8")
-                if text.strip():
-                    source.texts.append(text)
+            raw = f.read_bytes()
+            text = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise OptionError(f"--data: cannot read {f}: {e}") from None
+        # The content decides whether a cached corpus is reused, not the path (see pipeline._corpus_key).
+        name = str(f.relative_to(root)) if root.is_dir() else ""
+        digest.update(f"{name}\0{len(raw)}\0".encode() + raw)
+        if f.suffix == ".jsonl":
+            _read_jsonl(f, text, source)
+        elif text.strip():
+            source.texts.append(text)
     if not source.prompts and not source.texts:
         raise OptionError(f"--data {path}: no text found (give text files, a directory of them, or JSONL "
                           'lines with "prompt", "messages" or "text")')
@@ -152,11 +182,12 @@ def read_source(path: Optional[str], seed: int = 0) -> Source:
     if source.texts:
         parts.append(f"{len(source.texts)} text(s)")
     source.description = " and ".join(parts) + f" from {path}"
+    source.digest = digest.hexdigest()
     return source
 
 
-def _read_jsonl(f: Path, source: Source) -> None:
-    for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+def _read_jsonl(f: Path, text: str, source: Source) -> None:
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -188,36 +219,53 @@ def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
 
 @dataclass
 class Generated:
-    """Progress of the target answering prompts."""
+    """Progress of the target answering prompts: corpus tokens so far (prompts and answers), of the goal."""
 
     tokens: int
     goal: int
+    answered: int = 0  # prompts answered (each kept, possibly cut at the goal)
 
 
 def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_tokens: int, max_tokens: int,
                    batch_size: int, temp: float, seed: int, out: list[list[int]]) -> Iterator[Generated]:
     """Have the target answer ``prompts`` (cycling) until ``goal_tokens`` tokens are collected.
 
-    Each finished sequence (prompt + answer ids) is appended to ``out``.
-    Generation is batched (mlx-lm's ``batch_generate``): on a CPU a batch
-    costs little more per step than one row.
+    Each finished sequence (prompt + answer ids) is appended to ``out``, the
+    last one cut so that exactly ``goal_tokens`` are kept (a sequence cut
+    inside its prompt is dropped: it has nothing of the model's). Each batch
+    holds only as many prompts as the remaining budget can use, so a small
+    goal does not generate a full batch of long answers. Generation is
+    batched (mlx-lm's ``batch_generate``): on a CPU a batch costs little more
+    per step than one row.
     """
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
     sampler = make_sampler(temp=temp)
-    total, i = 0, 0
+    total, i, answered = 0, 0, 0
     while total < goal_tokens and prompts:
-        batch = [prompt_ids(tokenizer, prompts[(i + j) % len(prompts)]) for j in range(batch_size)]
-        i += batch_size
-        result = batch_generate(model, tokenizer, batch, max_tokens=max_tokens, sampler=sampler,
-                                return_token_ids=True)
+        remaining = goal_tokens - total
+        batch, room = [], 0
+        while len(batch) < batch_size and room < remaining:
+            ids = prompt_ids(tokenizer, prompts[(i + len(batch)) % len(prompts)])
+            batch.append(ids)
+            room += len(ids) + max_tokens
+        i += len(batch)
+        result = batch_generate(model, tokenizer, batch, max_tokens=min(max_tokens, remaining),
+                                sampler=sampler, return_token_ids=True)
+        added = 0
         for ids, answer in zip(batch, result.token_ids):
-            seq = list(ids) + [int(t) for t in answer]
+            seq = (list(ids) + [int(t) for t in answer])[: goal_tokens - total]
+            if len(seq) <= len(ids):
+                continue  # the budget ends inside the prompt
             out.append(seq)
             total += len(seq)
-        yield Generated(total, goal_tokens)
+            added += 1
+        answered += added
+        yield Generated(total, goal_tokens, answered)
+        if not added:
+            break  # the prompts left are longer than the budget left
 
 
 def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]], piece: int = 2048) -> int:
@@ -226,14 +274,23 @@ def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[i
     Long files are cut so that the target's states come from bounded caches.
     Returns the tokens added.
     """
-    total = 0
+    return text_ids_used(tokenizer, texts, goal_tokens, out, piece)[0]
+
+
+def text_ids_used(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]],
+                  piece: int = 2048) -> tuple[int, int]:
+    """:func:`text_ids`, also returning how many of ``texts`` were used (the last possibly cut)."""
+    total = used = 0
     for text in texts:
         if total >= goal_tokens:
             break
         ids = list(tokenizer.encode(text))[: goal_tokens - total]
+        if not ids:
+            continue
         out += [ids[i:i + piece] for i in range(0, len(ids), piece)]
         total += len(ids)
-    return total
+        used += 1
+    return total, used
 
 
 def teacher_states(model: nn.Module, sequences: Sequence[Sequence[int]], chunk: int = 512) -> Iterator[mx.array]:

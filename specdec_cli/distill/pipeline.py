@@ -9,6 +9,7 @@ learning rate) skips straight to training.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -28,7 +29,7 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter, MTPHead, embedding_probe, save_head
 from ..hooks import TargetParts
 from ..runner import collect, run
-from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids
+from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids_used
 from .train import Step, TrainConfig, Trainer, frequent_tokens, head_config, windows
 
 CACHE_DIR = "cache"
@@ -113,15 +114,41 @@ class Finished:
     result: Result
 
 
-def _corpus_key(opts: DistillOptions, fingerprint: str) -> dict:
-    return {"data": opts.data, "tokens": opts.tokens, "answer_tokens": opts.answer_tokens, "temp": opts.temp,
-            "seed": opts.train.seed, "tokenizer": fingerprint, "version": 1}
+def model_key(path: Optional[Path], dtype: str) -> Optional[dict]:
+    """What identifies a target's weights for the corpus cache, without reading them.
+
+    A hash of ``config.json`` and, for every weight file (``*.safetensors``
+    and the index), its name, size, modification time and the name of the
+    file it resolves to (in the Hub cache a symlink to a blob named by the
+    content's hash), plus the dtype the weights run in. A fine-tune of the
+    same base (same tokenizer) differs in all but the config. Cheap: a stat
+    per file, no read of multi-GB weights.
+    """
+    if path is None:
+        return None  # unknown: nothing is cached
+    digest = hashlib.sha256()
+    root = Path(path)
+    config = root / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"no config")
+    for f in sorted(list(root.glob("*.safetensors")) + list(root.glob("*.safetensors.index.json"))):
+        real = f.resolve()
+        st = real.stat()
+        digest.update(f"\0{f.name}\0{real.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return {"files": digest.hexdigest(), "dtype": dtype}
+
+
+def _corpus_key(opts: DistillOptions, fingerprint: str, data_digest: str, model: Optional[dict]) -> dict:
+    # The data by its content (not its path), the model by its weights and config (see model_key).
+    return {"data": data_digest, "tokens": opts.tokens, "answer_tokens": opts.answer_tokens, "temp": opts.temp,
+            "gen_batch": opts.gen_batch, "seed": opts.train.seed, "tokenizer": fingerprint, "model": model,
+            "version": 2}
 
 
 def load_corpus(folder: Path, key: dict) -> Optional[tuple[list[list[int]], list[mx.array], str]]:
     """The corpus (token sequences, their target states, its description) saved in ``folder`` under ``key``.
 
-    None when there is none, it was made under another key, or it is damaged.
+    None when there is none, it was made under another key (another model,
+    other data), or it is damaged.
     """
     meta_file, arrays = folder / "corpus.json", folder / "corpus.safetensors"
     if not (meta_file.is_file() and arrays.is_file()):
@@ -159,7 +186,8 @@ def split(n: int, share: float, seed: int) -> tuple[list[int], list[int]]:
     return sorted(order[k:]), sorted(order[:k])
 
 
-def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: DistillOptions) -> Iterator[object]:
+def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: DistillOptions,
+            model_id: Optional[dict] = None) -> Iterator[object]:
     """Build the corpus, compute the target's states, train a head and write it to ``out``.
 
     Args:
@@ -168,34 +196,43 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         parts: The target's embedding and lm_head.
         out: The sidecar directory to write (created).
         opts: What to train on and how.
+        model_id: What identifies the target's weights (see :func:`model_key`);
+            None: unknown, so no corpus is cached or reused.
 
     Yields:
         Stage, Generated, States, Training, Step, then Finished.
     """
     c = opts.train
     fingerprint = tokenizer_fingerprint(tokenizer)
-    key = _corpus_key(opts, fingerprint)
+    source = read_source(opts.data, c.seed)
+    key = _corpus_key(opts, fingerprint, source.digest, model_id)
     cache_dir = out / CACHE_DIR
     t0 = time.perf_counter()
-    cached = load_corpus(cache_dir, key)
+    # An unknown model (no files to identify it by) never reuses a corpus.
+    cached = load_corpus(cache_dir, key) if model_id is not None else None
     if cached is not None:
         seqs, states, description = cached
         yield Stage("data", f"reusing the corpus in {cache_dir} ({sum(map(len, seqs))} tokens: {description})")
     else:
-        source = read_source(opts.data, c.seed)
-        description = source.description
-        yield Stage("data", f"training text: {description}")
+        yield Stage("data", f"training text: {source.description}, up to {opts.tokens} tokens")
         seqs: list[list[int]] = []
-        got = text_ids(tokenizer, source.texts, opts.tokens, seqs)
+        got, texts = text_ids_used(tokenizer, source.texts, opts.tokens, seqs)
+        answered = 0
         if got < opts.tokens and source.prompts:
-            yield from answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
-                                      opts.gen_batch, opts.temp, c.seed, seqs)
-        yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions")
+            for event in answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
+                                        opts.gen_batch, opts.temp, c.seed, seqs):
+                answered = event.answered
+                # Progress counts the whole corpus, texts included, against the whole goal.
+                yield Generated(got + event.tokens, opts.tokens, answered)
+        # What was used, counted after the fact: the numbers every later line and file reports.
+        description = source.used(texts, answered)
+        yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions ({description})")
         states = []
         for i, h in enumerate(teacher_states(model, seqs), 1):
             states.append(h)
             yield States(i, len(seqs))
-        save_corpus(cache_dir, key, seqs, states, description)
+        if model_id is not None:
+            save_corpus(cache_dir, key, seqs, states, description)
     data_seconds = time.perf_counter() - t0
 
     width = c.seq_len + c.depth

@@ -3,26 +3,88 @@
 A JSON file of generated token sequences, newest last, each tagged with a
 fingerprint of the tokenizer that produced it (ids mean nothing under another
 vocabulary). It is a cache: bounded in size (oldest outputs dropped first),
-safe to delete, and a file that cannot be read is ignored with a warning and
-replaced at the next save. It only feeds drafts, so it can never change what
-is generated.
+safe to delete. It only feeds drafts, so it can never change what is
+generated.
+
+The path the user gives is never trusted to be ours: only a regular file (or
+a path that does not exist yet) is read and written; a FIFO, device, socket
+or directory is refused without being opened, and so is a file that does not
+carry this format's marker (a text file named by mistake). A damaged history
+of ours is renamed ``NAME.corrupt`` with a warning and a new one started.
+Writes go to a temporary file in the same folder, renamed over the target
+(through a symlink, to its target), with the old file's mode kept.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from ..errors import OptionError
 
 FORMAT = "specdec-lookup-history"
 VERSION = 1
 # Tokens kept over all outputs (about 1 MB of JSON); indexing them costs
 # well under a second when a run starts.
 MAX_TOKENS = 32768
+# Our files stay near 1 MB; anything far larger is not one of them and is not read.
+MAX_FILE_BYTES = 64 * 2**20
+# The marker every file we write carries (json.dumps spells it this way).
+MARKER = f'"format":"{FORMAT}"'.encode()
+
+
+class HistoryFileError(OptionError):
+    """``--lookup-history`` names something that is not ours to read or rewrite."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _has_marker(raw: bytes) -> bool:
+    # Tolerates whitespace a hand edit or a pretty-printer adds around the colon.
+    return MARKER in raw or (FORMAT.encode() in raw and b'"format"' in raw)
+
+
+def _real(path: Path) -> Path:
+    """Where writes go: a symlink's final target (the link itself stays a link)."""
+    return Path(os.path.realpath(path))
+
+
+def check_path(path: str | os.PathLike) -> None:
+    """Refuse a ``--lookup-history`` path that is not a regular file or a new one, without opening it.
+
+    Cheap (one ``stat``), so a caller can run it before loading any model.
+
+    Raises:
+        HistoryFileError: The path is a directory, FIFO, device or socket, or cannot be examined.
+    """
+    _regular(path)
+
+
+def _regular(path: str | os.PathLike) -> Optional[os.stat_result]:
+    """``stat`` of a regular file (None when nothing is there); anything else is refused."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None  # a new file (or a dangling link: its target is created)
+    except OSError as e:
+        raise HistoryFileError(f"--lookup-history {path}: cannot read it ({e.strerror}); give another file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise HistoryFileError(f"--lookup-history {path} is {_kind(st.st_mode)}, not a regular file: give a "
+                               "file path (specdec only writes its own history files)")
+    return st
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -39,7 +101,7 @@ class LookupHistory:
         path: The file.
         fingerprint: The tokenizer's fingerprint (see :func:`tokenizer_fingerprint`).
         entries: ``(fingerprint, tokens)`` of every stored output, oldest first.
-        warning: Why the file was ignored, if it was.
+        warning: What happened to a damaged file (set aside), if anything.
         max_tokens: Bound on the stored tokens.
     """
 
@@ -51,19 +113,33 @@ class LookupHistory:
 
     @classmethod
     def load(cls, path: str | os.PathLike, fingerprint: str, max_tokens: int = MAX_TOKENS) -> "LookupHistory":
-        """Read ``path``; a missing file is an empty history, an unreadable one is ignored with a warning."""
+        """Read ``path``: a missing or empty file is an empty history.
+
+        A damaged history of ours (not JSON, not UTF-8, bad entries) is renamed
+        ``NAME.corrupt`` (``.corrupt.1``, ... when taken) and a new one started,
+        with ``warning`` saying so.
+
+        Raises:
+            HistoryFileError: The path is not a regular file (nothing is
+                opened), cannot be read, is not a lookup history (no format
+                marker: never rewritten) or is one of another format version.
+        """
         history = cls(Path(path), fingerprint, max_tokens=max_tokens)
-        try:
-            raw = history.path.read_text()
-        except FileNotFoundError:
+        raw = _read(history.path)
+        if raw is None or not raw.strip():
             return history
-        except OSError as e:
-            history.warning = f"cannot read lookup history {history.path} ({e.strerror}): ignored"
-            return history
+        if not _has_marker(raw):
+            raise HistoryFileError(
+                f"--lookup-history {path} is not a specdec lookup history (it has no \"format\": \"{FORMAT}\" "
+                "marker), so specdec will not overwrite it: give a new file name")
         try:
-            data = json.loads(raw)
-            if data.get("format") != FORMAT or data.get("version") != VERSION:
-                raise ValueError("not a lookup history file")
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError("no format field")
+            if data.get("version") != VERSION:
+                raise HistoryFileError(
+                    f"--lookup-history {path} is a lookup history of another format version "
+                    f"({data.get('version')!r}, this specdec reads {VERSION}): give another file, or delete it")
             entries = []
             for item in data["entries"]:
                 tokens = item["tokens"]
@@ -72,12 +148,30 @@ class LookupHistory:
                 ):
                     raise ValueError("bad entry")
                 entries.append((item["tokenizer"], tokens))
+        except UnicodeDecodeError:
+            history._set_aside("not UTF-8")
+            return history
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            history.warning = f"lookup history {history.path} is corrupt ({e}): ignored, it will be rewritten"
+            history._set_aside(str(e) or type(e).__name__)
             return history
         history.entries = entries
         history._trim()
         return history
+
+    def _set_aside(self, why: str) -> None:
+        """Rename a damaged history of ours out of the way (never lose it), and say so."""
+        real = _real(self.path)
+        for n in range(1000):
+            aside = real.with_name(real.name + (".corrupt" if n == 0 else f".corrupt.{n}"))
+            if not os.path.lexists(aside):
+                break
+        try:
+            os.rename(real, aside)
+        except OSError as e:
+            raise HistoryFileError(f"--lookup-history {self.path} is damaged ({why}) and could not be set aside "
+                                   f"({e.strerror}): move or delete it") from None
+        self.warning = (f"lookup history {self.path} is damaged ({why}): moved to {aside}, "
+                        "a new history is started")
 
     def outputs(self) -> list[list[int]]:
         """This tokenizer's stored outputs, oldest first."""
@@ -97,15 +191,85 @@ class LookupHistory:
             total -= len(self.entries.pop(0)[1])
 
     def save(self) -> None:
-        """Write the file atomically (a crash leaves the old one or the new one)."""
+        """Write the file atomically (a crash leaves the old one or the new one), keeping its mode.
+
+        Through a symlink the target is written. The path is checked again
+        first: what is there now must still be a regular file of ours.
+
+        Raises:
+            OSError: It cannot be written, or is no longer a regular file or a
+                lookup history (then it is left as it is).
+        """
+        target = _real(self.path)
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"it is now {_kind(st.st_mode)}; left as it is")
+            try:
+                raw = _read(target)
+            except HistoryFileError:
+                raise OSError(errno.EINVAL, "it is no longer a file specdec may rewrite; left as it is") from None
+            if raw and raw.strip() and not _has_marker(raw):
+                raise OSError(errno.EEXIST, "it is no longer a lookup history; left as it is")
         data = {"format": FORMAT, "version": VERSION,
                 "entries": [{"tokenizer": fp, "tokens": t} for fp, t in self.entries]}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, separators=(",", ":"))
-            os.replace(tmp, self.path)
+                f.flush()
+                os.fsync(f.fileno())
+            if st is not None:
+                os.chmod(tmp, stat.S_IMODE(st.st_mode))
+                if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
+                    try:  # as root, the file stays its owner's
+                        os.chown(tmp, st.st_uid, st.st_gid)
+                    except OSError:
+                        pass
+            else:
+                os.chmod(tmp, 0o666 & ~_umask())  # what any new file gets (mkstemp makes 0600)
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _read(path: Path) -> Optional[bytes]:
+    """The bytes of a regular file (None when missing), never opening anything else.
+
+    ``stat`` first, so a FIFO or device is refused unopened; the open is
+    non-blocking and checked again with ``fstat``, in case the path changed
+    in between.
+    """
+    st = _regular(path)
+    if st is None:
+        return None
+    if st.st_size > MAX_FILE_BYTES:
+        raise HistoryFileError(f"--lookup-history {path} is {st.st_size / 2**20:.0f} MiB, far larger than a "
+                               "lookup history: give a new file name")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise HistoryFileError(f"--lookup-history {path}: cannot read it ({e.strerror}); give another file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HistoryFileError(f"--lookup-history {path} is {_kind(st.st_mode)}, not a regular file: give a "
+                                   "file path (specdec only writes its own history files)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)

@@ -78,10 +78,10 @@ class ModelDrafter:
         x = mx.concatenate(self._pending)
         self._pending = []
         logprobs, syncs = [], 0
-        for _ in range(k):
+        for i in range(k):
             logits = self.cache.feed(x)[-1:, : self.vocab_size]
             self._after.append(self.cache.snapshot())
-            x, lp = draw(logits, params)
+            x, lp = draw(logits, params, offset=i)
             if self.p_min > 0:
                 top = top_probability(logits, lp)
                 syncs += 1

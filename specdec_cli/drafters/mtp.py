@@ -43,7 +43,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..hooks import Hidden, TapSpec, TargetParts
-from ..sampling import GREEDY, SamplingParams, draw, top_probability
+from ..sampling import GREEDY, SamplingParams, draw, keyed_pick, log_probs, top_probability
 from .base import Draft, as_tokens, no_draft
 from .layers import MLP
 
@@ -385,9 +385,14 @@ class MTPDrafter:
             if i:
                 out = self._feed(out, self._drafts[-1])
             logits = self._logits(out)
-            x, lp = draw(logits, params)
-            if self._ids is not None:
-                x, lp = self._to_target(x, lp)
+            if params.keyed and self._ids is not None:
+                # Keyed draws read the noise by target token id: draw over the target's vocabulary.
+                lp = self._full(log_probs(logits, params))
+                x = keyed_pick(lp, params, offset=i)
+            else:
+                x, lp = draw(logits, params, offset=i)
+                if self._ids is not None:
+                    x, lp = self._to_target(x, lp)
             if self.p_min > 0:
                 top = top_probability(logits, lp)
                 syncs += 1
@@ -403,11 +408,13 @@ class MTPDrafter:
     def _to_target(self, x: mx.array, lp: Optional[mx.array]) -> tuple[mx.array, Optional[mx.array]]:
         """Draft-vocabulary indices -> target token ids; log q over the target's vocabulary (-inf elsewhere)."""
         tokens = self._ids[x].astype(mx.uint32)
-        if lp is None:
-            return tokens, None
+        return tokens, None if lp is None else self._full(lp)
+
+    def _full(self, lp: mx.array) -> mx.array:
+        """Log q over the draft vocabulary -> over the target's (-inf outside the draft vocabulary)."""
         full = mx.full((*lp.shape[:-1], self.parts.vocab_size), -mx.inf, dtype=lp.dtype)
         index = mx.broadcast_to(self._ids, lp.shape)
-        return tokens, mx.put_along_axis(full, index, lp, axis=-1)
+        return mx.put_along_axis(full, index, lp, axis=-1)
 
     def accept(self, n: int, hidden: Optional[Hidden] = None) -> None:
         """The first ``n`` drafts were committed; ``hidden`` holds the target rows of ``[last, d1 .. dn]``."""

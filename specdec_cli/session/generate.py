@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
-import mlx.core as mx
 
 from ..adaptive import FirstBlock
 from ..caches import ModelCache, _leaves, fixed_position, make_cache
@@ -133,8 +132,6 @@ class Session:
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
         block = min(request.block_size or self.block_size, self.block_size)
-        if request.seed is not None:
-            mx.random.seed(request.seed)
         drafter = None
         if not self.plain:
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
@@ -159,7 +156,7 @@ class Session:
             eos_ids=() if request.ignore_eos else setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
-            timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
+            timed=request.timed, seed=request.seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
         )
         try:
