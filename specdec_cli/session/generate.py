@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
-
 from ..adaptive import FirstBlock
 from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
