@@ -81,28 +81,75 @@ def _nbytes(tree) -> int:
     return sum(a.nbytes for _, a in tree_flatten(tree) if isinstance(a, mx.array))
 
 
-def cache_bytes(model: nn.Module, tokens: int, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> int:
-    """Bytes the model's caches hold after ``tokens`` tokens.
+@dataclass(frozen=True)
+class CacheGrowth:
+    """How a model's caches grow: bytes per token of each attention layer, and the fixed recurrent state."""
 
-    Measured, not derived from the config: one token goes through fresh
-    caches, and each attention layer's bytes per token (its buffer over the
-    positions it allocated) and each recurrent layer's fixed state are read
-    off. Every family's head layout, dtype and quantization is then counted
-    as the model itself stores it.
+    per_token: tuple[float, ...]
+    fixed: int
+
+    def bytes(self, tokens: int) -> int:
+        """Bytes the caches hold after ``tokens`` tokens."""
+        return sum(int(p * tokens) for p in self.per_token) + self.fixed
+
+
+def cache_growth(model: nn.Module, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> CacheGrowth:
+    """Measure how the model's caches grow (one token through fresh caches; run it once per model).
+
+    Measured, not derived from the config: each attention layer's bytes per
+    token (its buffer over the positions it allocated) and each recurrent
+    layer's fixed state are read off, so every family's head layout, dtype and
+    quantization is counted as the model itself stores it.
     """
     cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
     cache.feed(mx.array([0], dtype=mx.uint32))
     mx.eval(cache.state_arrays())
-    total = 0
+    per_token = []
     for c in cache._attention:
         if c.keys is None:
             continue
         keys = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
-        per_token = _nbytes([c.keys, c.values]) / keys.shape[-2]
-        total += int(per_token * tokens)
-    for c in cache._recurrent:
-        total += _nbytes(c.cache)
-    return total
+        per_token.append(_nbytes([c.keys, c.values]) / keys.shape[-2])
+    return CacheGrowth(tuple(per_token), sum(_nbytes(c.cache) for c in cache._recurrent))
+
+
+def cache_bytes(model: nn.Module, tokens: int, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> int:
+    """Bytes the model's caches hold after ``tokens`` tokens (see :func:`cache_growth`)."""
+    return cache_growth(model, kv_bits, kv_group_size).bytes(tokens)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What a run's peak memory depends on, measured once per loaded model (no MLX work per estimate)."""
+
+    weights: int
+    target: CacheGrowth
+    draft: Optional[CacheGrowth]
+    heads: int
+
+    def estimate(self, tokens: int, chunk: int) -> MemoryEstimate:
+        """The peak memory of a run over ``tokens`` of context with prefill chunks of at most ``chunk``."""
+        cache = self.target.bytes(tokens) + (self.draft.bytes(tokens) if self.draft is not None else 0)
+        # Scores of one chunk's queries against the whole context, float32, per
+        # head: one layer's worth is alive at a time.
+        return MemoryEstimate(self.weights, cache, self.heads * min(chunk, tokens) * tokens * 4)
+
+
+def memory_model(target: nn.Module, target_config: dict, draft: Optional[nn.Module],
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64, draft_cache: bool = True) -> MemoryModel:
+    """Measure what :meth:`MemoryModel.estimate` needs.
+
+    Args:
+        target: The target model (loaded, cast).
+        target_config: Its config.
+        draft: The draft model (or a drafter's own weights), or None.
+        kv_bits: The target's KV quantization, if any.
+        kv_group_size: Its group size.
+        draft_cache: The draft is an mlx-lm model with layer caches of its own.
+    """
+    weights = _nbytes(target.parameters()) + (_nbytes(draft.parameters()) if draft is not None else 0)
+    grows = cache_growth(draft) if draft is not None and draft_cache else None
+    return MemoryModel(weights, cache_growth(target, kv_bits, kv_group_size), grows, _heads(target_config))
 
 
 def _heads(config: dict) -> int:
@@ -116,7 +163,7 @@ def _heads(config: dict) -> int:
 def estimate_memory(target: nn.Module, target_config: dict, draft: Optional[nn.Module], tokens: int,
                     chunk: int, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                     draft_cache: bool = True) -> MemoryEstimate:
-    """Estimate a run's peak memory.
+    """Estimate a run's peak memory (measures the models: see :func:`memory_model` to do that once).
 
     Args:
         target: The target model (loaded, cast).
@@ -128,14 +175,7 @@ def estimate_memory(target: nn.Module, target_config: dict, draft: Optional[nn.M
         kv_group_size: Its group size.
         draft_cache: The draft is an mlx-lm model with layer caches of its own.
     """
-    weights = _nbytes(target.parameters()) + (_nbytes(draft.parameters()) if draft is not None else 0)
-    cache = cache_bytes(target, tokens, kv_bits, kv_group_size)
-    if draft is not None and draft_cache:
-        cache += cache_bytes(draft, tokens)
-    # Scores of one chunk's queries against the whole context, float32, per
-    # head: one layer's worth is alive at a time.
-    scratch = _heads(target_config) * min(chunk, tokens) * tokens * 4
-    return MemoryEstimate(weights, cache, scratch)
+    return memory_model(target, target_config, draft, kv_bits, kv_group_size, draft_cache).estimate(tokens, chunk)
 
 
 def device_memory() -> Optional[tuple[int, str]]:

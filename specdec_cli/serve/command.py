@@ -106,6 +106,7 @@ def serve_command(opts: ServeOptions) -> int:
     warning = check_access(opts)
     sock = bind(opts.host, opts.port)
     setup = load_setup(opts, kind)
+    setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
     asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
     block_size = setup.block_size(asked, block_size)
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if opts.prompt_cache_size else None

@@ -6,6 +6,7 @@ A :class:`Setup` is loaded once and serves every generation of a process: one
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import LoadedHead, MTPDrafter
 from ..errors import OptionError, SpecdecError
 from ..hooks import TargetParts, target_parts
-from ..limits import MemoryEstimate, context_length, device_memory, estimate_memory, gb
+from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
 from .options import ModelOptions, check_block_size
 
@@ -148,6 +149,14 @@ class Setup:
             )
         return min(max_tokens, limit - prompt_tokens), limit
 
+    @functools.cached_property
+    def memory(self) -> MemoryModel:
+        """The models' weights and cache growth, measured once (a one-token forward of each)."""
+        opts = self.options
+        # A draft model's caches grow with the context; other drafters' state is small.
+        return memory_model(self.target.model, self.target.config, self.draft.model if self.draft else None,
+                            opts.kv_bits, opts.kv_group_size, draft_cache=self.kind == "model")
+
     def check_memory(self, tokens: int) -> MemoryEstimate:
         """Estimate a generation's peak memory over ``tokens`` of context; refuse it when the device has less.
 
@@ -155,10 +164,7 @@ class Setup:
             MemoryLimitError: Naming both figures and ``--no-memory-check``.
         """
         opts = self.options
-        # A draft model's caches grow with the context; other drafters' state is small.
-        estimate = estimate_memory(self.target.model, self.target.config,
-                                   self.draft.model if self.draft else None, tokens, opts.prefill_step_size,
-                                   opts.kv_bits, opts.kv_group_size, draft_cache=self.kind == "model")
+        estimate = self.memory.estimate(tokens, opts.prefill_step_size)
         have = device_memory()
         if opts.memory_check and have is not None and estimate.total > have[0]:
             raise MemoryLimitError(
