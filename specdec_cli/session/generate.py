@@ -9,6 +9,7 @@ says and kept in the prompt cache for the next request.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
@@ -123,8 +124,13 @@ class Session:
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
         block = min(request.block_size or self.block_size, self.block_size)
-        if request.seed is not None:
-            mx.random.seed(request.seed)
+        ranks = setup.ranks
+        seed = request.seed
+        if ranks is not None and seed is None:
+            # Sampling must draw alike on every rank: rank 0 picks the seed.
+            seed = ranks.share_one(random.randrange(1 << 31))
+        if seed is not None:
+            mx.random.seed(seed)
         drafter = None
         if not self.plain:
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
@@ -146,7 +152,7 @@ class Session:
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
             timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
-            marks=(*request.boundaries, len(ids) - 1), choice=self._choices.get(block),
+            marks=(*request.boundaries, len(ids) - 1), choice=self._choices.get(block), sync=ranks,
         )
         try:
             for event in events:
