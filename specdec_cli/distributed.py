@@ -18,10 +18,10 @@ Whatever a rank decides must therefore be what every rank decides:
   versions, models, drafters or prompts (:meth:`Ranks.handshake`).
 
 A peer that dies: MLX's ring backend, when a peer process exits (its sockets
-close), prints ten ``[ring] Socket N was closed by the peer`` lines and one
-``Too many send/recv errors`` line and raises ``RuntimeError: [ring]
-connection to a peer was lost`` within milliseconds (measured on localhost,
-SIGKILL and exit alike). A peer that stops answering without closing its
+close), prints about ten lines of its own (``[ring] Socket N was closed by the
+peer``, or ``Sending to socket N failed with errno 32``, then ``Too many
+send/recv errors``) and raises ``RuntimeError: [ring] connection to a peer was
+lost`` within milliseconds (measured on localhost, SIGKILL and exit alike). A peer that stops answering without closing its
 sockets (stopped, or a machine gone from the network) blocks the others in
 the collective forever, while Python threads keep running. So: the known
 noise lines are filtered from stderr, the error becomes one line
@@ -61,7 +61,8 @@ MODES = ("tensor", "pipeline")
 HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
              "n_heads", "n_kv_heads", "num_heads")
 # What MLX's ring backend prints on its own when a peer's sockets close.
-_NOISE = re.compile(rb"^\[ring\] (Socket \d+ was closed by the peer|Too many send/recv errors)")
+_NOISE = re.compile(rb"^\[ring\] (Socket \d+ was closed by the peer|(Receiving from|Sending to) socket \d+ failed "
+                    rb"with errno \d+|Too many send/recv errors)")
 _PEER_ERROR = re.compile(r"^\[(ring|jaccl|nccl|mpi)\]", re.IGNORECASE)
 # Knuth's multiplicative constant: position weights of the token checksum.
 _MIX = 2654435761
@@ -301,8 +302,8 @@ class Ranks:
             differ = [n for n, a, b in zip(names, rows[0], row) if a != b]
             if differ:
                 raise RanksDisagree(
-                    f"rank {r} runs with another {' and '.join(differ)} than rank 0: every rank must run "
-                    "the same command on the same files (same specdec, MLX and mlx-lm versions)"
+                    f"rank {r} and rank 0 disagree on the {' and '.join(differ)}: every rank must run the same "
+                    "command on the same files, with the same specdec, MLX and mlx-lm versions"
                 )
 
     def tick(self) -> None:

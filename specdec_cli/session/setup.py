@@ -214,13 +214,18 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
 
     With ``ranks`` the target is sharded over them; the drafter is whole on every rank.
     """
-    draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
     pipelined = ranks is not None and ranks.mode == "pipeline"
-    if pipelined and is_dflash(draft_path):
-        raise OptionError("a DFlash drafter reads the target's hidden states, which pipeline parallelism keeps "
-                          "on one rank: drop --pipeline (tensor parallel), or draft with --drafter lookup or a "
-                          "draft model")
+    draft_path = None
+    if pipelined and opts.draft_model:
+        # Refused before the target loads (otherwise the target comes first, then the drafter).
+        draft_path = resolve(opts.draft_model, opts.force_download)
+        if is_dflash(draft_path):
+            raise OptionError("a DFlash drafter reads the target's hidden states, which pipeline parallelism "
+                              "keeps on one rank: drop --pipeline (tensor parallel), or draft with --drafter "
+                              "lookup or a draft model")
     target = load_target(opts, ranks)
+    if opts.draft_model and draft_path is None:
+        draft_path = resolve(opts.draft_model, opts.force_download)
     if opts.kv_bits is not None:
         check_kv_quantization(target.model, opts.kv_bits, opts.kv_group_size)
     draft = mtp = parts = None
