@@ -104,6 +104,30 @@ def test_backend_read_from_what_mlx_launch_exports():
     assert distributed.backend_name({}) == "unknown"
 
 
+def test_ranks_sharing_this_machine_get_its_cores_for_blas(tmp_path):
+    from specdec_cli import blas
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
+    env = {"MLX_HOSTFILE": str(hosts)}
+    assert blas.local_ranks(env) == 3
+    assert blas.rank_threads(env) == max(1, (os.cpu_count() or 1) // 3)
+    assert blas.rank_threads({**env, "OPENBLAS_NUM_THREADS": "4"}) is None  # the user's choice stays
+    hosts.write_text(json.dumps([["10.0.0.1:5000"], ["10.0.0.2:5000"]]))
+    assert blas.rank_threads(env) is None  # one rank per machine
+    assert blas.rank_threads({}) is None
+
+
+def test_ring_noise_is_recognised_and_nothing_else():
+    noise = distributed._NOISE
+    for line in (b"[ring] Socket 5 was closed by the peer", b"[ring] Sending to socket 4 failed with errno 32",
+                 b"[ring] Receiving from socket 7 failed with errno 104",
+                 b"[ring] Too many send/recv errors. Failing pending tasks..."):
+        assert noise.match(line)
+    for line in (b"error: rank 0 lost its connection", b"[ring] Rank cannot be larger than the size of the group"):
+        assert not noise.match(line)
+
+
 def test_pipeline_alone_is_refused(monkeypatch):
     monkeypatch.setattr(distributed, "_WORLD", _Group(0, 1))
     with pytest.raises(OptionError, match="start them with mlx.launch"):
