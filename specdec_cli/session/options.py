@@ -61,6 +61,12 @@ def check_model_options(opts: ModelOptions) -> str:
 HIDDEN_STATE_DRAFTERS = ("mtp", "lookup+mtp", "dflash")
 
 
+def hidden_states_refused(what: str) -> OptionError:
+    """The refusal of a drafter that reads the target's hidden states under pipeline parallelism."""
+    return OptionError(f"{what} reads the target's hidden states, which pipeline parallelism keeps on one rank: "
+                       "drop --pipeline (tensor parallel), or draft with --drafter lookup or a draft model")
+
+
 def check_distributed_options(opts: ModelOptions, kind: str, sharded: bool) -> None:
     """What a target sharded over ranks cannot do, refused before anything is loaded.
 
@@ -75,9 +81,7 @@ def check_distributed_options(opts: ModelOptions, kind: str, sharded: bool) -> N
         raise OptionError("--adapter-path cannot be used with a sharded target (mlx-lm shards the plain "
                           "layers that LoRA wraps): fuse the adapters first with mlx_lm.fuse")
     if opts.pipeline and kind in HIDDEN_STATE_DRAFTERS:
-        raise OptionError(f"--drafter {kind} reads the target's hidden states, which pipeline parallelism keeps "
-                          "on one rank: drop --pipeline (tensor parallel), or draft with --drafter lookup or a "
-                          "draft model")
+        raise hidden_states_refused(f"--drafter {kind}")
     if "-" in (opts.prompt, opts.prompt_arg):
         raise OptionError("under mlx.launch stdin never ends (mlx.launch keeps the ranks' stdin open): pass the "
                           "prompt as an argument, e.g. -p \"$(cat prompt.txt)\"")

@@ -28,7 +28,7 @@ from ..errors import OptionError, SpecdecError
 from ..hooks import TargetParts, target_parts
 from ..limits import MemoryEstimate, context_length, device_memory, estimate_memory, gb
 from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
-from .options import HIDDEN_STATE_DRAFTERS, ModelOptions, check_block_size
+from .options import ModelOptions, check_block_size, hidden_states_refused
 
 
 class PromptTooLongError(SpecdecError):
@@ -220,9 +220,9 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         # Refused before the target loads (otherwise the target comes first, then the drafter).
         draft_path = resolve(opts.draft_model, opts.force_download)
         if is_dflash(draft_path):
-            raise OptionError("a DFlash drafter reads the target's hidden states, which pipeline parallelism "
-                              "keeps on one rank: drop --pipeline (tensor parallel), or draft with --drafter "
-                              "lookup or a draft model")
+            raise hidden_states_refused("a DFlash drafter")
+        if opts.drafter is None and is_mtp_sidecar(draft_path):
+            raise hidden_states_refused("an MTP head")
     target = load_target(opts, ranks)
     if opts.draft_model and draft_path is None:
         draft_path = resolve(opts.draft_model, opts.force_download)
