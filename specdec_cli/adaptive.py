@@ -28,6 +28,8 @@ class DraftPolicy(Protocol):
 class FixedLength:
     """Always draft ``k`` tokens."""
 
+    # Whether observe() reads the seconds it is given (ranks then share rank 0's clock).
+    clocked = False
     k: int
 
     def next_k(self) -> int:
@@ -87,6 +89,7 @@ class AdaptiveLength:
         k_min: Fewest drafts per block while speculating.
     """
 
+    clocked = True
     k_max: int
     k_min: int = 1
     window: int = 8

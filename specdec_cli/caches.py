@@ -481,7 +481,8 @@ class ModelCache:
 
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None, *,
                 seconds: Optional[float] = None, sizes: Optional[Sequence[int]] = None,
-                stops: Sequence[int] = (), cancelled: Optional[Callable[[], bool]] = None) -> list:
+                stops: Sequence[int] = (), cancelled: Optional[Callable[[], bool]] = None,
+                agree: Optional[Callable[[int], int]] = None) -> list:
         """Feed ``tokens`` in chunks, evaluating each chunk.
 
         Chunks are ``step_size`` tokens, unless ``seconds`` sizes them by time
@@ -504,6 +505,9 @@ class ModelCache:
                 grows), so no single evaluation keeps the host waiting long.
             sizes: Exact chunk sizes (a schedule from an earlier prefill).
             stops: Counts of ``tokens`` after which to take a :meth:`checkpoint`.
+            agree: Maps this process's next chunk size to the one every rank
+                uses (rank 0's), before each chunk: the ranks of a sharded
+                model must run the same shapes, and time each differently.
             cancelled: Asked after each chunk; when it says True, prefill
                 stops there (the caches hold the chunks fed) and raises.
 
@@ -528,6 +532,8 @@ class ModelCache:
             if sizes is not None and len(self.chunks) < len(sizes):
                 size = sizes[len(self.chunks)]
             size = max(1, min(size, n - start))
+            if agree is not None:
+                size = agree(size)
             # A stop ends this chunk early; the schedule goes on from there.
             cut = min(size, pending[0] - start) if pending else size
             t0 = time.perf_counter()

@@ -140,6 +140,15 @@ def _unexpected(e: BaseException) -> str:
     return f"something went wrong inside specdec ({text}); run again with --debug for the traceback"
 
 
+def _ranks(e: BaseException) -> tuple[str, bool]:
+    """Under mlx.launch: who failed (``rank N: `` on ranks but 0), and whether rank 0 says it for every rank."""
+    if "specdec_cli.distributed" not in sys.modules:
+        return "", False  # never joined any ranks
+    from .distributed import error_prefix, silent
+
+    return error_prefix(), silent(e)
+
+
 @contextmanager
 def error_boundary(debug: bool) -> Iterator[None]:
     """Turn exceptions into one stderr line and an exit code."""
@@ -150,10 +159,14 @@ def error_boundary(debug: bool) -> Iterator[None]:
     except SpecdecError as e:
         if debug:
             raise
-        _err(f"error: {e}")
+        who, silent = _ranks(e)
+        if not silent:
+            _err(f"error: {who}{e}")
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        _err("interrupted")
+    except KeyboardInterrupt as e:
+        who, silent = _ranks(e)
+        if not silent:
+            _err(f"{who}interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
         # `specdec ... | head`: the reader has what it wanted.
@@ -162,7 +175,7 @@ def error_boundary(debug: bool) -> Iterator[None]:
     except Exception as e:  # the boundary: anything unexpected, still one line
         if debug:
             raise
-        _err(f"error: {_unexpected(e)}")
+        _err(f"error: {_ranks(e)[0]}{_unexpected(e)}")
         raise typer.Exit(1) from None
 
 
@@ -393,6 +406,9 @@ VerboseOpt = Annotated[bool, _opt(
 CompareOpt = Annotated[bool, _opt(
     "--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not).",
     rich_help_panel=DIAGNOSTICS, **OFF)]
+PipelineOpt = Annotated[bool, _opt(
+    "--pipeline", help="Under mlx.launch: shard the target by layers (pipeline parallel) instead of by heads "
+    "(tensor parallel); the drafter is whole on every rank.", rich_help_panel=MODEL, **OFF)]
 MemoryCheckOpt = Annotated[bool, _opt(
     "--memory-check/--no-memory-check",
     help="Refuse a run whose estimated peak memory exceeds what the device has.",
@@ -420,6 +436,7 @@ def generate(
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = 64,
     prefill_step_size: PrefillOpt = 2048,
+    pipeline: PipelineOpt = False,
     prompt: PromptOpt = None,
     system_prompt: SystemOpt = None,
     ignore_chat_template: NoTemplateOpt = False,
@@ -473,6 +490,7 @@ def sweep(
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = 64,
     prefill_step_size: PrefillOpt = 2048,
+    pipeline: PipelineOpt = False,
     prompt: PromptOpt = None,
     system_prompt: SystemOpt = None,
     ignore_chat_template: NoTemplateOpt = False,

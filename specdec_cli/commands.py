@@ -33,6 +33,7 @@ from .defaults import (  # noqa: F401  (re-exported: the limits are commands' to
 from .display import (
     NoText,
     comparison_lines,
+    mute,
     policy_lines,
     print_stderr,
     print_sweep,
@@ -40,6 +41,7 @@ from .display import (
     sweep_progress,
     text_view,
 )
+from .distributed import peer_errors
 from .errors import OptionError
 from .limits import gb
 from .measure import SweepResult, sweep
@@ -52,7 +54,9 @@ from .session import (
     Session,
     Setup,
     check_block_size,
+    check_distributed_options,
     check_model_options,
+    join_ranks,
     load_setup,
     make_policy,
     blas_note,
@@ -109,13 +113,29 @@ def prompt_ids(setup: Setup, text: str) -> list[int]:
 
 
 def generate_command(opts: GenerateOptions) -> int:
-    """Run ``specdec generate``; returns the exit code."""
+    """Run ``specdec generate``; returns the exit code (under ``mlx.launch``, on every rank)."""
+    with peer_errors():
+        return _generate(opts)
+
+
+def join(opts: ModelOptions):
+    """The ranks under ``mlx.launch`` (None alone); ranks other than 0 show nothing from here on but errors."""
+    ranks = join_ranks(opts)
+    if ranks is not None and not ranks.primary:
+        mute()
+    return ranks
+
+
+def _generate(opts: GenerateOptions) -> int:
+    ranks = join(opts)
     kind = check_model_options(opts)
+    check_distributed_options(opts, kind, ranks is not None)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar)
     text = read_prompt(opts.prompt_arg, opts.prompt)
-    setup = load_setup(opts, kind)
+    setup = load_setup(opts, kind, ranks)
     ids = prompt_ids(setup, text)
+    setup.check_ranks(ids)
     print_notes(setup)
     asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
     kind, block_size = setup.kind, setup.block_size(asked, block_size)
@@ -166,7 +186,8 @@ def generate_command(opts: GenerateOptions) -> int:
         view.write(detok.last_segment)
         view.close()
     peak_gb = mx.get_peak_memory() / 1e9
-    if setup.history is not None:
+    primary = ranks is None or ranks.primary
+    if setup.history is not None and primary:
         setup.history.add(tokens)
         try:
             setup.history.save()
@@ -183,12 +204,12 @@ def generate_command(opts: GenerateOptions) -> int:
         try:
             comparison = compare_with_plain(
                 target.model, ids, tokens, stats.trace, max_tokens=max_tokens, eos_ids=setup.eos_ids,
-                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, **kv,
+                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, sync=ranks, **kv,
             )
         except KeyboardInterrupt:
             compare_interrupted = True
 
-    if opts.json_output:
+    if opts.json_output and primary:
         report = {
             "text": detok.text,
             "model": target.name,
@@ -205,6 +226,7 @@ def generate_command(opts: GenerateOptions) -> int:
             "memory_estimate_gb": estimate.total / 1e9,
             "context_length": context,
             "kv_bits": opts.kv_bits,
+            "distributed": _distributed(ranks),
             **stats.to_dict(),
             "finish_reason": finish,
             "interrupted": interrupted or compare_interrupted,
@@ -219,6 +241,8 @@ def generate_command(opts: GenerateOptions) -> int:
         lines = [setup.model_line] + summary_lines(stats, drafter=drafter_name, block_size=block_size,
                                                    peak_gb=peak_gb, verbose=opts.verbose)
         lines += policy_lines(policy.summary())
+        if ranks is not None:
+            lines.append(ranks.line + _overridden(ranks))
         lines.append(f"Finish reason: {finish}" + (" (Ctrl-C or SIGTERM)" if interrupted else ""))
         if comparison is not None:
             lines += comparison_lines(comparison, stats, lambda t: tokenizer.decode([t]))
@@ -231,6 +255,15 @@ def generate_command(opts: GenerateOptions) -> int:
     if comparison is not None and not comparison.ok:
         return EXIT_DIVERGED
     return 0
+
+
+def _distributed(ranks) -> Optional[dict]:
+    return None if ranks is None else {**ranks.describe(), "overridden_decisions": ranks.overridden}
+
+
+def _overridden(ranks) -> str:
+    # A rank whose own pick differed from rank 0's (rounding on other hardware) followed rank 0.
+    return f"; {ranks.overridden} blocks followed rank 0 against another rank's own pick" if ranks.overridden else ""
 
 
 def finish_reason(stats: Stats, interrupted: bool, capped: bool) -> Optional[str]:
@@ -289,16 +322,24 @@ def parse_block_sizes(text: str) -> list[int]:
 
 
 def sweep_command(opts: SweepOptions) -> int:
-    """Run ``specdec sweep``; returns the exit code."""
+    """Run ``specdec sweep``; returns the exit code (under ``mlx.launch``, on every rank)."""
+    with peer_errors():
+        return _sweep(opts)
+
+
+def _sweep(opts: SweepOptions) -> int:
+    ranks = join(opts)
     sizes = parse_block_sizes(opts.block_sizes)
     if opts.repeats < 1 or opts.warmup < 0:
         raise OptionError("--repeats must be >= 1 and --warmup >= 0")
     kind = check_model_options(opts)
+    check_distributed_options(opts, kind, ranks is not None)
     for size in sizes:
         check_block_size(size, kind, "--block-sizes")
     text = read_prompt(opts.prompt_arg, opts.prompt)
-    setup = load_setup(opts, kind)
+    setup = load_setup(opts, kind, ranks)
     ids = prompt_ids(setup, text)
+    setup.check_ranks(ids)
     print_notes(setup)
     for size in sizes:
         setup.block_size(size, size)
@@ -309,7 +350,7 @@ def sweep_command(opts: SweepOptions) -> int:
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
         rollback_memory_cap=opts.rollback_memory_cap_bytes,
         prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S,
-        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
+        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size, sync=ranks,
     )
     result = None
     with sweep_progress() as advance, closing(events):
@@ -318,12 +359,12 @@ def sweep_command(opts: SweepOptions) -> int:
                 result = event
             else:
                 advance(event)
-    if opts.json_output:
+    if opts.json_output and (ranks is None or ranks.primary):
         sys.stdout.write(json.dumps({"model": setup.target.name, "model_path": str(setup.target.path),
                                      "dtype": setup.target.dtype, "drafter": setup.drafter_name,
-                                     **result.to_dict()}) + "\n")
-    else:
-        print_stderr([setup.model_line])
+                                     "distributed": _distributed(ranks), **result.to_dict()}) + "\n")
+    elif not opts.json_output:
+        print_stderr([setup.model_line] + ([ranks.line + _overridden(ranks)] if ranks is not None else []))
         print_sweep(result, setup.drafter_name)
     if any(row.verdict == DIVERGED for row in result.rows):
         print_stderr(["error: a speculative run diverged from plain decoding (see the 'same' column)"])

@@ -19,8 +19,9 @@ the model's dtype (see :func:`specdec_cli.sampling.greedy`).
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +31,9 @@ from .engine import Block
 from .runner import collect, run
 from .sampling import greedy
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .distributed import Ranks
 
 IDENTICAL, TIE, DIVERGED = "identical", "rounding tie", "diverged"
 RECORDED = ("capture", "tape")
@@ -146,12 +150,21 @@ class Replay:
 
 
 def _fresh(model: nn.Module, prompt_ids: Sequence[int], prefill_step_size: int,
-           prefill_chunks: Optional[Sequence[int]], kv_bits: Optional[int], kv_group_size: int) -> ModelCache:
+           prefill_chunks: Optional[Sequence[int]], kv_bits: Optional[int], kv_group_size: int,
+           sync: Optional[Ranks] = None) -> ModelCache:
     # The runs' own cache kind and prefill chunks: the same sizes give the same bits.
     layers = make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None
     cache = ModelCache(model, layers)
-    cache.prefill(prompt_ids[:-1], prefill_step_size, sizes=prefill_chunks or None)
+    cache.prefill(prompt_ids[:-1], prefill_step_size, sizes=prefill_chunks or None,
+                  agree=None if sync is None else sync.share_one)
     return cache
+
+
+def _watch(sync: Optional[Ranks]) -> ExitStack:
+    stack = ExitStack()
+    if sync is not None:
+        stack.enter_context(sync.watching())
+    return stack
 
 
 def replay(
@@ -166,6 +179,7 @@ def replay(
     prefill_chunks: Optional[Sequence[int]] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    sync: Optional[Ranks] = None,
 ) -> Replay:
     """Recompute every target forward of a greedy speculative run and check its tokens.
 
@@ -187,8 +201,16 @@ def replay(
         prefill_chunks: The run's prefill chunk sizes.
         kv_bits: The run's KV-cache quantization (None: none).
         kv_group_size: Its group size.
+        sync: The ranks of a sharded target: the picks that steer the replay are rank 0's.
     """
-    cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size)
+    with _watch(sync):
+        return _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size, prefill_chunks,
+                       kv_bits, kv_group_size, sync)
+
+
+def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size, prefill_chunks, kv_bits,
+            kv_group_size, sync) -> Replay:
+    cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size, sync)
     eos = frozenset(eos_ids)
     # A run that cut recurrent layers back from recorded states fed every verify recorded.
     record = next((b.rollback for b in trace if b.rollback in RECORDED), None)
@@ -204,8 +226,10 @@ def replay(
         x = carry + [last] + list(tokens[emitted : emitted + min(k, keep - 1)])
         x += [0] * (block.verify_len - len(x))
         snap = cache.snapshot()
+        position = cache.length
         logits = cache.feed(_ids(x), record=record)
-        picks = greedy(logits[c : c + keep]).tolist()
+        picks = greedy(logits[c : c + keep])
+        picks = picks.tolist() if sync is None else sync.settle(sync.propose(picks, _ids(x), position))
         if emitted <= index < emitted + keep:
             row = c + index - emitted
             found = (block.verify_len, row, _logprobs(logits[row]))
@@ -238,12 +262,16 @@ def replay(
 def one_token(
     model: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], index: int, *, prefill_step_size: int = 2048,
     prefill_chunks: Optional[Sequence[int]] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+    sync: Optional[Ranks] = None,
 ) -> mx.array:
     """Plain decoding's prediction of generated token ``index``, computed again (one token per forward)."""
-    cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size)
-    for t in [prompt_ids[-1], *tokens[:index]]:
-        logits = cache.feed(_ids([t]))[-1]
-        mx.eval(logits, cache.state_arrays())
+    with _watch(sync):
+        cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size, sync)
+        for t in [prompt_ids[-1], *tokens[:index]]:
+            logits = cache.feed(_ids([t]))[-1]
+            mx.eval(logits, cache.state_arrays())
+            if sync is not None:
+                sync.tick()  # every forward waits on the other ranks: they are there
     return _logprobs(logits)
 
 
@@ -315,6 +343,10 @@ def explain(
         gap = (ver[plain_pick] - ver[spec_pick]).item()
         difference = abs(margin - gap) if gap == gap else None  # NaN: nothing recomputed
     tie = reproduced and difference is not None and 0 < difference and margin <= difference
+    sync = run_options.get("sync")
+    if sync is not None:
+        # Margins are each rank's own arithmetic: rank 0's verdict is every rank's (and its exit code).
+        tie = bool(sync.share_one(int(tie)))
     return Divergence(index, spec_tok, plain_tok, top2, TIE if tie else DIVERGED, margin, difference,
                       rec.rows, rec.row, ver_pick, reproduced, mismatch)
 
@@ -331,17 +363,20 @@ def compare_with_plain(
     prefill_chunks: Optional[Sequence[int]] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    sync: Optional[Ranks] = None,
 ) -> Comparison:
     """Run plain greedy decoding with fresh caches, compare token by token, explain a difference.
 
     ``prefill_chunks`` (the speculative run's) makes both prefills identical;
     ``kv_bits`` gives plain decoding the same quantized KV cache. Plain
     decoding runs warm: its one shape was warmed before the speculative run
-    timed anything.
+    timed anything. With ``sync`` (a sharded target) plain decoding runs
+    sharded the same way, and the verdict is rank 0's on every rank.
     """
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids,
-                               prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, **kv))
+                               prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync,
+                               **kv))
     divergence = explain(model, prompt_ids, specdec_tokens, plain, trace, eos_ids=eos_ids,
-                         prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, **kv)
+                         prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync, **kv)
     return Comparison(divergence is None, len(plain), divergence, stats)

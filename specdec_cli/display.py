@@ -23,6 +23,15 @@ from .compare import Comparison
 from .measure import Progress, SweepResult
 from .stats import Stats
 
+# Set on ranks other than 0 under mlx.launch: rank 0 alone shows the run.
+_MUTED = False
+
+
+def mute() -> None:
+    """From now on, show nothing: no text, no panel, no summary, no progress (errors still go to stderr)."""
+    global _MUTED
+    _MUTED = True
+
 
 def stats_panel(stats: Stats, drafter: str, width: Optional[int] = None) -> Panel:
     """The live panel: decode speed, acceptance, tokens so far."""
@@ -129,8 +138,8 @@ class NoText:
 
 
 def text_view(live: bool, drafter: str, json_output: bool):
-    """Pick the view: Live on a terminal, plain text otherwise, none for JSON."""
-    if json_output:
+    """Pick the view: Live on a terminal, plain text otherwise, none for JSON (or when muted)."""
+    if json_output or _MUTED:
         return NoText()
     if live and sys.stdout.isatty():
         return LiveText(Console(file=sys.stdout), drafter)
@@ -297,6 +306,8 @@ def speedup_words(specdec: Stats, plain: Stats) -> str:
 
 def print_stderr(lines: list[str]) -> None:
     """Write summary lines to stderr, without markup or colour on a pipe."""
+    if _MUTED:
+        return
     console = Console(stderr=True, highlight=False)
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
@@ -307,7 +318,7 @@ def sweep_progress() -> Iterator[Callable[[Progress], None]]:
     """A progress bar on stderr while the sweep runs (hidden when not a terminal)."""
     console = Console(stderr=True)
     bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-              console=console, transient=True, disable=not console.is_terminal)
+              console=console, transient=True, disable=_MUTED or not console.is_terminal)
     with bar:
         task = bar.add_task("measuring", total=None)
 
@@ -344,6 +355,8 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
     times, ...) rather than truncated: the speedup and the ``same`` verdict
     always show in full.
     """
+    if _MUTED:
+        return
     if console is None:
         console = Console(highlight=False)
         if not console.is_terminal:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
@@ -22,6 +22,9 @@ from .caches import ModelCache
 from .drafters import Drafter
 from .hooks import HiddenTap
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, log_probs
+
+if TYPE_CHECKING:
+    from .distributed import Ranks
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ def speculative_generate_step(
     rollback: str = "carry",
     timed: bool = False,
     tap: Optional[HiddenTap] = None,
+    sync: Optional[Ranks] = None,
 ) -> Iterator[Block]:
     """Speculative decoding: greedy, or lossless sampling at temp > 0.
 
@@ -138,6 +142,11 @@ def speculative_generate_step(
         tap: Records the target's hidden states for a drafter that reads
             them (``drafter.taps``); the committed rows of each verify go to
             ``drafter.accept``.
+        sync: The ranks of a sharded target: each block's accepted length and
+            next token are rank 0's, agreed in the block's one host sync
+            together with a check that every rank verified the same tokens;
+            a clocked policy reads rank 0's block time (one more small
+            collective and sync per block).
 
     Yields:
         One :class:`Block` per target forward.
@@ -177,6 +186,7 @@ def speculative_generate_step(
                 snap = cache.snapshot()
                 x = mx.concatenate([carry, mx.array([last], dtype=mx.uint32), draft.tokens])
                 c = carry.shape[0]
+                position = cache.length
                 logits = cache.feed(x, record=record)[c:]
                 hidden = tap.take() if tap is not None else None
                 if sampling.greedy:
@@ -185,11 +195,16 @@ def speculative_generate_step(
                     n_acc, nxt = accept_keyed(logits, draft.tokens, params)
                 else:
                     n_acc, nxt = accept_sampled(logits, draft.tokens, draft.logprobs, sampling)
-                mx.eval(n_acc, nxt, draft.tokens)
+                table = None if sync is None else sync.propose(
+                    mx.stack([n_acc.astype(mx.int32), nxt.astype(mx.int32)]), x, position)
+                mx.eval(n_acc, nxt, draft.tokens, *([] if table is None else [table]))
                 syncs += 1
                 t2 = time.perf_counter()
-                n = n_acc.item()
-                committed = draft.tokens.tolist()[:n] + [nxt.item()]
+                if table is None:
+                    n, last_token = n_acc.item(), nxt.item()
+                else:
+                    n, last_token = sync.settle(table)
+                committed = draft.tokens.tolist()[:n] + [last_token]
                 n_keep, finish = _cut(committed, eos, room)
                 # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
                 kept = x[: c + n_keep]
@@ -236,7 +251,11 @@ def speculative_generate_step(
             if finish == "stop":
                 tokens = tokens[:-1]
             emitted += len(tokens)
-            policy.observe(k, n, len(tokens), t3 - t0)
+            seconds = t3 - t0
+            if sync is not None and getattr(policy, "clocked", True):
+                seconds = sync.clock(seconds)  # every rank's policy decides alike
+                syncs += 1
+            policy.observe(k, n, len(tokens), seconds)
             times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
             yield Block(tuple(tokens), k, n, kind, syncs, finish, times, c + 1 + k, c)
             if finish:
@@ -333,6 +352,7 @@ def plain_generate_step(
     max_tokens: int,
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
+    sync: Optional[Ranks] = None,
 ) -> Iterator[Block]:
     """Plain decoding, one token per :class:`Block`: the exactness oracle and the baseline.
 
@@ -346,24 +366,35 @@ def plain_generate_step(
         max_tokens: Stop after this many emitted tokens.
         eos_ids: Token ids that end generation (not emitted).
         sampling: Greedy (default) or sampling options.
+        sync: The ranks of a sharded target: each token is rank 0's, agreed
+            in a small collective inside the queued step (no extra sync).
     """
     eos = frozenset(eos_ids)
 
-    def step(token: mx.array, position: int) -> mx.array:
-        return choose(cache.feed(token)[-1:], sampling.at(position))
+    def step(token: mx.array, position: int) -> tuple[mx.array, Optional[mx.array]]:
+        fed_at = cache.length
+        y = choose(cache.feed(token)[-1:], sampling.at(position))
+        if sync is None:
+            return y, None
+        table = sync.propose(y, token, fed_at)
+        # The token every rank feeds next is rank 0's, still lazy.
+        return table[0, :1].astype(mx.uint32), table
+
+    def read(y: mx.array, table: Optional[mx.array]) -> int:
+        return y.item() if table is None else sync.settle(table)[0]
 
     # The state that matches what has been emitted: every committed token but
     # the last one fed. Restored on exit, which drops a queued step.
     safe = cache.snapshot()
     try:
-        y = step(mx.array([last], dtype=mx.uint32), 0)
-        mx.async_eval(y)
+        y, table = step(mx.array([last], dtype=mx.uint32), 0)
+        mx.async_eval(y, *([] if table is None else [table]))
         for i in range(max_tokens):
             snap = cache.snapshot()
             if i + 1 < max_tokens:
-                nxt = step(y, i + 1)
-                mx.async_eval(nxt)
-            tok = y.item()
+                nxt, nxt_table = step(y, i + 1)
+                mx.async_eval(nxt, *([] if nxt_table is None else [nxt_table]))
+            tok = read(y, table)
             safe = snap
             if tok in eos:
                 yield Block((), 0, 0, "none", 1, "stop")
@@ -372,6 +403,6 @@ def plain_generate_step(
                 yield Block((tok,), 0, 0, "none", 1, "length")
                 return
             yield Block((tok,), 0, 0, "none", 1)
-            y = nxt
+            y, table = nxt, nxt_table
     finally:
         cache.restore(safe)

@@ -5,10 +5,15 @@ class SpecdecError(Exception):
     """An expected failure: its message says what went wrong and how to fix it."""
 
     exit_code = 1
+    # Under mlx.launch, raised alike on every rank (same options, same files:
+    # the ranks agree on both first), so rank 0 alone says it.
+    every_rank = False
 
 
 class UnsupportedModelError(SpecdecError):
     """The model's caches cannot be rolled back exactly, or mlx-lm cannot load it."""
+
+    every_rank = True
 
 
 class ModelLoadError(SpecdecError):
@@ -18,11 +23,14 @@ class ModelLoadError(SpecdecError):
 class TokenizerMismatchError(SpecdecError):
     """Target and drafter do not share a tokenizer."""
 
+    every_rank = True
+
 
 class OptionError(SpecdecError):
     """A bad option or option combination."""
 
     exit_code = 2
+    every_rank = True
 
 
 class Cancelled(Exception):

@@ -179,6 +179,9 @@ class TargetParts:
 
     # mlx-lm's gemma3_text rounds its embed scale through bfloat16 first.
     embed_scale_dtype: Optional[mx.Dtype] = None
+    # The group whose ranks each hold a slice of the lm_head's rows (mlx-lm's
+    # tensor-parallel shard of an untied head), or None: whole on this rank.
+    head_group: Any = None
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Token embeddings as the target's first layer sees them ``[T, H]``."""
@@ -190,7 +193,14 @@ class TargetParts:
 
     def head(self, h: mx.array) -> mx.array:
         """The target's lm_head (or tied embedding) alone, without the final softcap."""
-        return self.lm_head(h) if self.lm_head is not None else self.embed_tokens.as_linear(h)
+        if self.lm_head is None:
+            return self.embed_tokens.as_linear(h)
+        out = self.lm_head(h)
+        if self.head_group is not None:
+            from mlx_lm.models.base import gather_last_axis
+
+            out = gather_last_axis(out, self.head_group)  # as the sharded model itself does
+        return out
 
     def logits(self, h: mx.array) -> mx.array:
         """The target's lm_head (tied embedding, final softcap) on final-normed states."""
@@ -208,7 +218,14 @@ class TargetParts:
         gathered once; a drafter with a reduced vocabulary calls the result.
         """
         module = self.lm_head if self.lm_head is not None else self.embed_tokens
-        rows = {k: module[k][ids] for k in ("weight", "scales", "biases", "bias") if k in module}
+
+        def whole(a: mx.array) -> mx.array:
+            # A sharded head holds a slice of the rows: gather them all, in rank order, once.
+            if self.head_group is None or self.lm_head is None:
+                return a
+            return mx.distributed.all_gather(a, group=self.head_group)
+
+        rows = {k: whole(module[k])[ids] for k in ("weight", "scales", "biases", "bias") if k in module}
         mx.eval(rows)
         if "scales" in rows:
             if rows.get("bias") is not None:
@@ -266,6 +283,7 @@ def target_parts(model: nn.Module) -> TargetParts:
         softcap=float(softcap) if softcap else None,
         embed_scale=scale,
         embed_scale_dtype=scale_dtype,
+        head_group=getattr(parent, "sharding_group", None) if isinstance(lm_head, nn.Module) else None,
     )
     _probe(model, parts, layers[0])
     return parts

@@ -21,6 +21,7 @@ from huggingface_hub import errors as hub_errors
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from .caches import make_cache
+from .distributed import Ranks, shard
 from .errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
 
 # Files mlx-lm needs from a repo (its own download patterns).
@@ -173,7 +174,7 @@ def check_safetensors(file: Path) -> Optional[str]:
 
 def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] = None,
          trust_remote_code: bool = False, force_download: bool = False,
-         path: Optional[Path] = None) -> Loaded:
+         path: Optional[Path] = None, ranks: Optional[Ranks] = None) -> Loaded:
     """Load a model and its tokenizer, optionally cast to ``dtype``.
 
     Args:
@@ -186,11 +187,15 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
         trust_remote_code: Allow a model's own Python files (model and tokenizer).
         force_download: Download a Hub repo's files again.
         path: Where ``name`` was already resolved to (no second download).
+        ranks: Shard the model over these ranks (see :mod:`specdec_cli.distributed`):
+            built lazily, cast, then sharded by mlx-lm's own ``shard()`` or
+            ``pipeline()`` before any weight is read, as ``sharded_load`` does.
 
     Raises:
         ModelLoadError: Missing files or unreadable weights.
-        UnsupportedModelError: mlx-lm cannot build the architecture, or the
-            engine cannot roll its caches back exactly.
+        UnsupportedModelError: mlx-lm cannot build the architecture, the
+            engine cannot roll its caches back exactly, or mlx-lm cannot shard
+            it the asked way over these ranks.
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -213,7 +218,7 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ModelLoadError(f"{config_file} is not a valid JSON config ({e}); {_fix(name)}") from None
     try:
-        model, config = load_model(path, trust_remote_code=trust_remote_code)
+        model, config = load_model(path, lazy=ranks is not None, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "not supported" in str(e):
             import mlx_lm
@@ -230,6 +235,8 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
         raise ModelLoadError(f"cannot load {name}: {e}") from None
     except Exception as e:  # unreadable tensors: MLX raises several types
         raise ModelLoadError(f"cannot read the weights of {name} ({e}); {_fix(name)}") from None
+    if ranks is not None:
+        model = _load_sharded(model, config, dtype, ranks, name)
     if adapter_path is not None:
         model = _load_adapters(model, adapter_path)
     try:
@@ -239,7 +246,7 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {e}") from None
     make_cache(model)  # capability check before anything runs
     dtype = resolve_dtype(dtype)
-    if dtype is not None:
+    if dtype is not None and ranks is None:
         cast(model, DTYPES[dtype])
     return Loaded(name, path, model, tokenizer, config, describe_dtype(model, config))
 
@@ -305,11 +312,26 @@ def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
     return model
 
 
-def cast(model: nn.Module, dtype: mx.Dtype) -> None:
+def _load_sharded(model: nn.Module, config: dict, dtype: Optional[str], ranks: Ranks, name: str) -> nn.Module:
+    """Cast a lazily built model, shard it (weights still unread), then read this rank's shard."""
+    dtype = resolve_dtype(dtype)
+    if dtype is not None:
+        # Before sharding: mlx-lm dequantizes plain quantized layers, not sharded ones.
+        cast(model, DTYPES[dtype], evaluate=False)
+    shard(model, config, ranks)
+    try:
+        mx.eval(model.parameters())
+    except Exception as e:  # unreadable tensors: MLX raises several types
+        raise ModelLoadError(f"cannot read the weights of {name} ({e}); {_fix(name)}") from None
+    return model
+
+
+def cast(model: nn.Module, dtype: mx.Dtype, evaluate: bool = True) -> None:
     """Dequantize ``model`` if needed and cast its floating weights to ``dtype``.
 
     Parameters the model marks as precision-sensitive (its ``cast_predicate``,
     e.g. recurrent ``A_log``) keep their dtype, as mlx-lm's converter does.
+    With ``evaluate`` False the weights stay lazy (a model about to be sharded).
     """
     from mlx_lm.utils import dequantize_model
 
@@ -323,7 +345,8 @@ def cast(model: nn.Module, dtype: mx.Dtype) -> None:
         return value
 
     model.update(tree_map_with_path(convert, model.parameters()))
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
 
 
 SAMPLE_TEXTS = [

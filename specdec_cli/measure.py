@@ -117,6 +117,7 @@ def sweep(
     prefill_seconds: Optional[float] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    sync=None,
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
 
@@ -138,9 +139,10 @@ def sweep(
             other run reuses its sizes, so all of them start from identical caches.
         kv_bits: Quantized KV cache for the target (None: off).
         kv_group_size: Its group size.
+        sync: The ranks of a sharded target (see :mod:`specdec_cli.distributed`).
     """
     kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size,
-              kv_bits=kv_bits, kv_group_size=kv_group_size)
+              kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
     if prefill_seconds is not None:
         # One timed prefill fixes the chunk sizes for every run.
         first, _ = measure(model, prompt_ids, None, **dict(kw, max_tokens=1), prefill_seconds=prefill_seconds)
@@ -171,7 +173,7 @@ def sweep(
         if out != reference and verdict[b] == IDENTICAL:
             d = explain(model, prompt_ids, out, reference, stats.trace, eos_ids=eos_ids,
                         prefill_step_size=prefill_step_size, prefill_chunks=kw.get("prefill_chunks"),
-                        kv_bits=kv_bits, kv_group_size=kv_group_size)
+                        kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
             verdict[b] = d.verdict
         warm_s[b] += stats.warmup_s
 

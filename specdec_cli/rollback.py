@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -77,7 +77,8 @@ def measure(cache: ModelCache, block_size: int, repeats: int = _REPEATS) -> dict
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def choose(requested: str, cache: ModelCache, block_size: int, memory_cap: Optional[int] = None) -> RollbackChoice:
+def choose(requested: str, cache: ModelCache, block_size: int, memory_cap: Optional[int] = None,
+           agree: Optional[Callable[[int], int]] = None) -> RollbackChoice:
     """Resolve ``requested`` for this target (prefilled) and block size.
 
     Args:
@@ -85,6 +86,8 @@ def choose(requested: str, cache: ModelCache, block_size: int, memory_cap: Optio
         cache: The target's prefilled caches (``auto`` measures on them and restores them).
         block_size: Tokens of a full verify forward (drafts + 1).
         memory_cap: Most extra bytes capture may hold during a verify (None: no cap).
+        agree: Maps this process's pick (an index into ``STRATEGIES``) to the
+            one every rank of a sharded model runs (rank 0's measurement).
     """
     if requested not in STRATEGIES:
         raise ValueError(f"rollback must be one of {STRATEGIES}")
@@ -109,6 +112,8 @@ def choose(requested: str, cache: ModelCache, block_size: int, memory_cap: Optio
         return RollbackChoice(requested, "tape", f"{cap_note}: tape", **kw)
     ms = measure(cache, block_size)
     best = min(ms, key=ms.get)
+    if agree is not None:
+        best = STRATEGIES[agree(STRATEGIES.index(best))]
     reason = (f"measured at start, a {block_size}-token verify + rollback of {block_size // 2}: "
               f"capture {ms['capture']:.2f} ms, tape {ms['tape']:.2f} ms")
     return RollbackChoice(requested, best, reason, measured_ms=ms, seconds=time.perf_counter() - start, **kw)

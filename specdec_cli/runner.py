@@ -9,8 +9,9 @@ spends displaying is never counted as decode time.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
@@ -23,6 +24,9 @@ from .errors import OptionError
 from .rollback import RollbackChoice, choose
 from .sampling import GREEDY, SamplingParams
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .distributed import Ranks
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ def run(
     marks: Sequence[int] = (),
     choice: Optional[RollbackChoice] = None,
     cancelled: Optional[Callable[[], bool]] = None,
+    sync: Optional[Ranks] = None,
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill the caches with ``prompt_ids`` and generate.
 
@@ -141,6 +146,10 @@ def run(
         choice: The rollback strategy, already chosen (skips ``auto``'s measurement).
         cancelled: Asked between prefill chunks; True stops the prefill with
             :class:`~specdec_cli.errors.Cancelled` (between blocks, close the generator).
+        sync: The ranks of a sharded target: every rank then uses rank 0's
+            prefill chunk sizes, rollback choice and decisions (see
+            :mod:`specdec_cli.distributed`), and a watchdog ends a rank whose
+            peers stop answering.
     """
     if seed is not None and not sampling.greedy:
         sampling = replace(sampling, seed=seed)
@@ -161,10 +170,15 @@ def run(
         raise ValueError("a drafter that reads hidden states needs them for the cached prompt tokens")
     tap = HiddenTap(model, specs) if specs is not None else None
     gen = None
+    agree = None if sync is None else sync.share_one
+    watch = ExitStack()
+    if sync is not None:
+        watch.enter_context(sync.watching())
     try:
         start = time.perf_counter()
         parts = cache.prefill(prompt_ids[cached:-1], prefill_step_size, tap, seconds=prefill_seconds,
-                              sizes=prefill_chunks, stops=[m - cached for m in marks], cancelled=cancelled)
+                              sizes=prefill_chunks, stops=[m - cached for m in marks], agree=agree,
+                              cancelled=cancelled)
         # The drafter is smaller than the target: the target's largest timed
         # chunk bounds how long one of its chunks takes.
         step = min(prefill_step_size, max(cache.chunks, default=prefill_step_size))
@@ -176,7 +190,7 @@ def run(
         last = prompt_ids[-1]
         if drafter is not None and choice is None:
             k_max = num_draft_tokens if policy is None else getattr(policy, "k_max", getattr(policy, "k", None))
-            choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap)
+            choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap, agree=agree)
         elif drafter is None:
             choice = None
         yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks), cached, tuple(cache.marks))
@@ -188,12 +202,13 @@ def run(
                            tap=tap)
             yield Warmed(time.perf_counter() - start, what)
         if drafter is None:
-            gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling)
+            gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
+                                      sync=sync)
         else:
             gen = speculative_generate_step(
                 last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
                 max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=strategy, timed=timed,
-                tap=tap,
+                tap=tap, sync=sync,
             )
         while True:
             start = time.perf_counter()
@@ -214,6 +229,7 @@ def run(
             gen.close()
         if tap is not None:
             tap.close()
+        watch.close()
 
 
 def _max_draft(policy: Optional[DraftPolicy], num_draft_tokens: int) -> int:

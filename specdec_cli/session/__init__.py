@@ -10,6 +10,7 @@ from .generate import PREFILL_CHUNK_S, Request, Session
 from .options import (
     ModelOptions,
     check_block_size,
+    check_distributed_options,
     check_drafter_options,
     check_model_options,
     make_policy,
@@ -18,12 +19,21 @@ from .options import (
     sampling_params,
 )
 from .prompt_cache import Entry, Hit, PromptCache
-from .setup import MemoryLimitError, PromptTooLongError, Setup, choose_drafter, load_setup, load_target, blas_note
+from .setup import (
+    MemoryLimitError,
+    PromptTooLongError,
+    Setup,
+    blas_note,
+    choose_drafter,
+    join_ranks,
+    load_setup,
+    load_target,
+)
 from .state import SavedCache
 
 __all__ = [
     "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError",
-    "Request", "SavedCache", "Session", "Setup", "check_block_size", "check_drafter_options", "check_model_options",
-    "choose_drafter", "load_setup", "load_target", "make_policy", "blas_note", "resolve_block_size", "resolve_drafter",
-    "sampling_params",
+    "Request", "SavedCache", "Session", "Setup", "blas_note", "check_block_size", "check_distributed_options",
+    "check_drafter_options", "check_model_options", "choose_drafter", "join_ranks", "load_setup", "load_target",
+    "make_policy", "resolve_block_size", "resolve_drafter", "sampling_params",
 ]

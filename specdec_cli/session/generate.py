@@ -9,6 +9,7 @@ says and kept in the prompt cache for the next request.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -131,6 +132,11 @@ class Session:
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
         block = min(request.block_size or self.block_size, self.block_size)
+        ranks = setup.ranks
+        seed = request.seed
+        if ranks is not None and seed is None and not request.sampling.greedy:
+            # Sampling must draw alike on every rank: rank 0 picks the seed (draws are then keyed by position).
+            seed = ranks.share_one(random.randrange(1 << 31))
         drafter = None
         if not self.plain:
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
@@ -155,8 +161,9 @@ class Session:
             eos_ids=() if request.ignore_eos else setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
-            timed=request.timed, seed=request.seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
+            timed=request.timed, seed=seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
+            sync=ranks,
         )
         try:
             for event in events:

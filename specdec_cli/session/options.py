@@ -43,6 +43,7 @@ class ModelOptions:
     prefill_response: Optional[str] = None
     extra_eos_token: Optional[list[str]] = None
     memory_check: bool = True
+    pipeline: bool = False  # under mlx.launch: pipeline parallel instead of tensor parallel
 
     @property
     def rollback_memory_cap_bytes(self) -> Optional[int]:
@@ -54,6 +55,36 @@ def check_model_options(opts: ModelOptions) -> str:
     kind = resolve_drafter(opts.drafter, opts.draft_model)
     check_drafter_options(kind, opts)
     return kind
+
+
+# Drafters that read the target's hidden states (pipeline parallelism keeps them on one rank).
+HIDDEN_STATE_DRAFTERS = ("mtp", "lookup+mtp", "dflash")
+
+
+def hidden_states_refused(what: str) -> OptionError:
+    """The refusal of a drafter that reads the target's hidden states under pipeline parallelism."""
+    return OptionError(f"{what} reads the target's hidden states, which pipeline parallelism keeps on one rank: "
+                       "drop --pipeline (tensor parallel), or draft with --drafter lookup or a draft model")
+
+
+def check_distributed_options(opts: ModelOptions, kind: str, sharded: bool) -> None:
+    """What a target sharded over ranks cannot do, refused before anything is loaded.
+
+    Args:
+        opts: The options.
+        kind: The drafter kind asked for.
+        sharded: The process runs as one of several ranks (``mlx.launch``).
+    """
+    if not sharded:
+        return
+    if opts.adapter_path is not None:
+        raise OptionError("--adapter-path cannot be used with a sharded target (mlx-lm shards the plain "
+                          "layers that LoRA wraps): fuse the adapters first with mlx_lm.fuse")
+    if opts.pipeline and kind in HIDDEN_STATE_DRAFTERS:
+        raise hidden_states_refused(f"--drafter {kind}")
+    if "-" in (opts.prompt, opts.prompt_arg):
+        raise OptionError("under mlx.launch stdin never ends (mlx.launch keeps the ranks' stdin open): pass the "
+                          "prompt as an argument, e.g. -p \"$(cat prompt.txt)\"")
 
 
 def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str = "model") -> int:

@@ -14,10 +14,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .. import blas, bundled
+from .. import __version__, blas, bundled
+from .. import distributed
 from ..adaptive import MatchLength
 from ..caches import check_kv_quantization
 from ..defaults import DEFAULT_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..distributed import Ranks, model_fingerprint
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
@@ -26,11 +28,13 @@ from ..errors import OptionError, SpecdecError
 from ..hooks import TargetParts, target_parts
 from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
-from .options import ModelOptions, check_block_size
+from .options import ModelOptions, check_block_size, hidden_states_refused
 
 
 class PromptTooLongError(SpecdecError):
     """The prompt alone does not fit in the model's context."""
+
+    every_rank = True
 
 
 class MemoryLimitError(SpecdecError):
@@ -51,6 +55,10 @@ class Setup:
     parts: Optional[TargetParts] = None
     # Lines for the user about what loading decided (auto's pick, a history set aside): the face prints them.
     notes: list[str] = field(default_factory=list)
+    # The ranks the target is sharded over (None: one process holds it whole).
+    ranks: Optional[Ranks] = None
+    # The files the drafter was read from (for the ranks' handshake).
+    drafter_path: Optional[Path] = None
 
     @property
     def tokenizer(self):
@@ -125,6 +133,18 @@ class Setup:
         return ModelDrafter(self.draft.model, draft_cache, vocab_size=_vocab_size(self.target.config),
                             p_min=opts.draft_p_min or 0.0)
 
+    def check_ranks(self, prompt_ids: list[int]) -> None:
+        """Every rank loaded the same files and encoded the same prompt (no-op in one process).
+
+        Raises:
+            RanksDisagree: Naming what differs, on every rank alike.
+        """
+        if self.ranks is None:
+            return
+        drafter = model_fingerprint(self.drafter_path) if self.drafter_path is not None else self.kind
+        self.ranks.handshake({"model": model_fingerprint(self.target.path), "drafter": drafter,
+                              "prompt": list(prompt_ids)})
+
     def context(self) -> Optional[tuple[int, str]]:
         """The model's context length and where it was read (None: unknown)."""
         return context_length(self.target.config)
@@ -176,17 +196,48 @@ class Setup:
         return estimate
 
 
-def load_setup(opts: ModelOptions, kind: str) -> Setup:
-    """Load the target (and draft model or head), check tokenizers and stop tokens, open the history."""
-    target = load_target(opts)
+def join_ranks(opts: ModelOptions) -> Optional[Ranks]:
+    """This process's ranks under ``mlx.launch`` (None alone), after every rank agreed on the options.
+
+    Only rank 0 should show anything (the face mutes the others' display).
+
+    Raises:
+        RanksDisagree: The ranks were started with different options or versions.
+    """
+    ranks = distributed.join(opts.pipeline)
+    if ranks is None:
+        return None
+    import mlx_lm
+
+    ranks.handshake({"options": sorted(vars(opts).items()),
+                     "versions": (__version__, mx.__version__, mlx_lm.__version__)})
+    return ranks
+
+
+def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> Setup:
+    """Load the target (and draft model or head), check tokenizers and stop tokens, open the history.
+
+    With ``ranks`` the target is sharded over them; the drafter is whole on every rank.
+    """
+    pipelined = ranks is not None and ranks.mode == "pipeline"
+    draft_path = None
+    if pipelined and opts.draft_model:
+        # Refused before the target loads (otherwise the target comes first, then the drafter).
+        draft_path = resolve(opts.draft_model, opts.force_download)
+        if is_dflash(draft_path):
+            raise hidden_states_refused("a DFlash drafter")
+        if opts.drafter is None and is_mtp_sidecar(draft_path):
+            raise hidden_states_refused("an MTP head")
+    target = load_target(opts, ranks)
+    if opts.draft_model and draft_path is None:
+        draft_path = resolve(opts.draft_model, opts.force_download)
     if opts.kv_bits is not None:
         check_kv_quantization(target.model, opts.kv_bits, opts.kv_group_size)
     draft = mtp = parts = None
-    draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
     head_path = None
     notes = []
     if kind == "auto":
-        kind, head_path, why = choose_drafter(target, draft_path)
+        kind, head_path, why = choose_drafter(target, draft_path, hidden=not pipelined)
         notes.append(f"drafter: auto -> {kind} ({why})")
     if kind == "model" and is_dflash(draft_path):
         # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
@@ -221,7 +272,13 @@ def load_setup(opts: ModelOptions, kind: str) -> Setup:
         history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
         if history.warning:
             notes.append(f"warning: {history.warning}")
-    return Setup(opts, kind, target, draft, history, mtp, parts, notes)
+        if ranks is not None:
+            # Rank 0's file drafts on every rank (another machine's copy may differ); only rank 0 writes it.
+            history.entries = [(history.fingerprint, t) for t in ranks.share_lists(history.outputs())]
+    used = head_path or (draft_path if kind in ("model", "dflash", "mtp", "lookup+mtp") else None)
+    if kind in ("mtp", "lookup+mtp") and used is None:
+        used = target.path  # the target's own head
+    return Setup(opts, kind, target, draft, history, mtp, parts, notes=notes, ranks=ranks, drafter_path=used)
 
 
 def blas_note() -> Optional[str]:
@@ -229,13 +286,17 @@ def blas_note() -> Optional[str]:
     return blas.note(cpu_backend=mx.default_device() == mx.cpu)
 
 
-def choose_drafter(target: Loaded, draft_path: Optional[Path]) -> tuple[str, Optional[Path], str]:
+def choose_drafter(target: Loaded, draft_path: Optional[Path], hidden: bool = True) -> tuple[str, Optional[Path], str]:
     """What ``--drafter auto`` runs: the drafter kind, a head to load, and why.
 
     A drafter named with ``--draft-model`` comes first (a DFlash or MTP
     checkpoint, or a draft model), then the target's own MTP head, then a
-    head bundled for the target, then prompt lookup.
+    head bundled for the target, then prompt lookup. Without ``hidden`` (a
+    pipelined target) no drafter that reads hidden states is picked.
     """
+    if not hidden and (draft_path is None or is_mtp_sidecar(draft_path)):
+        return "lookup", None, ("pipeline parallelism keeps the target's hidden states on one rank, so no MTP head "
+                                "drafts; prompt lookup does")
     if draft_path is not None:
         if is_dflash(draft_path):
             return "dflash", None, "the DFlash drafter --draft-model names"
@@ -266,19 +327,25 @@ def has_own_head(target: Loaded) -> bool:
     return target.config.get("model_type") in QWEN_FAMILIES and bool(mtp_tensor_files(target.path))
 
 
-def load_target(opts: ModelOptions) -> Loaded:
-    """The target: ``--model``, or else the bundled default model (no network).
+def load_target(opts: ModelOptions, ranks: Optional[Ranks] = None) -> Loaded:
+    """The target: ``--model``, or else the bundled default model (no network); sharded over ``ranks``.
 
     Raises:
         BundledModelError: The bundled model is missing or damaged (a broken install).
     """
-    kw = dict(adapter_path=opts.adapter_path, trust_remote_code=opts.trust_remote_code)
+    kw = dict(adapter_path=opts.adapter_path, trust_remote_code=opts.trust_remote_code, ranks=ranks)
     if opts.model is not None:
         return load(opts.model, opts.dtype, force_download=opts.force_download, **kw)
     path = bundled.require()
     try:
         target = load(str(path), opts.dtype, **kw)
+    except SpecdecError as e:
+        if isinstance(e, distributed.ShardingRefused):
+            raise  # the bundled model is fine; it cannot be sharded this way
+        raise bundled.BundledModelError(bundled.broken_message(str(e))) from None
     except Exception as e:  # whatever a damaged file makes mlx-lm raise
+        if distributed.is_peer_error(e):
+            raise  # another rank stopped: not the file's fault
         raise bundled.BundledModelError(bundled.broken_message(str(e))) from None
     target.name = bundled.DISPLAY_NAME
     return target

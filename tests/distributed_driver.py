@@ -1,0 +1,59 @@
+"""Runs several ``specdec`` commands in one process per rank, under ``mlx.launch`` (tests/test_distributed.py).
+
+One launch pays the start-up (imports, the ring's connections) once for many
+checks. Usage: ``mlx.launch ... -- python distributed_driver.py SPEC.json``,
+where SPEC holds ``{"out": DIR, "runs": [{"name", "args", "rank_args"?}]}``;
+``rank_args`` maps a rank (as a string) to the arguments that rank runs
+instead. Each rank writes ``DIR/rank<N>.json``: per run its exit code, what
+it wrote to stdout and stderr, and the tokens every engine run committed on
+this rank (so ranks can be compared, though only rank 0 writes text).
+"""
+
+import io
+import json
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import mlx.core as mx
+
+from specdec_cli import compare, measure, runner
+from specdec_cli.cli import app
+from specdec_cli.session import generate as session_generate
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    rank = mx.distributed.init().rank()
+    committed: list[list[int]] = []
+    real_run = runner.run
+
+    def spy(*args, **kwargs):
+        # Every engine run (speculative, plain, --compare-ar's plain side) on this rank.
+        tokens: list[int] = []
+        committed.append(tokens)
+        for event in real_run(*args, **kwargs):
+            if isinstance(event, runner.Step):
+                tokens.extend(event.block.tokens)
+            yield event
+
+    for module in (session_generate, compare, measure):
+        module.run = spy
+    results = []
+    for run in spec["runs"]:
+        args = run.get("rank_args", {}).get(str(rank), run["args"])
+        committed.clear()
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                app(args, prog_name="specdec")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        results.append({"name": run["name"], "code": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                        "committed": [list(t) for t in committed]})
+    Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

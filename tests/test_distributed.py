@@ -1,0 +1,346 @@
+"""A target sharded over ranks by MLX's own distributed engine (``mlx.launch``), and its failures.
+
+The launched checks share one ``mlx.launch --backend ring -n 2`` (each rank
+runs every command in one process: tests/distributed_driver.py); the rank
+deaths spawn two ranks by hand, so that one can be killed or stopped.
+Timeouts here are hang guards only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from specdec_cli import distributed
+from specdec_cli.distributed import Ranks, RanksDisagree, ShardingRefused, Watchdog, check_heads, checksum
+from specdec_cli.errors import OptionError
+from specdec_cli.session import ModelOptions, check_distributed_options
+from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+
+PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
+HANG_GUARD_S = 900
+DRIVER = Path(__file__).with_name("distributed_driver.py")
+
+
+# --- without launching ------------------------------------------------------------------------
+
+class _Group:
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _ranks(rank: int = 0, size: int = 2, mode: str = "tensor") -> Ranks:
+    return Ranks(_Group(rank, size), mode, "ring", watchdog=Watchdog(rank, 60.0, 2))
+
+
+def test_checksum_sees_order_and_content():
+    a = checksum(mx.array([1, 2, 3], dtype=mx.uint32)).item()
+    assert a != checksum(mx.array([2, 1, 3], dtype=mx.uint32)).item()
+    assert a != checksum(mx.array([1, 2, 4], dtype=mx.uint32)).item()
+    assert a == checksum(mx.array([1, 2, 3], dtype=mx.uint32)).item()
+
+
+def test_settle_takes_rank_0s_decision_and_raises_on_other_inputs():
+    ranks = _ranks()
+    # Rows: decision (n, next), checksum, position, fed length.
+    assert ranks.settle(mx.array([[2, 7, 11, 5, 3], [2, 7, 11, 5, 3]])) == [2, 7]
+    assert ranks.overridden == 0
+    assert ranks.settle(mx.array([[2, 7, 11, 5, 3], [1, 9, 11, 5, 3]])) == [2, 7]
+    assert ranks.overridden == 1
+    with pytest.raises(RanksDisagree, match="rank 1 fed the target other tokens"):
+        ranks.settle(mx.array([[2, 7, 11, 5, 3], [2, 7, 12, 5, 3]]))
+    with pytest.raises(RanksDisagree, match="at position 6"):
+        ranks.settle(mx.array([[2, 7, 11, 5, 3], [2, 7, 11, 6, 3]]))
+
+
+def test_heads_must_divide_by_the_ranks():
+    smollm2 = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}
+    with pytest.raises(ShardingRefused, match=r"2 ranks do not divide .*num_attention_heads 9.*use 3 ranks"):
+        check_heads(smollm2, 2)
+    check_heads(smollm2, 3)
+    check_heads(TINY_CONFIGS["qwen3_5"], 2)
+    with pytest.raises(ShardingRefused, match="linear_num_value_heads 4"):
+        check_heads(TINY_CONFIGS["qwen3_5"], 3)
+
+
+def test_a_family_that_cannot_pipeline_is_refused_naming_those_that_can(tmp_path):
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(make_model_dir(tmp_path / "llama", "llama"), lazy=True)
+    with pytest.raises(ShardingRefused, match=r"cannot pipeline llama .*qwen3_5.*drop --pipeline"):
+        distributed.shard(model, config, _ranks(mode="pipeline"))
+
+
+def test_what_a_sharded_target_cannot_do_is_refused_before_loading():
+    with pytest.raises(OptionError, match="--adapter-path"):
+        check_distributed_options(ModelOptions(adapter_path="a"), "lookup", True)
+    with pytest.raises(OptionError, match="--drafter mtp reads the target's hidden states"):
+        check_distributed_options(ModelOptions(pipeline=True), "mtp", True)
+    with pytest.raises(OptionError, match="stdin never ends"):
+        check_distributed_options(ModelOptions(prompt="-"), "lookup", True)
+    check_distributed_options(ModelOptions(prompt="-", adapter_path="a"), "mtp", False)
+
+
+def test_backend_read_from_what_mlx_launch_exports():
+    assert distributed.backend_name({"MLX_HOSTFILE": "/tmp/h"}) == "ring"
+    assert distributed.backend_name({"MLX_IBV_DEVICES": "/tmp/d", "MLX_JACCL_COORDINATOR": "a:1"}) == "jaccl"
+    assert distributed.backend_name({"NCCL_HOST_IP": "10.0.0.1"}) == "nccl"
+    assert distributed.backend_name({}) == "unknown"
+
+
+def test_ranks_sharing_this_machine_get_its_cores_for_blas(tmp_path):
+    from specdec_cli import blas
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
+    env = {"MLX_HOSTFILE": str(hosts)}
+    assert blas.local_ranks(env) == 3
+    assert blas.rank_threads(env) == max(1, (os.cpu_count() or 1) // 3)
+    assert blas.rank_threads({**env, "OPENBLAS_NUM_THREADS": "4"}) is None  # the user's choice stays
+    hosts.write_text(json.dumps([["10.0.0.1:5000"], ["10.0.0.2:5000"]]))
+    assert blas.rank_threads(env) is None  # one rank per machine
+    assert blas.rank_threads({}) is None
+
+
+def test_ring_noise_is_recognised_and_nothing_else():
+    noise = distributed._NOISE
+    for line in (b"[ring] Socket 5 was closed by the peer", b"[ring] Sending to socket 4 failed with errno 32",
+                 b"[ring] Receiving from socket 7 failed with errno 104",
+                 b"[ring] Too many send/recv errors. Failing pending tasks..."):
+        assert noise.match(line)
+    for line in (b"error: rank 0 lost its connection", b"[ring] Rank cannot be larger than the size of the group"):
+        assert not noise.match(line)
+
+
+def test_pipeline_alone_is_refused(monkeypatch):
+    monkeypatch.setattr(distributed, "_WORLD", _Group(0, 1))
+    with pytest.raises(OptionError, match="start them with mlx.launch"):
+        distributed.join(pipeline=True)
+    assert distributed.join() is None
+
+
+def test_the_watchdog_ends_a_process_whose_peers_stopped_answering():
+    code = ("from specdec_cli.distributed import Watchdog\nimport time\n"
+            "w = Watchdog(1, 0.5, 2)\nwith w.armed():\n    time.sleep(600)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: rank 1: no answer from the other ranks for 0.5 s (one of them stopped or lost its network): "
+        "giving up"]
+
+
+# --- under mlx.launch: one launch, many commands -------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_bin() -> str:
+    found = Path(sys.executable).with_name("mlx.launch")
+    return str(found) if found.exists() else shutil.which("mlx.launch")
+
+
+def _tied_qwen35() -> dict:
+    # Tied embeddings: mlx-lm's qwen3_5 shard splits an untied lm_head by vocabulary (259 does not divide by 2).
+    config = json.loads(json.dumps(TINY_CONFIGS["qwen3_5"]))
+    config["text_config"]["tie_word_embeddings"] = True
+    return config
+
+
+def _llama3() -> dict:
+    return {**TINY_CONFIGS["llama"], "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+
+
+def _gen(model, *extra, m: int = 24) -> list[str]:
+    return ["generate", "--model", str(model), "-p", PROMPT, "-m", str(m), "--ignore-chat-template", *extra]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every launched run's results, per rank: {name: {"code", "stdout", "stderr", "committed"}}."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    llama = make_model_dir(tmp / "llama", "llama")
+    llama_draft = make_model_dir(tmp / "llama-draft", "llama", noise=0.05)
+    qwen = make_model_dir(tmp / "qwen35", _tied_qwen35())
+    qwen_draft = make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3)  # partial accepts
+    llama3 = make_model_dir(tmp / "llama3", _llama3())
+    hybrid = ["--draft-model", str(qwen_draft), "--compare-ar", "--json"]
+    sampled = _gen(llama, "--draft-model", str(llama_draft), "--temp", "0.8", "--seed", "7", "--json")
+    runs = [
+        ("tp_llama_lookup", _gen(llama, "--compare-ar", "--json")),
+        ("tp_llama_draft", _gen(llama, "--draft-model", str(llama_draft), "--compare-ar", "--json")),
+        ("tp_qwen35_capture", _gen(qwen, *hybrid, "--rollback", "capture")),
+        ("tp_qwen35_tape", _gen(qwen, *hybrid, "--rollback", "tape")),
+        ("tp_qwen35_carry", _gen(qwen, *hybrid, "--rollback", "carry")),
+        ("pp_qwen35_lookup", _gen(qwen, "--pipeline", "--compare-ar", "--json")),
+        ("pp_qwen35_draft", _gen(qwen, "--pipeline", *hybrid)),
+        ("sampled_1", sampled),
+        ("sampled_2", sampled),
+        ("text", _gen(llama, "--no-live", m=12)),
+        ("sweep", ["sweep", "--model", str(llama), "-p", PROMPT, "-m", "8", "--ignore-chat-template",
+                   "--drafter", "ngram", "--block-sizes", "2,4", "--warmup", "0", "--json"]),
+        ("refuse_pipeline_llama", _gen(llama, "--pipeline")),
+        ("refuse_heads", _gen(llama3)),
+        ("refuse_pipeline_mtp", _gen(qwen, "--pipeline", "--drafter", "mtp")),
+        ("refuse_stdin", ["generate", "--model", str(llama), "-p", "-"]),
+    ]
+    spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
+    spec["runs"].append({"name": "disagree", "args": _gen(llama, m=5), "rank_args": {"1": _gen(llama, m=6)}})
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "SPECDEC_NO_REEXEC": "1"}
+    done = subprocess.run(
+        [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
+         sys.executable, str(DRIVER), str(tmp / "spec.json")],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp,
+    )
+    out = {}
+    for rank in (0, 1):
+        file = tmp / f"rank{rank}.json"
+        assert file.exists(), f"rank {rank} wrote no results:\n{done.stdout}\n{done.stderr}"
+        out[rank] = {r["name"]: r for r in json.loads(file.read_text())}
+    return out
+
+
+COMPARED = ["tp_llama_lookup", "tp_llama_draft", "tp_qwen35_capture", "tp_qwen35_tape", "tp_qwen35_carry",
+            "pp_qwen35_lookup", "pp_qwen35_draft"]
+
+
+def _report(run: dict) -> dict:
+    lines = run["stdout"].splitlines()
+    assert len(lines) == 1, run["stdout"] + run["stderr"]
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("name", COMPARED)
+def test_sharded_speculation_equals_sharded_plain_decoding(launched, name):
+    run = launched[0][name]
+    assert run["code"] == 0, run["stderr"]
+    report = _report(run)
+    assert report["compare"]["verdict"] == "identical"
+    assert report["generated_tokens"] > 0
+    mode = "pipeline" if name.startswith("pp_") else "tensor"
+    assert report["distributed"] == {"ranks": 2, "mode": mode, "backend": "ring", "overridden_decisions": 0}
+    # Every rank committed the same tokens, in both runs (speculative, then plain).
+    assert launched[1][name]["committed"] == run["committed"]
+    assert len(run["committed"]) == 2 and run["committed"][0] == run["committed"][1]
+
+
+@pytest.mark.parametrize("name,strategy", [("tp_qwen35_capture", "capture"), ("tp_qwen35_tape", "tape"),
+                                           ("tp_qwen35_carry", "carry")])
+def test_the_hybrids_recurrent_state_is_cut_back_on_each_ranks_shard(launched, name, strategy):
+    report = _report(launched[0][name])
+    assert report["rollback"] == strategy
+    assert report["rollbacks"].get(strategy, 0) > 0, report["rollbacks"]  # partial accepts happened
+
+
+def test_every_rank_but_rank_0_writes_nothing(launched):
+    for name, run in launched[1].items():
+        assert (run["stdout"], run["stderr"]) == ("", ""), name
+        assert run["code"] == launched[0][name]["code"], name
+
+
+def test_sampling_with_a_seed_is_the_same_on_every_rank_and_again(launched):
+    first, second = (launched[0][n] for n in ("sampled_1", "sampled_2"))
+    assert first["code"] == second["code"] == 0, first["stderr"]
+    assert _report(first)["text"] == _report(second)["text"]
+    assert first["committed"] == second["committed"] == launched[1]["sampled_1"]["committed"]
+    assert first["committed"][0]
+
+
+def test_text_once_on_stdout_and_the_summary_names_the_ranks(launched):
+    run = launched[0]["text"]
+    assert run["code"] == 0, run["stderr"]
+    assert run["stdout"].endswith("\n") and run["stdout"].strip()
+    assert "Distributed: 2 ranks, tensor parallel, MLX ring backend" in run["stderr"]
+
+
+def test_sweep_runs_sharded(launched):
+    run = launched[0]["sweep"]
+    assert run["code"] == 0, run["stderr"]
+    report = _report(run)
+    assert report["distributed"]["ranks"] == 2
+    assert [r["verdict"] for r in report["rows"]] == ["identical", "identical"]
+    assert launched[1]["sweep"]["committed"] == run["committed"]
+
+
+@pytest.mark.parametrize("name,code,words", [
+    ("refuse_pipeline_llama", 1, "mlx-lm cannot pipeline llama (its model has no PipelineMixin); families that can:"),
+    ("refuse_heads", 1, "2 ranks do not divide this model's heads (num_attention_heads 3, num_key_value_heads 1)"),
+    ("refuse_pipeline_mtp", 2, "--drafter mtp reads the target's hidden states, which pipeline parallelism keeps"),
+    ("refuse_stdin", 2, "under mlx.launch stdin never ends"),
+    ("disagree", 1, "rank 1 and rank 0 disagree on the options: every rank must run the same command"),
+])
+def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
+    run = launched[0][name]
+    assert run["code"] == code
+    lines = run["stderr"].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], run["stderr"]
+    assert run["stdout"] == ""
+
+
+# --- a rank that dies or hangs mid-run -----------------------------------------------------------
+
+def _pair(tmp: Path, args: list[str], env: dict) -> list[subprocess.Popen]:
+    hosts = tmp / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]]))
+    base = {**os.environ, "SPECDEC_NO_REEXEC": "1", "MLX_HOSTFILE": str(hosts), **env}
+    return [subprocess.Popen([sys.executable, "-m", "specdec_cli", *args], env={**base, "MLX_RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp) for rank in (0, 1)]
+
+
+def _when_rank_0_writes(procs: list[subprocess.Popen], sig: int) -> tuple[int, str]:
+    """Send ``sig`` to rank 1 once rank 0 has streamed some text; rank 0's exit code and stderr."""
+    first, _, _ = select.select([procs[0].stdout], [], [], HANG_GUARD_S)
+    if first:
+        procs[0].stdout.read(1)
+    procs[1].send_signal(sig)
+    try:
+        _, err = procs[0].communicate(timeout=HANG_GUARD_S)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    return procs[0].returncode, err.decode()
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rank-death")
+    model = make_model_dir(tmp / "llama", "llama")
+    # Long enough to be mid-run when rank 1 goes (the text streams from the first blocks).
+    args = _gen(model, "--drafter", "ngram", "--no-live", m=3000)
+    return tmp, args
+
+
+def test_a_killed_rank_ends_the_others_with_one_line(long_run):
+    tmp, args = long_run
+    code, err = _when_rank_0_writes(_pair(tmp, args, {}), signal.SIGKILL)
+    assert code == 1, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "lost its connection to the other ranks" in lines[0], err
+
+
+def test_a_rank_that_stops_answering_ends_the_others_by_the_deadline(long_run):
+    tmp, args = long_run
+    code, err = _when_rank_0_writes(_pair(tmp, args, {distributed.DEADLINE_ENV: "2"}), signal.SIGSTOP)
+    assert code == 1, err
+    assert err.splitlines() == ["error: rank 0: no answer from the other ranks for 2 s (one of them stopped or "
+                                "lost its network): giving up"], err
