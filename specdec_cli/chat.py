@@ -27,6 +27,7 @@ from .session import (
     load_setup,
     resolve_block_size,
     sampling_params,
+    single_process,
 )
 from .session.options import ModelOptions
 from .session.reply import Reply, TextStream
@@ -71,6 +72,7 @@ def _read(prompt: str) -> Optional[str]:
 
 def chat_command(opts: ChatOptions) -> int:
     """Run ``specdec chat``; returns the exit code."""
+    single_process(opts, "chat")
     kind = check_model_options(opts)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p)

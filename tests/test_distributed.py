@@ -201,6 +201,8 @@ def launched(tmp_path_factory):
         ("refuse_heads", _gen(llama3)),
         ("refuse_pipeline_mtp", _gen(qwen, "--pipeline", "--drafter", "mtp")),
         ("refuse_stdin", ["generate", "--model", str(llama), "-p", "-"]),
+        ("refuse_serve", ["serve", "--model", str(llama), "--port", "0"]),
+        ("refuse_chat", ["chat", "--model", str(llama)]),
     ]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
     spec["runs"].append({"name": "disagree", "args": _gen(llama, m=5), "rank_args": {"1": _gen(llama, m=6)}})
@@ -286,6 +288,8 @@ def test_sweep_runs_sharded(launched):
     ("refuse_heads", 1, "2 ranks do not divide this model's heads (num_attention_heads 3, num_key_value_heads 1)"),
     ("refuse_pipeline_mtp", 2, "--drafter mtp reads the target's hidden states, which pipeline parallelism keeps"),
     ("refuse_stdin", 2, "under mlx.launch stdin never ends"),
+    ("refuse_serve", 2, "specdec serve runs in one process: under mlx.launch, run specdec generate or sweep"),
+    ("refuse_chat", 2, "specdec chat runs in one process: under mlx.launch, run specdec generate or sweep"),
     ("disagree", 1, "rank 1 and rank 0 disagree on the options: every rank must run the same command"),
 ])
 def test_refusals_are_one_line_from_rank_0(launched, name, code, words):

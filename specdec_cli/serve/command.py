@@ -23,6 +23,7 @@ from ..session import (
     load_setup,
     resolve_block_size,
     sampling_params,
+    single_process,
 )
 from .app import create_app
 from .service import Defaults, Service
@@ -98,6 +99,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve_command(opts: ServeOptions) -> int:
     """Run ``specdec serve``; returns the exit code."""
+    single_process(opts, "serve")
     kind = check_model_options(opts)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p)

@@ -28,6 +28,7 @@ from .setup import (
     join_ranks,
     load_setup,
     load_target,
+    single_process,
 )
 from .state import SavedCache
 
@@ -35,5 +36,5 @@ __all__ = [
     "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError",
     "Request", "SavedCache", "Session", "Setup", "blas_note", "check_block_size", "check_distributed_options",
     "check_drafter_options", "check_model_options", "choose_drafter", "join_ranks", "load_setup", "load_target",
-    "make_policy", "resolve_block_size", "resolve_drafter", "sampling_params",
+    "make_policy", "resolve_block_size", "resolve_drafter", "sampling_params", "single_process",
 ]

@@ -214,6 +214,18 @@ def join_ranks(opts: ModelOptions) -> Optional[Ranks]:
     return ranks
 
 
+def single_process(opts: ModelOptions, face: str) -> None:
+    """Refuse to start ``specdec FACE`` under ``mlx.launch``: it holds the whole model in one process.
+
+    Raises:
+        OptionError: Raised alike on every rank, so rank 0 alone says it.
+    """
+    if join_ranks(opts) is not None:
+        raise OptionError(f"specdec {face} runs in one process: under mlx.launch, run specdec generate or sweep "
+                          f"(a {face} sharded over several machines is not built yet); start specdec {face} "
+                          "without mlx.launch")
+
+
 def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> Setup:
     """Load the target (and draft model or head), check tokenizers and stop tokens, open the history.
 
