@@ -123,7 +123,7 @@ def generate_command(opts: GenerateOptions) -> int:
     drafter_name = setup.drafter_name
     max_tokens, context = setup.fit_context(len(ids), opts.max_tokens)
     estimate = setup.check_memory(len(ids) + max_tokens)
-    kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size)
+    kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group)
     session = Session(setup, block_size, adaptive=opts.adaptive)
 
     stats = Stats(prompt_tokens=len(ids))
@@ -262,6 +262,8 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
             "replay_mismatch": d.mismatch,
         }
     ar_tps = cmp.plain.decode_tps
+    # null where the text line says "no speedup measurable": a side generated nothing or took no time.
+    measurable = stats.generated and cmp.plain.generated and stats.decode_tps and ar_tps
     return {
         "identical": cmp.identical,
         "verdict": cmp.verdict,
@@ -271,7 +273,7 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
         "tokens": cmp.tokens,
         "first_divergence": divergence,
         "ar_decode_tps": ar_tps,
-        "speedup": stats.decode_tps / ar_tps if ar_tps else None,
+        "speedup": stats.decode_tps / ar_tps if measurable else None,
     }
 
 
@@ -301,7 +303,7 @@ def sweep_command(opts: SweepOptions) -> int:
     ids = prompt_ids(setup, text)
     print_notes(setup)
     for size in sizes:
-        setup.block_size(size, size)
+        setup.block_size(size, size, "--block-sizes")
     max_tokens, _ = setup.fit_context(len(ids), opts.max_tokens)
     setup.check_memory(len(ids) + max_tokens)
     events = sweep(
@@ -309,7 +311,7 @@ def sweep_command(opts: SweepOptions) -> int:
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
         rollback_memory_cap=opts.rollback_memory_cap_bytes,
         prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S,
-        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
+        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
     )
     result = None
     with sweep_progress() as advance, closing(events):

@@ -11,6 +11,7 @@ from .options import (
     ModelOptions,
     check_block_size,
     check_drafter_options,
+    check_force_download,
     check_model_options,
     make_policy,
     resolve_block_size,
@@ -23,7 +24,7 @@ from .state import SavedCache
 
 __all__ = [
     "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError",
-    "Request", "SavedCache", "Session", "Setup", "check_block_size", "check_drafter_options", "check_model_options",
+    "Request", "SavedCache", "Session", "Setup", "check_block_size", "check_drafter_options", "check_force_download", "check_model_options",
     "choose_drafter", "load_setup", "load_target", "make_policy", "blas_note", "resolve_block_size", "resolve_drafter",
     "sampling_params",
 ]
