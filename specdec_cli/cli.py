@@ -403,7 +403,8 @@ VerboseOpt = Annotated[bool, _opt(
     rich_help_panel=OUTPUT, **OFF)]
 
 CompareOpt = Annotated[bool, _opt(
-    "--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not).",
+    "--compare-ar", help="Also run plain decoding and prove the output identical (exit 3 if not): greedy, or "
+    "at --temp > 0 with --seed, sampled with the same seed.",
     rich_help_panel=DIAGNOSTICS, **OFF)]
 MemoryCheckOpt = Annotated[bool, _opt(
     "--memory-check/--no-memory-check",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -112,7 +112,7 @@ def generate_command(opts: GenerateOptions) -> int:
     """Run ``specdec generate``; returns the exit code."""
     kind = check_model_options(opts)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
-    sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar)
+    sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar, opts.seed)
     text = read_prompt(opts.prompt_arg, opts.prompt)
     setup = load_setup(opts, kind)
     ids = prompt_ids(setup, text)
@@ -183,7 +183,8 @@ def generate_command(opts: GenerateOptions) -> int:
         try:
             comparison = compare_with_plain(
                 target.model, ids, tokens, stats.trace, max_tokens=max_tokens, eos_ids=setup.eos_ids,
-                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, **kv,
+                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks,
+                sampling=replace(sampling, seed=opts.seed), **kv,
             )
         except KeyboardInterrupt:
             compare_interrupted = True

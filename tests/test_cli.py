@@ -209,7 +209,7 @@ def test_dtype_cast_runs(models):
         (["Hi", "--top-p", "0.9"], "--top-p only apply when sampling"),
         (["Hi", "--top-k", "5", "--min-p", "0.1"], "--top-k, --min-p only apply when sampling"),
         (["Hi", "--temp", "0.7", "--top-p", "1.5"], "'--top-p': Input should be less than or equal to 1 (range 0.0<=x<=1.0)"),
-        (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar proves greedy output"),
+        (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar at --temp > 0 needs --seed"),
         (["Hi", "--ngram-max", "3"], "--ngram-max/--ngram-min apply to --drafter ngram"),
         (["Hi", "--lookup-history", "h.json"], "--lookup-history applies to --drafter lookup"),
         (["Hi", "--block-size", "33"], "--block-size is at most 32 with --drafter model"),

@@ -131,8 +131,10 @@ def check_drafter_options(kind: str, opts: ModelOptions) -> None:
         check_path(opts.lookup_history)  # a device, FIFO or someone else's file fails before any model loads
 
 
-def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare_ar: bool = False) -> SamplingParams:
-    """Checked sampling options: mlx-lm's meanings; filters need --temp > 0."""
+def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare_ar: bool = False,
+                    seed: Optional[int] = None) -> SamplingParams:
+    """Checked sampling options: mlx-lm's meanings; filters need --temp > 0, and --compare-ar
+    at --temp > 0 a seed (its draws keyed by position, which plain decoding can repeat)."""
     if temp < 0:
         raise OptionError("--temp must be >= 0")
     if not 0 <= top_p <= 1:
@@ -146,8 +148,9 @@ def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare
         filters = [n for n, v in (("--top-p", top_p), ("--top-k", top_k), ("--min-p", min_p)) if v]
         if filters:
             raise OptionError(f"{', '.join(filters)} only apply when sampling: set --temp > 0 or drop them")
-    elif compare_ar:
-        raise OptionError("--compare-ar proves greedy output identical: use --temp 0")
+    elif compare_ar and seed is None:
+        raise OptionError("--compare-ar at --temp > 0 needs --seed: unseeded draws differ from run to run, seeded "
+                          "ones are plain decoding's with the same seed (or use --temp 0)")
     return params
 
 
