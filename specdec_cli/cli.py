@@ -23,7 +23,8 @@ from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from . import __version__
-from .defaults import DEFAULT_BLOCK_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN
+from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE,
+                       MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
 from .errors import SpecdecError
 
 # Exit codes (README "Limits and errors"); commands define 3 and return 130 themselves.
@@ -119,14 +120,17 @@ class DType(str, Enum):
     float16 = "float16"
 
 
-def _quiet_stdout() -> None:
-    # The reader is gone: point stdout at /dev/null so that Python's own
-    # flush at exit does not fail a second time.
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
+def _quiet_streams() -> None:
+    # A reader is gone (of stdout, or of stderr: `2>&1 | head`): point both at /dev/null, so that
+    # Python's own flush at exit does not fail a second time (on stderr that makes the exit 120).
+    # Nothing is written after this: the boundary ends the run with 141.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def _unexpected(e: BaseException) -> str:
@@ -170,7 +174,7 @@ def error_boundary(debug: bool) -> Iterator[None]:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
         # `specdec ... | head`: the reader has what it wanted.
-        _quiet_stdout()
+        _quiet_streams()
         raise typer.Exit(EXIT_STDOUT_CLOSED) from None
     except Exception as e:  # the boundary: anything unexpected, still one line
         if debug:
@@ -306,9 +310,9 @@ KvBitsOpt = Annotated[Optional[int], _opt(
     help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits (mlx-lm's QuantizedKVCache); "
          "still exact against plain decoding with the same cache.",
     rich_help_panel=MODEL, **_default("none, full precision"))]
-KvGroupOpt = Annotated[int, _opt(
+KvGroupOpt = Annotated[Optional[int], _opt(
     "--kv-group-size", callback=_one_of((32, 64, 128)), help="Group size of --kv-bits: 32, 64 or 128.",
-    rich_help_panel=MODEL)]
+    rich_help_panel=MODEL, **_default(f"{DEFAULT_KV_GROUP_SIZE} with --kv-bits"))]
 PrefillOpt = Annotated[int, _opt(
     "--prefill-step-size", min=1, max=1 << 20,
     help="The most prompt tokens per prefill chunk (chunks are also sized to about half a second, "
@@ -337,12 +341,14 @@ DrafterOpt = Annotated[Optional[DrafterKind], _opt(
     "n-gram lookup), the target's own 'mtp' head (or the sidecar --draft-model names), or 'auto': the best "
     "available (says which).", rich_help_panel=DRAFTING, **_default("model with --draft-model, else lookup"))]
 _LIMITS = ", ".join(f"{k} {v}" for k, v in MAX_BLOCK_SIZE.items())
+# auto runs the default of the kind it picks (lookup's 64 with no drafter at hand), not a size of its own.
+_BLOCK_DEFAULTS = (", ".join(f"{k} {v}" for k, v in DEFAULT_BLOCK_SIZE.items() if k != "auto")
+                   + ", auto: that of the drafter it picks, a DFlash drafter's own")
 BlockSizeOpt = Annotated[Optional[int], _opt(
     "--block-size", min=1, max=MAX_ANY_BLOCK_SIZE,
     help=f"Most tokens verified per target forward (drafts + 1); at most {_LIMITS} (a DFlash drafter: its "
     "trained block size).",
-    rich_help_panel=DRAFTING, **_default(", ".join(f"{k} {v}" for k, v in DEFAULT_BLOCK_SIZE.items())
-                                         + ", a DFlash drafter's own"))]
+    rich_help_panel=DRAFTING, **_default(_BLOCK_DEFAULTS))]
 NumDraftOpt = Annotated[Optional[int], _opt(
     "--num-draft-tokens", min=0, max=MAX_ANY_BLOCK_SIZE - 1, help="mlx-lm's spelling of block size - 1.",
     rich_help_panel=DRAFTING, **_default("block size - 1"))]
@@ -360,6 +366,12 @@ LookupHistoryOpt = Annotated[Optional[str], _opt(
     "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in FILE, and "
     "add this one (bounded; safe to delete; never changes the output).", rich_help_panel=DRAFTING,
     **_default("none"))]
+# A sweep only reads the history: adding its output would hand every later sweep of the same prompt that
+# very text to draft from, so two runs of one sweep would no longer measure the same thing.
+SweepHistoryOpt = Annotated[Optional[str], _opt(
+    "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in FILE (read "
+    "only: a sweep does not add its own output, so repeated sweeps measure the same thing).",
+    rich_help_panel=DRAFTING, **_default("none"))]
 AdaptiveOpt = Annotated[bool, _opt(
     "--adaptive/--no-adaptive",
     help="Adapt the draft length to acceptance; stop speculating while it is slower than plain decoding.",
@@ -404,7 +416,8 @@ VerboseOpt = Annotated[bool, _opt(
     rich_help_panel=OUTPUT, **OFF)]
 
 CompareOpt = Annotated[bool, _opt(
-    "--compare-ar", help="Also run plain greedy decoding and prove the output identical (exit 3 if not).",
+    "--compare-ar", help="Also run plain decoding and prove the output identical (exit 3 if not): greedy, or "
+    "at --temp > 0 with --seed, sampled with the same seed.",
     rich_help_panel=DIAGNOSTICS, **OFF)]
 PipelineOpt = Annotated[bool, _opt(
     "--pipeline", help="Under mlx.launch: shard the target by layers (pipeline parallel) instead of by heads "
@@ -434,7 +447,7 @@ def generate(
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
     kv_bits: KvBitsOpt = None,
-    kv_group_size: KvGroupOpt = 64,
+    kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     pipeline: PipelineOpt = False,
     prompt: PromptOpt = None,
@@ -488,7 +501,7 @@ def sweep(
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
     kv_bits: KvBitsOpt = None,
-    kv_group_size: KvGroupOpt = 64,
+    kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     pipeline: PipelineOpt = False,
     prompt: PromptOpt = None,
@@ -503,7 +516,7 @@ def sweep(
     draft_p_min: DraftPMinOpt = None,
     ngram_max: NgramMaxOpt = None,
     ngram_min: NgramMinOpt = None,
-    lookup_history: LookupHistoryOpt = None,
+    lookup_history: SweepHistoryOpt = None,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
     max_tokens: MaxTokensOpt = 128,
@@ -584,7 +597,7 @@ def serve(
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
     kv_bits: KvBitsOpt = None,
-    kv_group_size: KvGroupOpt = 64,
+    kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     chat_template_config: TemplateConfigOpt = None,
     drafter: DrafterOpt = None,
@@ -635,7 +648,7 @@ def chat(
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
     kv_bits: KvBitsOpt = None,
-    kv_group_size: KvGroupOpt = 64,
+    kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     system_prompt: SystemOpt = None,
     chat_template_config: TemplateConfigOpt = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -131,7 +131,7 @@ def _generate(opts: GenerateOptions) -> int:
     kind = check_model_options(opts)
     check_distributed_options(opts, kind, ranks is not None)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
-    sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar)
+    sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar, opts.seed)
     text = read_prompt(opts.prompt_arg, opts.prompt)
     setup = load_setup(opts, kind, ranks)
     ids = prompt_ids(setup, text)
@@ -143,7 +143,7 @@ def _generate(opts: GenerateOptions) -> int:
     drafter_name = setup.drafter_name
     max_tokens, context = setup.fit_context(len(ids), opts.max_tokens)
     estimate = setup.check_memory(len(ids) + max_tokens)
-    kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size)
+    kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group)
     session = Session(setup, block_size, adaptive=opts.adaptive)
 
     stats = Stats(prompt_tokens=len(ids))
@@ -204,7 +204,8 @@ def _generate(opts: GenerateOptions) -> int:
         try:
             comparison = compare_with_plain(
                 target.model, ids, tokens, stats.trace, max_tokens=max_tokens, eos_ids=setup.eos_ids,
-                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, sync=ranks, **kv,
+                prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, sync=ranks,
+                sampling=replace(sampling, seed=opts.seed), **kv,
             )
         except KeyboardInterrupt:
             compare_interrupted = True
@@ -295,6 +296,8 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
             "replay_mismatch": d.mismatch,
         }
     ar_tps = cmp.plain.decode_tps
+    # null where the text line says "no speedup measurable": a side generated nothing or took no time.
+    measurable = stats.generated and cmp.plain.generated and stats.decode_tps and ar_tps
     return {
         "identical": cmp.identical,
         "verdict": cmp.verdict,
@@ -304,7 +307,7 @@ def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
         "tokens": cmp.tokens,
         "first_divergence": divergence,
         "ar_decode_tps": ar_tps,
-        "speedup": stats.decode_tps / ar_tps if ar_tps else None,
+        "speedup": stats.decode_tps / ar_tps if measurable else None,
     }
 
 
@@ -342,7 +345,7 @@ def _sweep(opts: SweepOptions) -> int:
     setup.check_ranks(ids)
     print_notes(setup)
     for size in sizes:
-        setup.block_size(size, size)
+        setup.block_size(size, size, "--block-sizes")
     max_tokens, _ = setup.fit_context(len(ids), opts.max_tokens)
     setup.check_memory(len(ids) + max_tokens)
     events = sweep(
@@ -350,7 +353,7 @@ def _sweep(opts: SweepOptions) -> int:
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
         rollback_memory_cap=opts.rollback_memory_cap_bytes,
         prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S,
-        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size, sync=ranks,
+        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group, sync=ranks,
     )
     result = None
     with sweep_progress() as advance, closing(events):

@@ -1,4 +1,8 @@
-"""``--compare-ar``: plain greedy decoding on the same prompt ids, side by side, and a verdict.
+"""``--compare-ar``: plain decoding on the same prompt ids, side by side, and a verdict.
+
+Greedy, or sampled with a seed: seeded draws are keyed by (seed, position)
+(see :mod:`specdec_cli.sampling`), so plain decoding with the same seed
+samples the very text a lossless speculative run must produce.
 
 When the outputs differ, the target's prediction at the first differing
 position is computed again both ways: the one-token path plain decoding took
@@ -13,8 +17,10 @@ rollback each block reports; the engine itself is not used). Verdicts:
   kernel, not a bug;
 - ``diverged``: anything else (a path does not reproduce its run): a bug.
 
-The quantities are the ones greedy selection compares: log-probabilities in
-the model's dtype (see :func:`specdec_cli.sampling.greedy`).
+The quantities are the ones selection compares: log-probabilities in the
+model's dtype (see :func:`specdec_cli.sampling.greedy`); with a seed, the
+sampling distribution's log-probabilities plus the position's Gumbel noise,
+whose argmax is the keyed draw (see :func:`specdec_cli.sampling.keyed_pick`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import mlx.nn as nn
 from .caches import ModelCache, make_cache
 from .engine import Block
 from .runner import collect, run
-from .sampling import greedy
+from .sampling import GREEDY, SamplingParams, greedy, keyed_pick, log_probs, position_noise
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -46,8 +52,9 @@ class Recomputed:
     Attributes:
         rows: Rows of the verify forward (T) the speculative run used there.
         row: Row within it that predicted the position.
-        one_row: Log-probabilities from the one-token path (plain decoding's), float32.
-        verify: Log-probabilities from the replayed speculative path, float32.
+        one_row: Scores from the one-token path (plain decoding's), float32: log-probabilities
+            (plus the position's noise with a seed, see the module docstring).
+        verify: Scores from the replayed speculative path, float32.
     """
 
     rows: int
@@ -127,6 +134,21 @@ def _logprobs(logits: mx.array) -> mx.array:
     return (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
 
 
+def _score(logits: mx.array, sampling: SamplingParams, position: int) -> mx.array:
+    """What selection compares for one row at generated ``position`` (float32); its argmax is the token."""
+    if not sampling.keyed:
+        return _logprobs(logits)
+    lp = log_probs(logits[None], sampling)
+    return (lp + position_noise(sampling.seed, position, 1, lp.shape[-1]))[0]
+
+
+def _picks(logits: mx.array, sampling: SamplingParams, position: int) -> mx.array:
+    """The tokens selection picks for rows at generated positions ``position`` onwards, as the engine picks them."""
+    if not sampling.keyed:
+        return greedy(logits)
+    return keyed_pick(log_probs(logits, sampling), sampling.at(position))
+
+
 def _ids(tokens: Sequence[int]) -> mx.array:
     return mx.array(list(tokens), dtype=mx.uint32)
 
@@ -138,7 +160,7 @@ class Replay:
     Attributes:
         rows: Rows of the verify forward that predicted the asked position.
         row: The row within it.
-        logprobs: Log-probabilities there (float32).
+        logprobs: Scores there, as :class:`Recomputed` has them (float32).
         mismatch: First generated position whose token is not what the
             replayed forwards pick (None: every block checks out).
     """
@@ -180,13 +202,14 @@ def replay(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     sync: Optional[Ranks] = None,
+    sampling: SamplingParams = GREEDY,
 ) -> Replay:
-    """Recompute every target forward of a greedy speculative run and check its tokens.
+    """Recompute every target forward of a speculative run (greedy, or seeded) and check its tokens.
 
     Each block's verify forward runs again with its row count (carried
     tokens, last, the drafts that were kept; the rows after them, which
     cannot change the kept ones, padded), then the rollback the block reports.
-    Every kept token must be the greedy pick of its row: the engine's
+    Every kept token must be the pick of its row: the engine's
     bookkeeping is not used, so an engine that kept a wrong row or token is
     caught here, wherever rounding ties put the output.
 
@@ -202,14 +225,15 @@ def replay(
         kv_bits: The run's KV-cache quantization (None: none).
         kv_group_size: Its group size.
         sync: The ranks of a sharded target: the picks that steer the replay are rank 0's.
+        sampling: Greedy, or sampling keyed by a seed (unseeded draws cannot be replayed).
     """
     with _watch(sync):
         return _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size, prefill_chunks,
-                       kv_bits, kv_group_size, sync)
+                       kv_bits, kv_group_size, sync, sampling)
 
 
 def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size, prefill_chunks, kv_bits,
-            kv_group_size, sync) -> Replay:
+            kv_group_size, sync, sampling) -> Replay:
     cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size, sync)
     eos = frozenset(eos_ids)
     # A run that cut recurrent layers back from recorded states fed every verify recorded.
@@ -228,11 +252,11 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
         snap = cache.snapshot()
         position = cache.length
         logits = cache.feed(_ids(x), record=record)
-        picks = greedy(logits[c : c + keep])
+        picks = _picks(logits[c : c + keep], sampling, emitted)
         picks = picks.tolist() if sync is None else sync.settle(sync.propose(picks, _ids(x), position))
         if emitted <= index < emitted + keep:
             row = c + index - emitted
-            found = (block.verify_len, row, _logprobs(logits[row]))
+            found = (block.verify_len, row, _score(logits[row], sampling, index))
         want = list(tokens[emitted : emitted + len(block.tokens)])
         if picks[: len(want)] != want or (block.finish_reason == "stop" and picks[-1] not in eos):
             bad = next((i for i, (p, w) in enumerate(zip(picks, want)) if p != w), len(want))
@@ -263,6 +287,7 @@ def one_token(
     model: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], index: int, *, prefill_step_size: int = 2048,
     prefill_chunks: Optional[Sequence[int]] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
     sync: Optional[Ranks] = None,
+    sampling: SamplingParams = GREEDY,
 ) -> mx.array:
     """Plain decoding's prediction of generated token ``index``, computed again (one token per forward)."""
     with _watch(sync):
@@ -272,7 +297,7 @@ def one_token(
             mx.eval(logits, cache.state_arrays())
             if sync is not None:
                 sync.tick()  # every forward waits on the other ranks: they are there
-    return _logprobs(logits)
+    return _score(logits, sampling, index)
 
 
 def recompute(
@@ -288,7 +313,7 @@ def recompute(
     """The prediction of generated token ``index`` by the one-token and the speculative path.
 
     ``run_options``: ``prefill_step_size``, ``prefill_chunks``, ``kv_bits``,
-    ``kv_group_size`` as the runs used them.
+    ``kv_group_size`` and ``sampling`` as the runs used them.
 
     Returns:
         Both predictions, and the replay's first mismatching position (None
@@ -320,7 +345,7 @@ def explain(
         trace: The speculative run's blocks, in order.
         eos_ids: Ids that ended the runs.
         run_options: ``prefill_step_size``, ``prefill_chunks``, ``kv_bits``,
-            ``kv_group_size`` as the runs used them.
+            ``kv_group_size`` and ``sampling`` as the runs used them.
     """
     index = first_divergence(specdec_tokens, plain_tokens)
     if index is None:
@@ -364,19 +389,24 @@ def compare_with_plain(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     sync: Optional[Ranks] = None,
+    sampling: SamplingParams = GREEDY,
 ) -> Comparison:
-    """Run plain greedy decoding with fresh caches, compare token by token, explain a difference.
+    """Run plain decoding with fresh caches, compare token by token, explain a difference.
 
     ``prefill_chunks`` (the speculative run's) makes both prefills identical;
     ``kv_bits`` gives plain decoding the same quantized KV cache. Plain
     decoding runs warm: its one shape was warmed before the speculative run
     timed anything. With ``sync`` (a sharded target) plain decoding runs
     sharded the same way, and the verdict is rank 0's on every rank.
+    ``sampling``: greedy, or sampling with a seed (the speculative run's);
+    unseeded draws differ from run to run and are refused.
     """
+    if not sampling.greedy and not sampling.keyed:
+        raise ValueError("only greedy or seeded sampled runs can be compared with plain decoding")
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
-    stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids,
+    stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
                                prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync,
                                **kv))
-    divergence = explain(model, prompt_ids, specdec_tokens, plain, trace, eos_ids=eos_ids,
+    divergence = explain(model, prompt_ids, specdec_tokens, plain, trace, eos_ids=eos_ids, sampling=sampling,
                          prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync, **kv)
     return Comparison(divergence is None, len(plain), divergence, stats)

@@ -9,6 +9,8 @@ DRAFTER_KINDS = ("model", "lookup", "ngram", "mtp", "auto")
 DEFAULT_BLOCK_SIZE = {"model": 4, "lookup": 64, "ngram": 4, "mtp": 4, "lookup+mtp": 64, "auto": 4}
 MAX_BLOCK_SIZE = {"model": 32, "lookup": 64, "ngram": 64, "mtp": 32, "lookup+mtp": 64, "auto": 64}
 NGRAM_MAX, NGRAM_MIN = 4, 2
+# --kv-group-size when --kv-bits is given without it (mlx-lm's default).
+DEFAULT_KV_GROUP_SIZE = 64
 # The CLI's range for --block-size (each drafter kind then has its own limit above).
 MAX_ANY_BLOCK_SIZE = max(MAX_BLOCK_SIZE.values())
 MAX_NGRAM = MAX_ANY_BLOCK_SIZE
@@ -17,5 +19,5 @@ MAX_NGRAM = MAX_ANY_BLOCK_SIZE
 DISTILL = {"data_tokens": 40_000, "steps": 400, "batch_size": 8, "seq_len": 128, "lr": 1e-3, "depth": 3,
            "draft_vocab": 8192, "seed": 0}
 
-__all__ = ["DISTILL", "DEFAULT_BLOCK_SIZE", "DRAFTER_KINDS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_NGRAM",
+__all__ = ["DISTILL", "DEFAULT_BLOCK_SIZE", "DEFAULT_KV_GROUP_SIZE", "DRAFTER_KINDS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_NGRAM",
            "NGRAM_MAX", "NGRAM_MIN"]

@@ -8,11 +8,12 @@ panel and keeps only the line in progress inside it.
 
 from __future__ import annotations
 
+import errno
 import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, TextIO
 
-from rich.console import Console, Group
+from rich.console import Console as RichConsole, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
@@ -31,6 +32,18 @@ def mute() -> None:
     """From now on, show nothing: no text, no panel, no summary, no progress (errors still go to stderr)."""
     global _MUTED
     _MUTED = True
+
+
+class Console(RichConsole):
+    """Rich's console, except that a reader gone away raises BrokenPipeError.
+
+    Rich's own answer is ``SystemExit(1)``, which would skip the CLI's
+    boundary, where a closed pipe ends quietly with exit 141.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # drop what Rich still holds
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
 
 def stats_panel(stats: Stats, drafter: str, width: Optional[int] = None) -> Panel:

@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Optional
 
 from mlx.utils import tree_flatten
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .session import ModelOptions, load_target
+from .session import ModelOptions, check_force_download, load_target
 from .defaults import DISTILL
-from .display import print_stderr
+from .display import Console, print_stderr
 from .distill.data import Generated
 from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
                                model_key, write_head)
@@ -184,6 +183,8 @@ def distill_command(opts: DistillCommandOptions) -> int:
     out = check_out(opts.out)
     if opts.seq_len < 8:
         raise OptionError("--seq-len is at least 8")
+    if opts.force_download:
+        check_force_download(opts.model)
     train = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, seq_len=opts.seq_len, lr=opts.lr,
                         seed=opts.seed, depth=opts.depth, eval_every=max(1, min(25, opts.steps // 8)))
     dopts = DistillOptions(data=opts.data, tokens=opts.data_tokens, draft_vocab=opts.draft_vocab, train=train)

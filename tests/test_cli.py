@@ -209,7 +209,7 @@ def test_dtype_cast_runs(models):
         (["Hi", "--top-p", "0.9"], "--top-p only apply when sampling"),
         (["Hi", "--top-k", "5", "--min-p", "0.1"], "--top-k, --min-p only apply when sampling"),
         (["Hi", "--temp", "0.7", "--top-p", "1.5"], "'--top-p': Input should be less than or equal to 1 (range 0.0<=x<=1.0)"),
-        (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar proves greedy output"),
+        (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar at --temp > 0 needs --seed"),
         (["Hi", "--ngram-max", "3"], "--ngram-max/--ngram-min apply to --drafter ngram"),
         (["Hi", "--lookup-history", "h.json"], "--lookup-history applies to --drafter lookup"),
         (["Hi", "--block-size", "33"], "--block-size is at most 32 with --drafter model"),
@@ -385,7 +385,9 @@ def test_hub_repo_ids_download_then_load(models, hub):
     result = invoke("--model", "test-org/tiny-llama", "--draft-model", "test-org/tiny-llama-draft",
                     "Hi", "-m", "8", "--json", "--compare-ar")
     assert result.exit_code == 0, result.output
-    assert hub == ["test-org/tiny-llama", "test-org/tiny-llama-draft"]
+    # The drafter first: what it is (an MTP head given as a draft model, a missing repo) fails before the
+    # target, the larger download, is fetched.
+    assert hub == ["test-org/tiny-llama-draft", "test-org/tiny-llama"]
     assert json.loads(result.stdout)["compare"]["identical"]
 
 
@@ -510,3 +512,87 @@ def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
     assert "diverged from plain decoding" in result.stderr
     table = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0")
     assert table.exit_code == 3 and re.search(r"│\s+NO\s+│", table.stdout)
+
+
+# --- options that did nothing, silently (issue 28) ---------------------------------
+
+def test_kv_group_size_without_kv_bits_is_refused_before_loading(tmp_path):
+    # A model that does not exist: had the check waited for loading, that would be the error (exit 1).
+    result = invoke("--model", tmp_path / "no-model", "Hi", "--kv-group-size", "32")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "--kv-group-size is the group size of --kv-bits" in result.stderr
+
+
+def test_force_download_is_refused_when_every_model_is_local(models, tmp_path, monkeypatch):
+    result = invoke("--model", models["llama"], "Hi", "--force-download")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert f"{models['llama']} is a local folder: drop --force-download" in result.stderr
+    result = invoke("Hi", "--force-download")  # the bundled model is local too
+    assert result.exit_code == 2 and "the bundled model is a local folder" in result.stderr
+    result = CliRunner().invoke(app, ["distill", "--out", str(tmp_path / "head"), "--model", str(models["llama"]),
+                                      "--force-download"])
+    assert result.exit_code == 2 and "is a local folder: drop --force-download" in result.stderr
+    assert not (tmp_path / "head").exists()
+    # A Hub repo among them: it is downloaded again, the local draft model as it is.
+    calls = []
+
+    def download(repo_id, **kw):
+        calls.append(kw.get("force_download"))
+        return str(models["llama"])
+
+    monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", download)
+    result = invoke("--model", "org/tiny", "--draft-model", models["llama-draft"], "Hi", "-m", "4", "--force-download")
+    assert result.exit_code == 0, result.output
+    assert calls == [True]
+
+
+def test_rollback_options_on_a_model_without_recurrent_layers_say_they_do_nothing(models):
+    result = invoke(*base(models), "Hi", "--rollback", "capture", "--no-live")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: --rollback")]
+    assert notes == ["note: --rollback capture does nothing here: this model has no recurrent layers (every layer "
+                     "rolls back by trimming its cache)"]
+    result = invoke(*base(models), "Hi", "--rollback", "tape", "--rollback-memory-cap", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert "note: --rollback tape and --rollback-memory-cap do nothing here" in result.stderr
+    assert json.loads(result.stdout)["rollback"] == "trim"
+    # A hybrid's recurrent layers use them: no note.
+    result = invoke(*base(models, "qwen3_5", "qwen3_5-draft"), "Hi", "--rollback", "capture", "--json")
+    assert result.exit_code == 0 and "note: --rollback" not in result.stderr
+
+
+def test_auto_with_a_lookup_history_names_the_lookup_drafter(models, tmp_path):
+    result = invoke("--model", models["llama"], "Hi", "--drafter", "auto", "--lookup-history", tmp_path / "h.json")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "name it with --drafter lookup instead of auto" in result.stderr and "ngram" not in result.stderr
+    result = invoke("--model", models["llama"], "Hi", "--drafter", "auto", "--ngram-max", "3")
+    assert result.exit_code == 2 and "name it with --drafter ngram instead of auto" in result.stderr
+
+
+def test_help_gives_auto_the_block_size_of_the_drafter_it_picks(models):
+    result = CliRunner().invoke(app, ["generate", "-h"], env={"COLUMNS": "200"}, terminal_width=200)
+    text = re.sub(r"[│\s]+", " ", result.stdout)
+    default = re.search(r"--block-size\b.*?\[default: ([^\]]*)\]", text).group(1)
+    assert "auto 4" not in default and "auto: that of the drafter it picks" in default
+    # With no drafter at hand auto picks lookup, whose blocks are 64 long: what the help now says.
+    result = invoke("--model", models["llama"], "Hi", "-m", "4", "--drafter", "auto", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["drafter"] == "lookup" and report["block_size"] == 64
+
+
+def test_sweep_reads_the_lookup_history_and_leaves_it_as_it_was(models, tmp_path):
+    history = tmp_path / "history.json"
+    assert invoke("--model", models["llama"], "Hi", "-m", "8", "--lookup-history", history).exit_code == 0
+    before = history.read_bytes()
+    result = CliRunner().invoke(app, ["sweep", "--model", str(models["llama"]), "Hi", "-m", "8", "--block-sizes",
+                                      "2,4", "--warmup", "0", "--json", "--lookup-history", str(history)])
+    assert result.exit_code == 0, result.output
+    assert history.read_bytes() == before
+    # ... as its help says (generate's says it adds the run's output).
+    helps = {}
+    for command in ("generate", "sweep"):
+        out = CliRunner().invoke(app, [command, "-h"], env={"COLUMNS": "200"}, terminal_width=200).stdout
+        helps[command] = re.sub(r"[│\s]+", " ", out)
+    assert "read only: a sweep does not add its own output" in helps["sweep"]
+    assert "and add this one" not in helps["sweep"] and "and add this one" in helps["generate"]

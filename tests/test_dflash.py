@@ -464,3 +464,33 @@ def test_cli_sweep_and_hub_ids(dirs, monkeypatch):
     report = json.loads(result.stdout)
     assert report["drafter"] == "dflash (z-lab/tiny-DFlash)"
     assert all(row["identical"] for row in report["rows"])
+
+
+# --drafter auto picks a DFlash --draft-model and must load it (issue 28: it crashed reading its config).
+
+@pytest.mark.parametrize("command, json_output", [("generate", False), ("generate", True), ("sweep", True)])
+def test_cli_auto_loads_and_runs_the_dflash_drafter_it_picks(dirs, command, json_output):
+    args = [command, "--model", dirs["qwen3"], "--draft-model", dirs["qwen3-dflash"], "--drafter", "auto", "Hi",
+            "-m", "8"]
+    args += ["--json"] if json_output else []
+    args += ["--block-sizes", "2,6", "--warmup", "0"] if command == "sweep" else ["--compare-ar"]
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    assert "drafter: auto -> dflash" in result.stderr and "Traceback" not in result.output
+    if command == "sweep":
+        report = json.loads(result.stdout)
+        assert report["drafter"].startswith("dflash") and all(row["identical"] for row in report["rows"])
+    elif json_output:
+        report = json.loads(result.stdout)
+        assert report["drafter"] == "dflash" and report["block_size"] == 6  # the drafter's own
+        assert report["compare"]["identical"] and report["drafted"] > 0
+    else:
+        assert "Drafter: dflash" in result.stderr and "block size 6" in result.stderr
+
+
+def test_cli_sweep_names_its_own_option_past_the_dflash_block_size(dirs):
+    result = cli("sweep", "--model", dirs["qwen3"], "--draft-model", dirs["qwen3-dflash"], "Hi", "-m", "8",
+                 "--block-sizes", "2,9", "--warmup", "0")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "give --block-sizes <= 6" in errors[0]

@@ -247,3 +247,37 @@ def test_generate_refuses_the_path_in_one_line(tmp_path, tiny, what):
         assert stat.S_ISFIFO(os.stat(path).st_mode)
     else:
         assert path.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("what", ["notes", "fifo", "directory"])
+@pytest.mark.parametrize("command", ["generate", "sweep"])
+def test_the_path_is_refused_before_any_model_loads(tmp_path, what, command):
+    path = tmp_path / "target"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "directory":
+        path.mkdir()
+    else:
+        path.write_text("my notes\n")
+    # A model that does not exist: had the history waited for the model, its absence would be the error (exit 1).
+    args = [command, "--model", str(tmp_path / "no-such-model"), "Hi", "--lookup-history", str(path)]
+    finished, result = in_thread(path, lambda: CliRunner().invoke(app, args))
+    assert finished, "the run blocked on the FIFO"
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: --lookup-history {path}")
+    assert "no-such-model" not in result.stderr
+
+
+def test_check_path_refuses_a_file_that_is_not_a_history(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    with pytest.raises(HistoryFileError, match="not a specdec lookup history"):
+        check_path(notes)
+    for fine in (tmp_path / "new.json", tmp_path / "empty.json"):
+        if fine.name == "empty.json":
+            fine.write_text("")
+        check_path(fine)  # a new path and an empty file are histories to start
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(ours()[:-5])
+    check_path(damaged)  # ours, damaged: loading sets it aside with a warning
+    assert notes.read_text() == "my notes\n"

@@ -379,3 +379,17 @@ def test_cli_refuses_mtp_without_a_head(tmp_path):
     assert "has no MTP head" in result.stderr and "Traceback" not in result.stderr
     result = _cli("--model", str(path), "--drafter", "lookup", "--draft-model", str(path))
     assert result.exit_code == 2 and "--drafter model, mtp or auto" in result.stderr
+
+
+def test_cli_names_drafter_mtp_for_a_head_given_as_a_draft_model(tmp_path, monkeypatch):
+    import specdec_cli.session.setup as session_setup
+
+    path = hf_checkpoint(tmp_path / "t", "qwen3_5", None)
+    side = save_head(tmp_path / "side", random_head(head_config("qwen3_5"), seed=3))
+    # Refused from the head's config alone, before the target loads.
+    monkeypatch.setattr(session_setup, "load_target", lambda opts: pytest.fail("the target was loaded"))
+    result = _cli("--model", str(path), "--drafter", "model", "--draft-model", str(side))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "is an MTP head, not a draft model: pass --drafter mtp" in result.stderr
+    assert "upgrade mlx-lm" not in result.stderr

@@ -301,6 +301,22 @@ def test_a_closed_stdout_ends_quietly(models, looping, slow):
     assert err == b"", err
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_closed_stderr_ends_quietly_with_141(models, merged):
+    # `specdec generate ... 2>&1 | head -2` once the text is out: the summary meets a closed pipe. Rich
+    # answered that with its own exit 1. The reader here is gone before the child writes anything, so what
+    # the child writes first is what finds the pipe closed: the summary (stdout to /dev/null), or the text.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "generate", "--model", str(models["llama"]),
+                                 "Hi", "-m", "8", "--no-live"], cwd=REPO, stdin=subprocess.DEVNULL,
+                                stdout=write if merged else subprocess.DEVNULL, stderr=write)
+    finally:
+        os.close(write)
+    assert proc.wait(timeout=120) == 141
+
+
 def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(models):
     result = generate("--model", models["llama"], "-", "-m", "4", "--json", "--ignore-chat-template",
                       input=b"Hello \xff\xfe world")
@@ -530,6 +546,56 @@ def test_extra_eos_token_stops_generation(models):
     assert report["finish_reason"] == "eos" and report["generated_tokens"] == stop
     result = generate("--model", models["llama"], "Hi", "--extra-eos-token", "<no-such-token>")
     assert result.exit_code == 2 and "is not a token of this tokenizer" in one_line(result)
+
+
+@pytest.mark.parametrize("token, message", [
+    ("blue sky", "as text it is several tokens ('b', 'l', 'u', 'e', 'Ġ', 's', 'k', 'y'), and a stop token is one"),
+    ("notatoken_xyz", "is not a token of this tokenizer: as text it is several tokens"),
+    ("", "--extra-eos-token is empty: give a token of this tokenizer (like '<|im_end|>' (id 258)) or its id"),
+    ("999999", "--extra-eos-token 999999: no token has this id (this tokenizer's ids run from 0 to"),
+    ("-1", "--extra-eos-token -1: no token has this id"),
+])
+def test_extra_eos_token_refuses_what_is_not_a_token(models, token, message):
+    # mlx-lm maps an unknown token to the unknown-token id (<|endoftext|> here) and takes any integer.
+    result = generate("--model", models["llama"], "Hi", "-m", "4", "--extra-eos-token", token)
+    assert result.exit_code == 2, result.output
+    assert message in one_line(result) and result.stdout == ""
+
+
+def test_extra_eos_token_names_the_leading_space_form():
+    # The bundled model's BPE: "Blue" and "ĠBlue" (" Blue", what follows "2." in a list) are two tokens.
+    from specdec_cli import bundled
+
+    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", " Blue")
+    assert result.exit_code == 2
+    assert "as text, ' Blue' is the token 'ĠBlue' (id 10062): pass a token as the vocabulary spells it" in \
+        one_line(result)
+    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", "Blue", "--json")
+    assert result.exit_code == 0, result.output
+    assert ("note: --extra-eos-token 'Blue' stops at that token only; after a space the text is the token "
+            "'ĠBlue' (id 10062): pass it too to stop there") in result.stderr.splitlines()
+    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", "Blue",
+                      "--extra-eos-token", "10062", "--json")
+    assert result.exit_code == 0 and "--extra-eos-token" not in result.stderr
+
+
+def test_a_run_of_no_tokens_has_no_speedup_in_json(models):
+    loaded = load(str(models["llama"]))
+    _, tokens = collect(run(loaded.model, loaded.tokenizer.encode("Hi"), max_tokens=1, eos_ids=[EOS_ID]))
+    report = _cli_json("--model", models["llama"], "Hi", "-m", "8", "--ignore-chat-template", "--compare-ar",
+                       "--extra-eos-token", str(tokens[0]))
+    assert report["generated_tokens"] == 0 and report["compare"]["identical"]
+    assert report["compare"]["speedup"] is None  # the text line says "no speedup measurable"
+    # Whichever side generated nothing (a divergence can leave one side empty), or took no time: null, not 0.0.
+    from specdec_cli.compare import Comparison
+    from specdec_cli.stats import Stats
+
+    some = Stats(generated=5, decode_s=0.5)
+    for specdec, plain in ((Stats(generated=0, decode_s=0.5), some), (some, Stats(generated=0, decode_s=0.5)),
+                           (Stats(generated=5, decode_s=0.0), some)):
+        cmp = Comparison(identical=True, tokens=plain.generated, divergence=None, plain=plain)
+        assert commands._comparison_dict(cmp, specdec, loaded.tokenizer)["speedup"] is None
+    assert commands._comparison_dict(Comparison(True, 5, None, some), some, loaded.tokenizer)["speedup"] == 1.0
 
 
 def test_chat_template_config_and_prefill_response(models, tmp_path):

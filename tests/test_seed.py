@@ -131,3 +131,43 @@ def test_a_dflash_block_drafter_keeps_the_seeded_text(tmp_path):
     for policy in (FixedLength(3), FixedLength(8), Jittery(2, 8)):
         out, stats = text(tiny("qwen3"), DFlashDrafter(model, parts_of("qwen3")), policy, seed=4)
         assert out == plain and stats.drafted > 0, policy
+
+
+# --compare-ar at temperature > 0: with a seed, plain decoding samples the same text, so it can be proven.
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seeded-compare")
+    return {"llama": make_model_dir(root / "llama", "llama", seed=0),
+            "draft": make_model_dir(root / "draft", "llama", seed=0, noise=0.05)}
+
+
+def _seeded(dirs, *extra):
+    return CliRunner().invoke(app, ["generate", "--model", str(dirs["llama"]), "-p", "Tell me a story.", "-m", "32",
+                                    "--temp", "0.8", "--top-k", "40", "--compare-ar", "--no-live", *extra])
+
+
+@pytest.mark.parametrize("drafter", [["--draft-model", "draft"], ["--drafter", "lookup"]])
+def test_compare_ar_proves_a_seeded_sampled_run_identical(llama_dirs, drafter):
+    drafter = [str(llama_dirs.get(a, a)) for a in drafter]
+    result = _seeded(llama_dirs, *drafter, "--seed", "5", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["compare"]["verdict"] == "identical" and report["compare"]["tokens"] == report["generated_tokens"]
+    text = _seeded(llama_dirs, *drafter, "--seed", "5")
+    assert text.exit_code == 0 and f"Compare: identical ({report['generated_tokens']} tokens)" in text.stderr
+    # Without a seed the draws differ from run to run: nothing to prove, refused before loading.
+    result = _seeded(llama_dirs, *drafter)
+    assert result.exit_code == 2 and "--compare-ar at --temp > 0 needs --seed" in result.stderr
+
+
+def test_compare_ar_finds_a_seeded_run_that_left_plain_decoding(llama_dirs, monkeypatch):
+    from test_honest_timing import broken_rollback
+
+    broken_rollback(monkeypatch)  # the rollback keeps a rejected row: the text leaves plain decoding's
+    result = _seeded(llama_dirs, "--draft-model", str(llama_dirs["draft"]), "--seed", "5", "--json",
+                     "--no-adaptive")
+    assert result.exit_code == 3, result.output
+    cmp = json.loads(result.stdout)["compare"]
+    # The replay, picking each row's keyed draw, finds the token the run's own forwards did not pick.
+    assert cmp["verdict"] == "diverged" and cmp["first_divergence"]["replay_mismatch"] is not None

@@ -63,14 +63,25 @@ def _real(path: Path) -> Path:
 
 
 def check_path(path: str | os.PathLike) -> None:
-    """Refuse a ``--lookup-history`` path that is not a regular file or a new one, without opening it.
+    """Refuse a ``--lookup-history`` path specdec may not read or rewrite, before any model loads.
 
-    Cheap (one ``stat``), so a caller can run it before loading any model.
+    A directory, FIFO, device or socket is refused by its ``stat`` alone
+    (never opened); a regular file is read, and one that is not empty must
+    carry this format's marker. A damaged history of ours passes: loading
+    sets it aside.
 
     Raises:
-        HistoryFileError: The path is a directory, FIFO, device or socket, or cannot be examined.
+        HistoryFileError: Not a regular file or a new path, unreadable, or not a lookup history.
     """
-    _regular(path)
+    raw = _read(Path(path))
+    if raw is not None and raw.strip() and not _has_marker(raw):
+        raise _not_ours(path)
+
+
+def _not_ours(path) -> HistoryFileError:
+    return HistoryFileError(
+        f"--lookup-history {path} is not a specdec lookup history (it has no \"format\": \"{FORMAT}\" "
+        "marker), so specdec will not overwrite it: give a new file name")
 
 
 def _regular(path: str | os.PathLike) -> Optional[os.stat_result]:
@@ -129,9 +140,7 @@ class LookupHistory:
         if raw is None or not raw.strip():
             return history
         if not _has_marker(raw):
-            raise HistoryFileError(
-                f"--lookup-history {path} is not a specdec lookup history (it has no \"format\": \"{FORMAT}\" "
-                "marker), so specdec will not overwrite it: give a new file name")
+            raise _not_ours(path)
         try:
             data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -12,6 +12,7 @@ from .options import (
     check_block_size,
     check_distributed_options,
     check_drafter_options,
+    check_force_download,
     check_model_options,
     make_policy,
     resolve_block_size,
@@ -35,6 +36,7 @@ from .state import SavedCache
 __all__ = [
     "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError",
     "Request", "SavedCache", "Session", "Setup", "blas_note", "check_block_size", "check_distributed_options",
-    "check_drafter_options", "check_model_options", "choose_drafter", "join_ranks", "load_setup", "load_target",
-    "make_policy", "resolve_block_size", "resolve_drafter", "sampling_params", "single_process",
+    "check_drafter_options", "check_force_download", "check_model_options", "choose_drafter", "join_ranks",
+    "load_setup", "load_target", "make_policy", "resolve_block_size", "resolve_drafter", "sampling_params",
+    "single_process",
 ]

@@ -114,7 +114,7 @@ class Session:
     def fresh_cache(self) -> ModelCache:
         """Empty target caches in the engine's layout (``--kv-bits`` applied)."""
         opts = self.setup.options
-        layers = make_cache(self.model, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size) \
+        layers = make_cache(self.model, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group) \
             if opts.kv_bits else None
         return ModelCache(self.model, layers)
 
@@ -160,7 +160,7 @@ class Session:
             self.model, ids, drafter=drafter, policy=policy, max_tokens=request.max_tokens,
             eos_ids=() if request.ignore_eos else setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
-            prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size,
+            prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
             timed=request.timed, seed=seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
             sync=ranks,

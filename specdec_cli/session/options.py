@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
-from ..defaults import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..defaults import DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, MAX_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..drafters.history import check_path
 from ..errors import OptionError
+from ..loading import is_local
 from ..sampling import SamplingParams
 
 
@@ -38,12 +40,17 @@ class ModelOptions:
     trust_remote_code: bool = False
     force_download: bool = False
     kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_group_size: Optional[int] = None  # None: not given (64 with --kv-bits, mlx-lm's default)
     chat_template_config: Optional[str] = None
     prefill_response: Optional[str] = None
     extra_eos_token: Optional[list[str]] = None
     memory_check: bool = True
     pipeline: bool = False  # under mlx.launch: pipeline parallel instead of tensor parallel
+
+    @property
+    def kv_group(self) -> int:
+        """The KV quantization group size a run uses."""
+        return DEFAULT_KV_GROUP_SIZE if self.kv_group_size is None else self.kv_group_size
 
     @property
     def rollback_memory_cap_bytes(self) -> Optional[int]:
@@ -54,6 +61,10 @@ def check_model_options(opts: ModelOptions) -> str:
     """Validate the shared options without loading anything; returns the drafter kind."""
     kind = resolve_drafter(opts.drafter, opts.draft_model)
     check_drafter_options(kind, opts)
+    if opts.kv_group_size is not None and opts.kv_bits is None:
+        raise OptionError("--kv-group-size is the group size of --kv-bits: add --kv-bits N, or drop it")
+    if opts.force_download:
+        check_force_download(opts.model, opts.draft_model)
     return kind
 
 
@@ -85,6 +96,16 @@ def check_distributed_options(opts: ModelOptions, kind: str, sharded: bool) -> N
     if "-" in (opts.prompt, opts.prompt_arg):
         raise OptionError("under mlx.launch stdin never ends (mlx.launch keeps the ranks' stdin open): pass the "
                           "prompt as an argument, e.g. -p \"$(cat prompt.txt)\"")
+
+
+def check_force_download(model: Optional[str], draft_model: Optional[str] = None) -> None:
+    """Refuse ``--force-download`` when no model it names is a Hub repo (``model`` None: the bundled one)."""
+    names = [model] + ([draft_model] if draft_model is not None else [])
+    local = ["the bundled model" if name is None else name for name in names if name is None or is_local(name)]
+    if len(local) == len(names):
+        where = "is a local folder" if len(local) == 1 else "are local folders"
+        raise OptionError(f"--force-download downloads Hub repos again; {' and '.join(local)} {where}: "
+                          "drop --force-download")
 
 
 def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str = "model") -> int:
@@ -120,10 +141,12 @@ def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
 
 def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     """Options that only one drafter kind understands."""
-    if kind == "auto" and (opts.ngram_max is not None or opts.ngram_min is not None
-                           or opts.lookup_history is not None):
-        raise OptionError("--ngram-*/--lookup-history apply to one lookup drafter: name it with --drafter "
-                          "lookup or ngram instead of auto")
+    if kind == "auto" and (opts.ngram_max is not None or opts.ngram_min is not None):
+        raise OptionError("--ngram-max/--ngram-min apply to the n-gram drafter: name it with --drafter ngram "
+                          "instead of auto")
+    if kind == "auto" and opts.lookup_history is not None:
+        raise OptionError("--lookup-history applies to the lookup drafter: name it with --drafter lookup "
+                          "instead of auto")
     if kind not in ("model", "mtp", "auto") and opts.draft_p_min is not None:
         raise OptionError("--draft-p-min applies to a draft model or an MTP head: drop it or pass --draft-model")
     if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
@@ -135,10 +158,14 @@ def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     lo, hi = opts.ngram_min or NGRAM_MIN, opts.ngram_max or NGRAM_MAX
     if kind == "ngram" and not 1 <= lo <= hi:
         raise OptionError(f"need 1 <= --ngram-min ({lo}) <= --ngram-max ({hi})")
+    if opts.lookup_history is not None:
+        check_path(opts.lookup_history)  # a device, FIFO or someone else's file fails before any model loads
 
 
-def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare_ar: bool = False) -> SamplingParams:
-    """Checked sampling options: mlx-lm's meanings; filters need --temp > 0."""
+def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare_ar: bool = False,
+                    seed: Optional[int] = None) -> SamplingParams:
+    """Checked sampling options: mlx-lm's meanings; filters need --temp > 0, and --compare-ar
+    at --temp > 0 a seed (its draws keyed by position, which plain decoding can repeat)."""
     if temp < 0:
         raise OptionError("--temp must be >= 0")
     if not 0 <= top_p <= 1:
@@ -152,8 +179,9 @@ def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare
         filters = [n for n, v in (("--top-p", top_p), ("--top-k", top_k), ("--min-p", min_p)) if v]
         if filters:
             raise OptionError(f"{', '.join(filters)} only apply when sampling: set --temp > 0 or drop them")
-    elif compare_ar:
-        raise OptionError("--compare-ar proves greedy output identical: use --temp 0")
+    elif compare_ar and seed is None:
+        raise OptionError("--compare-ar at --temp > 0 needs --seed: unseeded draws differ from run to run, seeded "
+                          "ones are plain decoding's with the same seed (or use --temp 0)")
     return params
 
 

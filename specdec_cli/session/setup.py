@@ -17,7 +17,7 @@ import mlx.core as mx
 from .. import __version__, blas, bundled
 from .. import distributed
 from ..adaptive import MatchLength
-from ..caches import check_kv_quantization
+from ..caches import cache_kinds, check_kv_quantization
 from ..defaults import DEFAULT_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
 from ..distributed import Ranks, model_fingerprint
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
@@ -88,14 +88,14 @@ class Setup:
             return f"{self.kind} ({self.options.draft_model})"
         return f"model ({self.options.draft_model})" if self.draft else self.kind
 
-    def block_size(self, requested: Optional[int], resolved: int) -> int:
+    def block_size(self, requested: Optional[int], resolved: int, option: str = "--block-size") -> int:
         """The block size to run. A DFlash drafter brings its own default and limit (its trained
         block size), known only once it is loaded, as does the kind ``--drafter auto`` picks;
-        ``requested`` is None when no option set one."""
+        ``requested`` is None when no option set one, ``option`` names the one that did."""
         if self.options.drafter == "auto" and self.kind != "dflash":
             if requested is None:
                 return DEFAULT_BLOCK_SIZE[self.kind]
-            check_block_size(requested, self.kind)
+            check_block_size(requested, self.kind, option)
             return requested
         if self.kind != "dflash":
             return resolved
@@ -105,7 +105,7 @@ class Setup:
         if requested > config.block_size:
             raise OptionError(
                 f"the DFlash drafter fills blocks of at most {config.block_size} tokens: "
-                f"give --block-size <= {config.block_size}"
+                f"give {option} <= {config.block_size}"
             )
         return requested
 
@@ -175,7 +175,7 @@ class Setup:
         opts = self.options
         # A draft model's caches grow with the context; other drafters' state is small.
         return memory_model(self.target.model, self.target.config, self.draft.model if self.draft else None,
-                            opts.kv_bits, opts.kv_group_size, draft_cache=self.kind == "model")
+                            opts.kv_bits, opts.kv_group, draft_cache=self.kind == "model")
 
     def check_memory(self, tokens: int) -> MemoryEstimate:
         """Estimate a generation's peak memory over ``tokens`` of context; refuse it when the device has less.
@@ -232,26 +232,28 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     With ``ranks`` the target is sharded over them; the drafter is whole on every rank.
     """
     pipelined = ranks is not None and ranks.mode == "pipeline"
-    draft_path = None
-    if pipelined and opts.draft_model:
-        # Refused before the target loads (otherwise the target comes first, then the drafter).
-        draft_path = resolve(opts.draft_model, opts.force_download)
+    # The drafter's files first: what they are can refuse the run before the target loads.
+    draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
+    if pipelined and draft_path is not None:
         if is_dflash(draft_path):
             raise hidden_states_refused("a DFlash drafter")
         if opts.drafter is None and is_mtp_sidecar(draft_path):
             raise hidden_states_refused("an MTP head")
+    if opts.drafter == "model" and is_mtp_sidecar(draft_path):
+        # mlx-lm cannot build a head on its own; say which drafter reads it, before the target loads.
+        raise OptionError(f"--draft-model {opts.draft_model} is an MTP head, not a draft model: pass --drafter mtp "
+                          "(or leave --drafter out: a head is detected)")
     target = load_target(opts, ranks)
-    if opts.draft_model and draft_path is None:
-        draft_path = resolve(opts.draft_model, opts.force_download)
     if opts.kv_bits is not None:
-        check_kv_quantization(target.model, opts.kv_bits, opts.kv_group_size)
+        check_kv_quantization(target.model, opts.kv_bits, opts.kv_group)
     draft = mtp = parts = None
     head_path = None
-    notes = []
+    notes = [line for line in (rollback_note(opts, target),) if line]
     if kind == "auto":
         kind, head_path, why = choose_drafter(target, draft_path, hidden=not pipelined)
         notes.append(f"drafter: auto -> {kind} ({why})")
-    if kind == "model" and is_dflash(draft_path):
+    # "dflash" is auto's pick for a DFlash --draft-model; "model" is the kind named (or implied) for one.
+    if kind in ("model", "dflash") and is_dflash(draft_path):
         # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
         # width and vocabulary.
         kind = "dflash"
@@ -274,11 +276,10 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     if kind == "model":
         draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
-    for token in opts.extra_eos_token or ():
-        try:
-            target.tokenizer.add_eos_token(token)
-        except ValueError:
-            raise OptionError(f"--extra-eos-token {token!r} is not a token of this tokenizer") from None
+    ids, eos_notes = extra_eos_ids(target.tokenizer, opts.extra_eos_token or ())
+    for token_id in ids:
+        target.tokenizer.add_eos_token(str(token_id))
+    notes += eos_notes
     history = None
     if opts.lookup_history is not None:
         history = LookupHistory.load(opts.lookup_history, tokenizer_fingerprint(target.tokenizer))
@@ -291,6 +292,87 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     if kind in ("mtp", "lookup+mtp") and used is None:
         used = target.path  # the target's own head
     return Setup(opts, kind, target, draft, history, mtp, parts, notes=notes, ranks=ranks, drafter_path=used)
+
+
+def rollback_note(opts: ModelOptions, target: Loaded) -> Optional[str]:
+    """A line saying that ``--rollback``/``--rollback-memory-cap`` do nothing on a target without
+    recurrent layers (None: they apply, or were not given)."""
+    given = [name for name, value in (("--rollback " + opts.rollback, opts.rollback != "auto"),
+                                       ("--rollback-memory-cap", opts.rollback_memory_cap is not None)) if value]
+    if not given or cache_kinds(target.model)["recurrent"]:
+        return None
+    return (f"note: {' and '.join(given)} {'does' if len(given) == 1 else 'do'} nothing here: this model has no "
+            "recurrent layers (every layer rolls back by trimming its cache)")
+
+
+def extra_eos_ids(tokenizer, tokens) -> tuple[list[int], list[str]]:
+    """The ids ``--extra-eos-token`` names, and a note for each token whose leading-space twin is not among them.
+
+    As mlx-lm reads each one: an integer is an id, anything else a token as
+    the vocabulary spells it (``<|im_end|>``, ``ĠBlue``). Unlike mlx-lm, which
+    maps an unknown token to the unknown-token id, whatever is not one of
+    this tokenizer's tokens is refused, naming what the text encodes to.
+
+    Raises:
+        OptionError: Not a token, or an id outside the vocabulary.
+    """
+    vocab = tokenizer.get_vocab()
+    ids, twins = [], {}
+    for token in tokens:
+        token_id, twin = _eos_token_id(tokenizer, vocab, token)
+        ids.append(token_id)
+        if twin is not None:
+            twins[token] = twin
+    # "Blue" is not the token a space before it makes ("ĠBlue"), which is what follows "2." in a text.
+    notes = [f"note: --extra-eos-token {token!r} stops at that token only; after a space the text is the token "
+             f"{_spelling(tokenizer, twin)}: pass it too to stop there"
+             for token, twin in twins.items() if twin not in ids]
+    return ids, notes
+
+
+def _eos_token_id(tokenizer, vocab: dict, token: str) -> tuple[int, Optional[int]]:
+    """One ``--extra-eos-token``'s id, and its leading-space twin (None: it has none)."""
+    try:
+        token_id = int(token)
+    except ValueError:
+        token_id = None
+    if token_id is not None:
+        if token_id not in set(vocab.values()):
+            raise OptionError(f"--extra-eos-token {token}: no token has this id (this tokenizer's ids run from 0 "
+                              f"to {max(vocab.values())}): give a token id in that range, or the token itself")
+        return token_id, None
+    if not token:
+        like = f" (like {_spelling(tokenizer, min(tokenizer.eos_token_ids))})" if tokenizer.eos_token_ids else ""
+        raise OptionError(f"--extra-eos-token is empty: give a token of this tokenizer{like} or its id")
+    if token not in vocab:
+        raise OptionError(f"--extra-eos-token {token!r} is not a token of this tokenizer: {_closest(tokenizer, token)}")
+    spaced = _encode(tokenizer, " " + token)
+    twin = len(spaced) == 1 and not token[0].isspace() and spaced[0] != vocab[token]
+    return vocab[token], spaced[0] if twin else None
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _spelling(tokenizer, token_id: int) -> str:
+    """A token as ``--extra-eos-token`` takes it: its vocabulary spelling and its id."""
+    return f"{tokenizer.convert_ids_to_tokens(token_id)!r} (id {token_id})"
+
+
+def _closest(tokenizer, text: str) -> str:
+    """What ``text`` is as tokens, as typed and after a space, for a refusal to name."""
+    forms = {}
+    for shown in (text, " " + text):
+        ids = _encode(tokenizer, shown)
+        if len(ids) == 1 and ids[0] not in forms.values():
+            forms[shown] = ids[0]
+    if forms:
+        named = " and ".join(f"{shown!r} is the token {_spelling(tokenizer, i)}" for shown, i in forms.items())
+        return f"as text, {named}: pass a token as the vocabulary spells it, or its id"
+    pieces = ", ".join(repr(tokenizer.convert_ids_to_tokens(i)) for i in _encode(tokenizer, text)[:8])
+    return (f"as text it is several tokens ({pieces}), and a stop token is one: pass one as the vocabulary "
+            "spells it, or its id")
 
 
 def blas_note() -> Optional[str]:
