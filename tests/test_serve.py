@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from server import TOOL_QUESTION, WEATHER_TOOL, Server, tool_model_dir
 from specdec_cli.cli import app
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
 
 FAMILIES = ["llama", "qwen3_5", "gemma3_text"]
 QUESTION = "Copy this: the quick brown fox jumps over the lazy dog, and the quick brown fox runs."
@@ -23,10 +23,35 @@ N = 40
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
+# Long generations (plain decoding, past EOS) that no machine finishes before the test has looked:
+# 50,000 one-token forwards of a tiny model take a minute at the least.
+LONG = {"max_tokens": 50_000, "stream": True}
+LONG_EXTRA = {"num_draft_tokens": 0, "ignore_eos": True}
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    return {f: make_model_dir(root / f, f, seed=0) for f in FAMILIES}
+    out = {f: make_model_dir(root / f, f, seed=0) for f in FAMILIES}
+    out["long"] = make_model_dir(root / "long", {**TINY_CONFIGS["llama"], "max_position_embeddings": 1 << 17})
+    return out
+
+
+@pytest.fixture(scope="module")
+def long_server(dirs):
+    server = Server("--model", dirs["long"])
+    yield server
+    server.stop()
+
+
+def long_stream(server: Server):
+    """A streamed request that runs until it is cancelled, once its first token has come."""
+    stream = server.client().chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": "Go"}], extra_body=LONG_EXTRA, **LONG)
+    chunks = iter(stream)
+    while not any(c.delta.content for c in next(chunks).choices):
+        pass
+    return stream
 
 
 @pytest.fixture(scope="module")
@@ -170,20 +195,12 @@ def test_a_tool_call_comes_back_parsed(tmp_path):
         server.stop()
 
 
-def test_a_client_that_goes_away_mid_stream_is_cancelled_and_the_next_request_served(servers):
-    server = servers["gemma3_text"]
-    client = server.client()
-    # Plain decoding (no drafts) of thousands of tokens: far longer than reading one chunk takes.
-    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=3000, stream=True, extra_body={"num_draft_tokens": 0, "ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            break
-    stream.close()
-    text, out = chat_text(client, [{"role": "user", "content": QUESTION}])
+def test_a_client_that_goes_away_mid_stream_is_cancelled_and_the_next_request_served(long_server):
+    long_stream(long_server).close()
+    text, out = chat_text(long_server.client(), [{"role": "user", "content": QUESTION}])
     assert out.choices[0].finish_reason in ("stop", "length")
-    cancelled = [int(m.group(1)) for m in re.finditer(r"cancelled after (\d+) tokens", server.log)]
-    assert cancelled and cancelled[-1] < 3000
+    cancelled = [int(m.group(1)) for m in re.finditer(r"cancelled after (\d+) tokens", long_server.log)]
+    assert cancelled and cancelled[-1] < LONG["max_tokens"]
 
 
 def test_concurrent_clients_each_get_their_own_exact_text(servers):
@@ -260,25 +277,20 @@ def test_routes_methods_and_size_limits_answer_in_the_error_shape(servers):
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == str(server.args[1])
 
 
-def test_health_and_models_answer_while_a_generation_runs(servers):
-    server = servers["qwen3_5"]
-    client = server.client()
-    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=2000, stream=True, extra_body={"num_draft_tokens": 0, "ignore_eos": True})
+def test_health_and_models_answer_while_a_generation_runs(long_server):
+    stream = long_stream(long_server)
     try:
-        next(iter(stream))
-        health = httpx.get(f"{server.url}/health", timeout=30).json()
+        health = httpx.get(f"{long_server.url}/health", timeout=30).json()
         assert health["status"] == "ok" and health["busy"] is True
-        assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 200
+        assert httpx.get(f"{long_server.url}/v1/models", timeout=30).status_code == 200
     finally:
         stream.close()
 
 
 def test_a_full_queue_answers_503_with_retry_after(dirs):
-    server = Server("--model", dirs["llama"], "--queue-size", "1")
+    server = Server("--model", dirs["long"], "--queue-size", "1")
     try:
-        body = {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 3000, "num_draft_tokens": 0,
-                "ignore_eos": True, "stream": True}
+        body = {"messages": [{"role": "user", "content": "Go"}], **LONG, **LONG_EXTRA}
         with httpx.Client(timeout=120) as http:
             with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as running:
                 lines = running.iter_lines()  # kept: a closed iterator closes the response
@@ -329,11 +341,8 @@ def test_a_port_in_use_is_one_line(servers, dirs):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_ctrl_c_stop_the_server_mid_generation(dirs, sig):
-    server = Server("--model", dirs["llama"])
-    client = server.client()
-    stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=3000, stream=True, extra_body={"num_draft_tokens": 0, "ignore_eos": True})
-    next(iter(stream))
+    server = Server("--model", dirs["long"])
+    stream = long_stream(server)
     start = time.monotonic()
     code = server.stop(sig)
     took = time.monotonic() - start
