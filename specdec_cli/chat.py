@@ -29,7 +29,7 @@ from .session import (
     sampling_params,
     single_process,
 )
-from .session.options import ModelOptions
+from .session.options import RunOptions
 from .session.reply import Reply, TextStream
 from .stats import Stats
 
@@ -37,17 +37,10 @@ HELP = "Type a message. /reset starts over, /quit (or Ctrl-D) leaves; Ctrl-C sto
 
 
 @dataclass
-class ChatOptions(ModelOptions):
+class ChatOptions(RunOptions):
     """Everything ``specdec chat`` was asked to do."""
 
-    block_size: Optional[int] = None
-    num_draft_tokens: Optional[int] = None
-    adaptive: bool = True
     max_tokens: int = 512
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
     seed: Optional[int] = None
     live: bool = True
     prompt_cache_size: int = 10
@@ -82,8 +75,7 @@ def chat_command(opts: ChatOptions) -> int:
     if not setup.tokenizer.has_chat_template:
         raise OptionError("this model's tokenizer has no chat template: use specdec generate with "
                           "--ignore-chat-template, or a chat model")
-    asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
-    block_size = setup.block_size(asked, block_size)
+    block_size = setup.run_block_size(block_size)
     cache = PromptCache(opts.prompt_cache_size) if opts.prompt_cache_size else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
     system = clean(opts.system_prompt, "--system-prompt")

@@ -51,6 +51,7 @@ from .session import (
     PREFILL_CHUNK_S,
     ModelOptions,
     Request,
+    RunOptions,
     Session,
     Setup,
     check_block_size,
@@ -70,18 +71,10 @@ EXIT_INTERRUPTED = 130
 
 
 @dataclass
-class GenerateOptions(ModelOptions):
+class GenerateOptions(RunOptions):
     """Everything ``specdec generate`` was asked to do."""
 
-    block_size: Optional[int] = None
-    num_draft_tokens: Optional[int] = None
-    max_tokens: int = 256
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
     seed: Optional[int] = None
-    adaptive: bool = True
     compare_ar: bool = False
     json_output: bool = False
     live: bool = True
@@ -137,8 +130,7 @@ def _generate(opts: GenerateOptions) -> int:
     ids = prompt_ids(setup, text)
     setup.check_ranks(ids)
     print_notes(setup)
-    asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
-    kind, block_size = setup.kind, setup.block_size(asked, block_size)
+    kind, block_size = setup.kind, setup.run_block_size(block_size)
     target, tokenizer = setup.target, setup.tokenizer
     drafter_name = setup.drafter_name
     max_tokens, context = setup.fit_context(len(ids), opts.max_tokens)

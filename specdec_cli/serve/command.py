@@ -15,8 +15,8 @@ from .. import bundled
 from ..display import print_stderr
 from ..errors import OptionError
 from ..session import (
-    ModelOptions,
     PromptCache,
+    RunOptions,
     Session,
     blas_note,
     check_model_options,
@@ -35,9 +35,10 @@ GRACEFUL_S = 0.5
 
 
 @dataclass
-class ServeOptions(ModelOptions):
-    """Everything ``specdec serve`` was asked to do."""
+class ServeOptions(RunOptions):
+    """Everything ``specdec serve`` was asked to do (sampling options are the requests' defaults)."""
 
+    max_tokens: int = 512
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: Optional[str] = None
@@ -45,14 +46,6 @@ class ServeOptions(ModelOptions):
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
     queue_size: int = 16
-    block_size: Optional[int] = None
-    num_draft_tokens: Optional[int] = None
-    adaptive: bool = True
-    max_tokens: int = 512
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
     log_level: str = "info"
 
 
@@ -109,8 +102,7 @@ def serve_command(opts: ServeOptions) -> int:
     sock = bind(opts.host, opts.port)
     setup = load_setup(opts, kind)
     setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
-    asked = None if opts.block_size is None and opts.num_draft_tokens is None else block_size
-    block_size = setup.block_size(asked, block_size)
+    block_size = setup.run_block_size(block_size)
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if opts.prompt_cache_size else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
     # The id clients send back: what --model named, or the bundled model's own name.

@@ -91,16 +91,21 @@ class Service:
     def health(self) -> dict:
         cache = self.session.prompt_cache
         return {"status": "ok", "model": self.model_id, "busy": self.worker.current is not None,
-                "waiting": self.worker.waiting, "prompt_cache_entries": len(cache) if cache else 0}
+                "waiting": self.worker.waiting, "prompt_cache_entries": len(cache) if cache is not None else 0}
 
     # --- checking and rendering ----------------------------------------------------
 
-    def _check_model(self, name: Optional[str]) -> None:
-        if name is not None and name not in self.names:
-            raise ApiError(404, f"the model {name!r} is not served here; this server runs {self.model_id!r} "
+    def _check(self, req) -> None:
+        """A model served here, and no field this server cannot honour."""
+        if req.model is not None and req.model not in self.names:
+            raise ApiError(404, f"the model {req.model!r} is not served here; this server runs {self.model_id!r} "
                            "(GET /v1/models)", "model", "model_not_found")
+        bad = protocol.unsupported(req)
+        if bad is not None:
+            raise bad
 
-    def _limits(self, req, ids: list[int], max_tokens: Optional[int], param: str) -> int:
+    def _limits(self, ids: list[int], max_tokens: Optional[int], param: str) -> int:
+        """The most tokens to generate; a prompt over the context or the device's memory is a 400."""
         setup = self.session.setup
         asked = max_tokens if max_tokens is not None else self.defaults.max_tokens
         try:
@@ -123,7 +128,7 @@ class Service:
 
     def _request(self, req, ids: list[int], boundaries: tuple[int, ...], max_tokens: Optional[int],
                  param: str) -> Request:
-        most = self._limits(req, ids, max_tokens, param)
+        most = self._limits(ids, max_tokens, param)
         block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
         # Streamed, the first token comes from a one-row forward: a long first verify would hold it back.
         first = FIRST_DRAFT_STREAMED if req.stream else None
@@ -136,10 +141,7 @@ class Service:
         Raises:
             ApiError: A 4xx naming the field at fault.
         """
-        self._check_model(req.model)
-        bad = protocol.unsupported(req)
-        if bad is not None:
-            raise bad
+        self._check(req)
         tools = req.tools if req.tool_choice != "none" else None
         kwargs = {**self.session.setup.template_kwargs, **(req.chat_template_kwargs or {})}
         try:
@@ -157,10 +159,7 @@ class Service:
         Raises:
             ApiError: A 4xx naming the field at fault.
         """
-        self._check_model(req.model)
-        bad = protocol.unsupported(req)
-        if bad is not None:
-            raise bad
+        self._check(req)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]

@@ -9,6 +9,7 @@ tokens or knows about terminals or HTTP.
 from .generate import PREFILL_CHUNK_S, Request, Session
 from .options import (
     ModelOptions,
+    RunOptions,
     check_block_size,
     check_distributed_options,
     check_drafter_options,
@@ -34,7 +35,7 @@ from .setup import (
 from .state import SavedCache
 
 __all__ = [
-    "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError",
+    "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError", "RunOptions",
     "Request", "SavedCache", "Session", "Setup", "blas_note", "check_block_size", "check_distributed_options",
     "check_drafter_options", "check_force_download", "check_model_options", "choose_drafter", "join_ranks",
     "load_setup", "load_target", "make_policy", "resolve_block_size", "resolve_drafter", "sampling_params",

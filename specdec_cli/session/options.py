@@ -57,6 +57,25 @@ class ModelOptions:
         return None if self.rollback_memory_cap is None else int(self.rollback_memory_cap * 2**20)
 
 
+@dataclass
+class RunOptions(ModelOptions):
+    """What a face that generates adds to the model options: block size, draft-length policy, sampling."""
+
+    block_size: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
+    adaptive: bool = True
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @property
+    def asked_block_size(self) -> bool:
+        """Whether ``--block-size`` or ``--num-draft-tokens`` was given (else the drafter's default runs)."""
+        return self.block_size is not None or self.num_draft_tokens is not None
+
+
 def check_model_options(opts: ModelOptions) -> str:
     """Validate the shared options without loading anything; returns the drafter kind."""
     kind = resolve_drafter(opts.drafter, opts.draft_model)

@@ -88,6 +88,10 @@ class Setup:
             return f"{self.kind} ({self.options.draft_model})"
         return f"model ({self.options.draft_model})" if self.draft else self.kind
 
+    def run_block_size(self, resolved: int) -> int:
+        """The block size a face runs: ``resolved`` from the options when they named one, else the drafter's."""
+        return self.block_size(resolved if self.options.asked_block_size else None, resolved)
+
     def block_size(self, requested: Optional[int], resolved: int, option: str = "--block-size") -> int:
         """The block size to run. A DFlash drafter brings its own default and limit (its trained
         block size), known only once it is loaded, as does the kind ``--drafter auto`` picks;
