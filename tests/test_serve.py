@@ -121,7 +121,10 @@ def test_usage_and_timings_say_what_ran(servers):
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
     assert t["prompt_n"] == out.usage.prompt_tokens - out.usage.prompt_tokens_details.cached_tokens
     assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
-    assert t["acceptance"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0)
+    if t["draft_n"]:
+        assert t["acceptance"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"])
+    else:
+        assert t["acceptance"] is None
     assert t["drafter"] == "lookup" and t["block_size"] == 64 and t["rollback"] == "trim"
     assert t["tokens_per_block"] >= 1 and t["predicted_per_second"] > 0
     # A request may verify fewer tokens per forward than the server, never more.
@@ -129,6 +132,10 @@ def test_usage_and_timings_say_what_ran(servers):
     assert out.model_extra["timings"]["block_size"] == 3
     _, out = chat_text(client, [{"role": "user", "content": QUESTION}], extra_body={"num_draft_tokens": 500})
     assert out.model_extra["timings"]["block_size"] == 64
+    # Nothing drafted: acceptance is no rate at all, not 0%.
+    _, out = chat_text(client, [{"role": "user", "content": QUESTION}], extra_body={"num_draft_tokens": 0})
+    t = out.model_extra["timings"]
+    assert (t["block_size"], t["draft_n"], t["acceptance"], t["tokens_per_block"]) == (1, 0, None, 1.0)
 
 
 def test_stop_strings_end_the_answer_and_are_never_sent(servers):

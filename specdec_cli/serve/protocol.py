@@ -230,7 +230,8 @@ def timings(stats: Stats, drafter: str, block_size: int) -> dict:
         "cache_n": stats.cached_tokens,
         "drafter": drafter,
         "block_size": block_size,
-        "acceptance": stats.acceptance,
+        # 0/0 is not a rate: null says nothing was drafted, where 0.0 would say every draft failed.
+        "acceptance": stats.acceptance if stats.drafted else None,
         "tokens_per_block": stats.tokens_per_block,
         "rollback": rollback,
     }

@@ -163,8 +163,8 @@ def _line(reply: Reply) -> str:
     """One log line per request."""
     st = reply.stats
     return (f"{st.prompt_tokens} prompt tokens ({st.cached_tokens} cached, {st.prompt_tps:.0f} tok/s), "
-            f"{st.generated} generated at {st.decode_tps:.1f} tok/s, acceptance {100 * st.acceptance:.0f}% "
-            f"({st.accepted}/{st.drafted}), {st.tokens_per_block:.2f} tokens/block, finish {reply.finish_reason}")
+            f"{st.generated} generated at {st.decode_tps:.1f} tok/s, "
+            f"{f'acceptance {100 * st.acceptance:.0f}% ({st.accepted}/{st.drafted})' if st.drafted else 'nothing drafted'}, {st.tokens_per_block:.2f} tokens/block, finish {reply.finish_reason}")
 
 
 __all__ = ["Busy", "Done", "Failed", "Job", "Piece", "Worker"]
