@@ -170,10 +170,7 @@ def top_probability(logits: mx.array, logprobs: Optional[mx.array]) -> mx.array:
 
 def choose(logits: mx.array, params: SamplingParams) -> mx.array:
     """Next tokens from raw logits: greedy or sampled (keyed by ``params.position`` with a seed)."""
-    if params.greedy:
-        return greedy(logits)
-    lp = log_probs(logits, params)
-    return keyed_pick(lp, params) if params.keyed else sample(lp)
+    return draw(logits, params)[0]
 
 
 def accept_keyed(logits: mx.array, drafts: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
@@ -184,10 +181,7 @@ def accept_keyed(logits: mx.array, drafts: mx.array, params: SamplingParams) -> 
     was drafted. Returns lazy scalars: accepted count n, and the token after
     the kept prefix.
     """
-    picks = keyed_pick(log_probs(logits, params), params)
-    k = drafts.shape[0]
-    n = mx.cumprod((drafts == picks[:k]).astype(mx.int32)).sum() if k else mx.array(0)
-    return n, picks[n]
+    return _kept(choose(logits, params), drafts)
 
 
 def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
@@ -200,10 +194,14 @@ def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.arra
     Returns:
         Lazy scalars: accepted count n, and the target's token after the kept prefix.
     """
-    target = greedy(logits)
+    return _kept(greedy(logits), drafts)
+
+
+def _kept(picks: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Drafts kept while they equal the target's picks: their count n, and the pick after them (lazy)."""
     k = drafts.shape[0]
-    n = mx.cumprod((drafts == target[:k]).astype(mx.int32)).sum() if k else mx.array(0)
-    return n, target[n]
+    n = mx.cumprod((drafts == picks[:k]).astype(mx.int32)).sum() if k else mx.array(0)
+    return n, picks[n]
 
 
 def accept_sampled(
