@@ -426,6 +426,36 @@ STEP_MODES = ("off", "step", "capture", "tape")
 _PER_TOKEN = {"gated_delta_update": ("q", "k", "v", "a", "b"), "ssm_update": ("hidden_states", "B", "C", "dt")}
 
 
+def _call_rows(fn: Callable, bound: dict, names: Sequence[str], lo: int, hi: int, state):
+    """``fn`` on tokens ``lo:hi`` of a call's bound arguments (``names`` hold one row per token), from ``state``."""
+    return fn(**{**bound, **{n: bound[n][:, lo:hi] for n in names}, "state": state})
+
+
+def _one_at_a_time(fn: Callable, bound: dict, names: Sequence[str], m: int, state, keep: Optional[list] = None):
+    """The first ``m`` tokens fed one per call, as plain decoding feeds them: outputs joined, and the last state.
+
+    ``keep`` collects the state after each token.
+    """
+    ys = []
+    for t in range(m):
+        y, state = _call_rows(fn, bound, names, t, t + 1, state)
+        ys.append(y)
+        if keep is not None:
+            keep.append(state)
+    return mx.concatenate(ys, axis=1), state
+
+
+@dataclass
+class _StepFunction:
+    """One recurrence function the model's mixers call, as :meth:`RecurrentSteps.check_rows` checks it."""
+
+    layer: str  # the first layer seen calling it
+    kind: str
+    real: Callable  # mlx-lm's own function
+    wrapper: Optional[Callable] = None  # ours, while the hooks are installed
+    sample: Optional[dict] = None  # the bound arguments of a call seen in a forward
+
+
 @dataclass
 class StepRecord:
     """What one recurrent layer recorded during one forward.
@@ -547,8 +577,7 @@ class RecurrentSteps:
         self._records: dict[int, StepRecord] = {}
         self._installed: list[nn.Module] = []
         self._arch = type(model).__module__.rsplit(".", 1)[-1]
-        # Per step function: (layer name, kind, mlx-lm's function, our wrapper or None, a call's bound arguments).
-        self._functions: dict[str, list] = {}
+        self._functions: dict[str, _StepFunction] = {}
         self._checked = 1
         try:
             for name, module in model.named_modules():
@@ -556,7 +585,7 @@ class RecurrentSteps:
                 if kind is None:
                     continue
                 for fn, gname in calls.values():
-                    self._functions.setdefault(gname, [name, kind, fn.__globals__[gname], None, None])
+                    self._functions.setdefault(gname, _StepFunction(name, kind, fn.__globals__[gname]))
                 self._install(module, kind, calls)
             self._probe(model)
         except _RecordingOnly as e:
@@ -591,8 +620,8 @@ class RecurrentSteps:
             wrapper = _WRAPPERS[gname](hook, fn.__globals__[gname])
             ns[name] = _rebind(fn, gname, wrapper)
             entry = self._functions.get(gname)
-            if entry is not None and entry[3] is None:
-                entry[3] = wrapper
+            if entry is not None and entry.wrapper is None:
+                entry.wrapper = wrapper
         if kind == _MAMBA1:
             ns["ssm_step"] = _mamba1_step(hook, cls.ssm_step)
         base_call = ns.get("__call__", cls.__call__)
@@ -636,7 +665,7 @@ class RecurrentSteps:
                 module.__class__ = base
         self._installed.clear()
         for entry in self._functions.values():
-            entry[3] = None
+            entry.wrapper = None
 
     @property
     def stepping(self) -> bool:
@@ -668,8 +697,8 @@ class RecurrentSteps:
 
     def _keep_sample(self, gname: str, bound: dict) -> None:
         entry = self._functions.get(gname)
-        if entry is not None and entry[4] is None:
-            entry[4] = dict(bound)
+        if entry is not None and entry.sample is None:
+            entry.sample = dict(bound)
 
     def check_rows(self, rows: int) -> Optional[str]:
         """Check the recurrence for every verify forward of 2 .. ``rows`` tokens; the refusal that applies.
@@ -696,22 +725,19 @@ class RecurrentSteps:
             self._checked = rows
         return self.refusal if self.refused_from is not None and self.refused_from <= rows else None
 
-    def _check_function(self, gname: str, entry: list, rows: int) -> None:
-        layer, kind, real, wrapper, sample = entry
+    def _check_function(self, gname: str, entry: _StepFunction, rows: int) -> None:
+        layer, kind, real, wrapper = entry.layer, entry.kind, entry.real, entry.wrapper
         names = _PER_TOKEN[gname]
-        args = _repeat_rows(sample if sample is not None else _synthetic(gname), names, rows)
+        args = _repeat_rows(entry.sample if entry.sample is not None else _synthetic(gname), names, rows)
 
         def call(fn, lo: int, hi: int, state):
-            return fn(**{**args, **{n: args[n][:, lo:hi] for n in names}, "state": state})
+            return _call_rows(fn, args, names, lo, hi, state)
 
-        ref_y, ref_states, state = [], [], args["state"]
-        for t in range(rows):
-            y, state = call(real, t, t + 1, state)
-            ref_y.append(y)
-            ref_states.append(state)
+        ref_states: list = []
+        ref_y, _ = _one_at_a_time(real, args, names, rows, args["state"], ref_states)
 
         def differs(y, final, m: int) -> Optional[str]:
-            want_y, want_s = mx.concatenate(ref_y[:m], axis=1), ref_states[m - 1]
+            want_y, want_s = ref_y[:, :m], ref_states[m - 1]
             if mx.array_equal(y, want_y).item() and mx.array_equal(final, want_s).item():
                 return None
             dy = mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item()
@@ -886,16 +912,10 @@ def _gdn_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
             record.steps = steps
 
         def run(lo: int, hi: int, state):
-            return real(**{**a, **{n: a[n][:, lo:hi] for n in per_token}, "state": state})
+            return _call_rows(real, a, per_token, lo, hi, state)
 
         def one_at_a_time(m: int, keep: Optional[list] = None):
-            ys, state = [], start
-            for t in range(m):
-                y, state = run(t, t + 1, state)
-                ys.append(y)
-                if keep is not None:
-                    keep.append(state)
-            return mx.concatenate(ys, axis=1), state
+            return _one_at_a_time(real, a, per_token, m, start, keep)
 
         if hook.mode == "capture" and record is not None:
             return one_at_a_time(steps, record.states)
@@ -925,30 +945,16 @@ def _ssm_wrapper(hook: RecurrentSteps, real: Callable) -> Callable:
                 record.problem = "a padding mask reached the recurrence"
             return real(*args, **kwargs)
 
-        def step(t: int, state):
-            # Exactly the call one-token decoding makes (mlx-lm's one-token formula or kernel).
-            return real(**{**a, **{n: a[n][:, t : t + 1] for n in per_token}, "state": state})
-
+        # Exactly the calls one-token decoding makes (mlx-lm's one-token formula or kernel).
         start = a["state"]
-        ys, state = [], start
-        for t in range(steps):
-            y, state = step(t, state)
-            ys.append(y)
-            if record is not None and hook.mode == "capture":
-                record.states.append(state)
+        keep = record.states if record is not None and hook.mode == "capture" else None
+        out = _one_at_a_time(real, a, per_token, steps, start, keep)
         if record is not None:
             record.steps = steps
             if hook.mode == "tape":
                 record.tape = [a[n] for n in per_token]
-
-                def replay(m: int):
-                    s = start
-                    for t in range(m):
-                        s = step(t, s)[1]
-                    return s
-
-                record.replay = replay
-        return mx.concatenate(ys, axis=1), state
+                record.replay = lambda m: _one_at_a_time(real, a, per_token, m, start)[1]
+        return out
 
     return ssm_update
 
