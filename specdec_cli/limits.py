@@ -160,24 +160,6 @@ def _heads(config: dict) -> int:
     return 0
 
 
-def estimate_memory(target: nn.Module, target_config: dict, draft: Optional[nn.Module], tokens: int,
-                    chunk: int, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                    draft_cache: bool = True) -> MemoryEstimate:
-    """Estimate a run's peak memory (measures the models: see :func:`memory_model` to do that once).
-
-    Args:
-        target: The target model (loaded, cast).
-        target_config: Its config.
-        draft: The draft model (or a drafter's own weights), or None.
-        tokens: Prompt + the most tokens generated.
-        chunk: The largest prefill chunk.
-        kv_bits: The target's KV quantization, if any.
-        kv_group_size: Its group size.
-        draft_cache: The draft is an mlx-lm model with layer caches of its own.
-    """
-    return memory_model(target, target_config, draft, kv_bits, kv_group_size, draft_cache).estimate(tokens, chunk)
-
-
 def device_memory() -> Optional[tuple[int, str]]:
     """Bytes this process can use, and what the figure is; None when unknown.
 

@@ -493,7 +493,7 @@ def test_text_ids_cut_long_texts_and_stop_at_the_goal():
             return list(text.encode())
 
     out: list = []
-    assert text_ids(Bytes(), ["a" * 10, "b" * 10, "c" * 10], 25, out, piece=4) == 25
+    assert text_ids(Bytes(), ["a" * 10, "b" * 10, "c" * 10], 25, out, piece=4) == (25, 3)
     assert [len(x) for x in out] == [4, 4, 2, 4, 4, 2, 4, 1]
 
 

@@ -13,7 +13,7 @@ from specdec_cli.errors import Cancelled
 from specdec_cli.runner import Prefilled, Step
 from specdec_cli.session import ModelOptions, PromptCache, Request, SavedCache, Session, load_setup
 from specdec_cli.session.reply import Reply, TextStream
-from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+from specdec_cli.synthetic import make_model_dir
 
 FAMILIES = ["llama", "qwen3_5", "gemma3_text", "nemotron_h"]
 MORE = list(b" And once more, the quick brown fox jumps over the lazy dog.")

@@ -268,18 +268,13 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
             break  # the prompts left are longer than the budget left
 
 
-def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]], piece: int = 2048) -> int:
+def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]],
+             piece: int = 2048) -> tuple[int, int]:
     """Tokenize plain texts (until ``goal_tokens``) into ``out``, in pieces of at most ``piece`` tokens.
 
     Long files are cut so that the target's states come from bounded caches.
-    Returns the tokens added.
+    Returns the tokens added and how many of ``texts`` were used (the last possibly cut).
     """
-    return text_ids_used(tokenizer, texts, goal_tokens, out, piece)[0]
-
-
-def text_ids_used(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]],
-                  piece: int = 2048) -> tuple[int, int]:
-    """:func:`text_ids`, also returning how many of ``texts`` were used (the last possibly cut)."""
     total = used = 0
     for text in texts:
         if total >= goal_tokens:

@@ -29,7 +29,7 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter, MTPHead, embedding_probe, save_head
 from ..hooks import TargetParts
 from ..runner import collect, run
-from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids_used
+from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids
 from .train import Step, TrainConfig, Trainer, frequent_tokens, head_config, windows
 
 CACHE_DIR = "cache"
@@ -216,7 +216,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     else:
         yield Stage("data", f"training text: {source.description}, up to {opts.tokens} tokens")
         seqs: list[list[int]] = []
-        got, texts = text_ids_used(tokenizer, source.texts, opts.tokens, seqs)
+        got, texts = text_ids(tokenizer, source.texts, opts.tokens, seqs)
         answered = 0
         if got < opts.tokens and source.prompts:
             for event in answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,

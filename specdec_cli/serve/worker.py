@@ -53,7 +53,6 @@ class Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    started: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
         """Stop this job at the next block boundary (or skip it if it has not started)."""
@@ -135,7 +134,6 @@ class Worker:
                 self.current = None
 
     def _serve(self, job: Job) -> None:
-        job.started.set()
         try:
             reply = job.make()
             pieces = iter(reply)
