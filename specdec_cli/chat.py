@@ -22,7 +22,6 @@ from .session import (
     PromptTooLongError,
     Request,
     Session,
-    blas_note,
     check_model_options,
     load_setup,
     resolve_block_size,
@@ -81,7 +80,7 @@ def chat_command(opts: ChatOptions) -> int:
     system = clean(opts.system_prompt, "--system-prompt")
     start = [{"role": "system", "content": system}] if system is not None else []
     messages = list(start)
-    print_stderr([line for line in (*setup.notes, blas_note()) if line]
+    print_stderr(setup.start_lines()
                  + [f"{setup.model_line}; drafter {setup.drafter_name}, block size {block_size}", HELP])
     interactive = sys.stdin.isatty()
     while True:

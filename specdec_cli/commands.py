@@ -60,7 +60,6 @@ from .session import (
     join_ranks,
     load_setup,
     make_policy,
-    blas_note,
     resolve_block_size,
     sampling_params,
 )
@@ -90,11 +89,6 @@ class SweepOptions(ModelOptions):
     repeats: int = 1
     warmup: int = 1
     json_output: bool = False
-
-
-def print_notes(setup: Setup) -> None:
-    """What loading decided, then the BLAS note: one line each on stderr."""
-    print_stderr([line for line in (*setup.notes, blas_note()) if line])
 
 
 def prompt_ids(setup: Setup, text: str) -> list[int]:
@@ -129,7 +123,7 @@ def _generate(opts: GenerateOptions) -> int:
     setup = load_setup(opts, kind, ranks)
     ids = prompt_ids(setup, text)
     setup.check_ranks(ids)
-    print_notes(setup)
+    print_stderr(setup.start_lines())
     kind, block_size = setup.kind, setup.run_block_size(block_size)
     target, tokenizer = setup.target, setup.tokenizer
     drafter_name = setup.drafter_name
@@ -335,7 +329,7 @@ def _sweep(opts: SweepOptions) -> int:
     setup = load_setup(opts, kind, ranks)
     ids = prompt_ids(setup, text)
     setup.check_ranks(ids)
-    print_notes(setup)
+    print_stderr(setup.start_lines())
     for size in sizes:
         setup.block_size(size, size, "--block-sizes")
     max_tokens, _ = setup.fit_context(len(ids), opts.max_tokens)

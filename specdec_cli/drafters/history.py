@@ -84,6 +84,15 @@ def _not_ours(path) -> HistoryFileError:
         "marker), so specdec will not overwrite it: give a new file name")
 
 
+def _not_regular(path, mode: int) -> HistoryFileError:
+    return HistoryFileError(f"--lookup-history {path} is {_kind(mode)}, not a regular file: give a file path "
+                            "(specdec only writes its own history files)")
+
+
+def _unreadable(path, e: OSError) -> HistoryFileError:
+    return HistoryFileError(f"--lookup-history {path}: cannot read it ({e.strerror}); give another file")
+
+
 def _regular(path: str | os.PathLike) -> Optional[os.stat_result]:
     """``stat`` of a regular file (None when nothing is there); anything else is refused."""
     try:
@@ -91,10 +100,9 @@ def _regular(path: str | os.PathLike) -> Optional[os.stat_result]:
     except FileNotFoundError:
         return None  # a new file (or a dangling link: its target is created)
     except OSError as e:
-        raise HistoryFileError(f"--lookup-history {path}: cannot read it ({e.strerror}); give another file") from None
+        raise _unreadable(path, e) from None
     if not stat.S_ISREG(st.st_mode):
-        raise HistoryFileError(f"--lookup-history {path} is {_kind(st.st_mode)}, not a regular file: give a "
-                               "file path (specdec only writes its own history files)")
+        raise _not_regular(path, st.st_mode)
     return st
 
 
@@ -272,12 +280,11 @@ def _read(path: Path) -> Optional[bytes]:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise HistoryFileError(f"--lookup-history {path}: cannot read it ({e.strerror}); give another file") from None
+        raise _unreadable(path, e) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise HistoryFileError(f"--lookup-history {path} is {_kind(st.st_mode)}, not a regular file: give a "
-                                   "file path (specdec only writes its own history files)")
+            raise _not_regular(path, st.st_mode)
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read(MAX_FILE_BYTES + 1)
     finally:

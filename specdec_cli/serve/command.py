@@ -18,7 +18,6 @@ from ..session import (
     PromptCache,
     RunOptions,
     Session,
-    blas_note,
     check_model_options,
     load_setup,
     resolve_block_size,
@@ -26,7 +25,7 @@ from ..session import (
     single_process,
 )
 from .app import create_app
-from .service import Defaults, Service
+from .service import Service
 
 log = logging.getLogger("specdec.serve")
 # uvicorn's own wait for open connections once asked to stop; generation is
@@ -107,12 +106,11 @@ def serve_command(opts: ServeOptions) -> int:
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
     # The id clients send back: what --model named, or the bundled model's own name.
     name = opts.model if opts.model is not None else bundled.NAME
-    service = Service(session, name, Defaults(opts.max_tokens, opts.temp, opts.top_p, opts.top_k, opts.min_p),
-                      opts.queue_size)
+    service = Service(session, name, opts, opts.queue_size)
     app = create_app(service, api_key=opts.api_key)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    print_stderr([line for line in (*setup.notes, blas_note(), warning and f"warning: {warning}") if line])
+    print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []))
     cached = f"prompt cache {opts.prompt_cache_size} entries" if cache is not None else "no prompt cache"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
                   f"{block_size}; {cached}",

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ..errors import OptionError
 from ..prompts import encode_text, render_messages
 from ..sampling import SamplingParams
-from ..session import Request, Session
+from ..session import Request, RunOptions, Session
 from ..session.reply import Piece, Reply, TextStream
 from ..session.setup import MemoryLimitError, PromptTooLongError
 from . import protocol
@@ -27,17 +27,6 @@ from .worker import Job, Worker
 
 # Drafts in a streamed reply's first block (see Request.first_draft).
 FIRST_DRAFT_STREAMED = 0
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """What a request gets for a field it leaves out (the server's command-line options)."""
-
-    max_tokens: int = 512
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
 
 
 @dataclass
@@ -67,11 +56,12 @@ class Service:
     Args:
         session: The loaded session (with its prompt cache).
         model_id: The name ``/v1/models`` lists and requests may use.
-        defaults: Values for fields a request leaves out.
+        defaults: The server's options: what a request gets for a field it leaves out
+            (``max_tokens``, ``temp``, ``top_p``, ``top_k``, ``min_p``).
         max_queue: Requests that may wait while one runs.
     """
 
-    def __init__(self, session: Session, model_id: str, defaults: Defaults = Defaults(), max_queue: int = 16):
+    def __init__(self, session: Session, model_id: str, defaults: RunOptions, max_queue: int = 16):
         self.session = session
         self.model_id = model_id
         self.defaults = defaults

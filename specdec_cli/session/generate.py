@@ -20,7 +20,7 @@ from ..hooks import Hidden
 from ..rollback import RollbackChoice
 from ..runner import Finished, Prefilled, Step, Warmed, run
 from ..sampling import GREEDY, SamplingParams
-from .options import make_policy
+from .options import HIDDEN_STATE_DRAFTERS, make_policy
 from .prompt_cache import Entry, PromptCache
 from .setup import Setup
 from .state import SavedCache
@@ -142,7 +142,7 @@ class Session:
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
         hit = None
         if self.prompt_cache is not None:
-            taps = not self.plain and setup.kind in ("mtp", "lookup+mtp", "dflash")
+            taps = not self.plain and setup.kind in HIDDEN_STATE_DRAFTERS
             hit = self.prompt_cache.fetch(ids, self.model, setup.draft.model if setup.draft else None,
                                           need_hidden=taps)
         cache = hit.target if hit else self.fresh_cache()

@@ -173,6 +173,10 @@ class Setup:
             )
         return min(max_tokens, limit - prompt_tokens), limit
 
+    def start_lines(self) -> list[str]:
+        """What loading decided (``notes``), then the BLAS note: the lines a face shows before it runs."""
+        return [line for line in (*self.notes, blas_note()) if line]
+
     @functools.cached_property
     def memory(self) -> MemoryModel:
         """The models' weights and cache growth, measured once (a one-token forward of each)."""
