@@ -82,6 +82,26 @@ def exact_marginals(params: SamplingParams) -> list[list[float]]:
     return marg
 
 
+def _blocks(kind: str, sampling: SamplingParams, k: int, target, draft):
+    """One run from the prefilled caches: plain decoding, or speculative with a draft model or lookup.
+
+    ``target`` is (cache, snapshot); ``draft`` is (model, cache, snapshot).
+    """
+    cache, snap = target
+    cache.restore(snap)
+    if kind == "plain":
+        return plain_generate_step(PROMPT[-1], cache, max_tokens=POSITIONS, sampling=sampling)
+    if kind == "model":
+        model, dcache, dsnap = draft
+        dcache.restore(dsnap)
+        drafter = ModelDrafter(model, cache=dcache)
+    else:
+        drafter = LookupDrafter(max_ngram=3, min_ngram=1)
+        drafter.prefill(PROMPT[:-1])
+    return speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=POSITIONS,
+                                     sampling=sampling)
+
+
 def draw(kind: str, params: SamplingParams, samples: int = SAMPLES, seed: int = 0):
     """First three tokens of ``samples`` seeded runs; also the acceptance seen."""
     target, draft = models()
@@ -91,19 +111,7 @@ def draw(kind: str, params: SamplingParams, samples: int = SAMPLES, seed: int = 
     counts = [[0] * VOCAB for _ in range(POSITIONS)]
     drafted = accepted = 0
     for _ in range(samples):
-        cache.restore(snap)
-        if kind == "plain":
-            blocks = plain_generate_step(PROMPT[-1], cache, max_tokens=POSITIONS, sampling=params)
-        else:
-            if kind == "model":
-                dcache.restore(dsnap)
-                drafter = ModelDrafter(draft, cache=dcache)
-            else:
-                drafter = LookupDrafter(max_ngram=3, min_ngram=1)
-                drafter.prefill(PROMPT[:-1])
-            blocks = speculative_generate_step(
-                PROMPT[-1], cache, drafter, num_draft_tokens=3, max_tokens=POSITIONS, sampling=params
-            )
+        blocks = _blocks(kind, params, 3, (cache, snap), (draft, dcache, dsnap))
         out = []
         for b in blocks:
             out += b.tokens
@@ -220,18 +228,7 @@ def draw_keyed(kind: str, params: SamplingParams, samples: int = SAMPLES, k: int
     texts, drafted, accepted = [], 0, 0
     for seed in range(samples):
         seeded = SamplingParams(params.temp, params.top_p, params.top_k, params.min_p, seed=seed)
-        cache.restore(snap)
-        if kind == "plain":
-            blocks = plain_generate_step(PROMPT[-1], cache, max_tokens=POSITIONS, sampling=seeded)
-        else:
-            if kind == "model":
-                dcache.restore(dsnap)
-                drafter = ModelDrafter(draft, cache=dcache)
-            else:
-                drafter = LookupDrafter(max_ngram=3, min_ngram=1)
-                drafter.prefill(PROMPT[:-1])
-            blocks = speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k,
-                                               max_tokens=POSITIONS, sampling=seeded)
+        blocks = _blocks(kind, seeded, k, (cache, snap), (draft, dcache, dsnap))
         out = []
         for b in blocks:
             out += b.tokens
