@@ -561,8 +561,8 @@ HostOpt = Annotated[str, _opt("--host", help="Address to listen on; anything but
 PortOpt = Annotated[int, _opt("--port", min=0, max=65535, help="Port to listen on (0: any free one, printed at "
                               "start).", rich_help_panel=SERVER)]
 ApiKeyOpt = Annotated[Optional[str], _opt(
-    "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request "
-    "(also read from SPECDEC_API_KEY).", rich_help_panel=SERVER, **_default("none"))]
+    "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on "
+    "every /v1 request (also read from SPECDEC_API_KEY).", rich_help_panel=SERVER, **_default("none"))]
 NoApiKeyOpt = Annotated[bool, _opt(
     "--no-api-key", help="Serve a non-loopback --host without a key (anyone who reaches it can use the model).",
     rich_help_panel=SERVER, **OFF)]

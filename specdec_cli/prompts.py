@@ -17,6 +17,23 @@ from typing import Any, Optional, Sequence
 from .errors import OptionError
 
 
+def longest_token_chars(tokenizer) -> Optional[int]:
+    """The most characters one token of ``tokenizer`` stands for (None: unknown).
+
+    A token's entry in the vocabulary is at least as long as the text it
+    decodes to (byte-level BPE writes one symbol per byte; SentencePiece one
+    per character, a byte fallback as ``<0x..>``), so a text of ``n``
+    characters encodes to at least ``n / longest`` tokens: a bound known
+    without tokenizing it.
+    """
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        vocab = inner.get_vocab()
+    except Exception:  # a tokenizer without a readable vocabulary: no bound
+        return None
+    return max((len(piece) for piece in vocab), default=None) or None
+
+
 def warn(line: str) -> None:
     """One warning line on stderr."""
     sys.stderr.write(f"warning: {line}\n")

@@ -12,6 +12,12 @@ probability p(x), and a rejection draws from p with x removed.
 
 p and q go through the same transforms as mlx-lm's sampler: top-p, min-p and
 top-k mask the temperature-1 log-probabilities, then the temperature scales.
+They are written here with plain MLX ops rather than imported: mlx-lm compiles
+its filters with ``mx.random.state`` as an input and output, so one that raises
+while it is traced (a ``top_k`` at or above the vocabulary size) leaves the
+global random state holding a placeholder, and every later unseeded draw in the
+process fails. Nothing here is compiled, and a ``top_k`` at or above the
+vocabulary keeps every token (no top-k), as OpenAI-style servers read it.
 
 With a seed (``SamplingParams.seed``) draws are keyed by position instead:
 the token at generated position i is ``argmax(log p_i + g_i)`` (Gumbel-max,
@@ -27,11 +33,11 @@ rejection sampling does.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
 @dataclass(frozen=True)
@@ -87,13 +93,39 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     x = logits.astype(mx.float32)
     x = x - mx.logsumexp(x, axis=-1, keepdims=True)
     if 0 < params.top_p < 1.0:
-        x = apply_top_p(x, params.top_p)
+        x = top_p_filter(x, params.top_p)
     if params.min_p != 0.0:
-        x = apply_min_p(x, params.min_p)
-    if params.top_k > 0:
-        x = apply_top_k(x, params.top_k)
+        x = min_p_filter(x, params.min_p)
+    if 0 < params.top_k < x.shape[-1]:
+        x = top_k_filter(x, params.top_k)
     x = x * (1.0 / params.temp)
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+# mlx-lm's filters (sample_utils.apply_top_p / apply_min_p / apply_top_k), the
+# same arithmetic uncompiled: see the module docstring for why.
+
+def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    sorted_logprobs = mx.sort(logprobs, axis=-1)
+    sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
+    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
+    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def min_p_filter(logprobs: mx.array, min_p: float) -> mx.array:
+    """Drop tokens less likely than ``min_p`` times the most likely one."""
+    top = mx.max(logprobs, axis=-1, keepdims=True)
+    return mx.where(logprobs < top + math.log(min_p), -float("inf"), logprobs)
+
+
+def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
+    """Keep the ``top_k`` most likely tokens (``0 < top_k < vocabulary``)."""
+    drop = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, drop, mx.array(-float("inf"), logprobs.dtype), axis=-1)
 
 
 def sample(logprobs: mx.array) -> mx.array:

@@ -256,3 +256,29 @@ def test_a_seed_gives_plain_decodings_text_whatever_the_drafter_and_draft_length
         _, texts, (accepted, _) = draw_keyed(kind, PLAIN, samples=60, k=k)
         assert texts == plain_texts, (kind, k)
         assert accepted > 0, (kind, k)
+
+
+# --- no request can leave the random state broken (issue 33, 1) ---------------------------------------
+
+def test_a_top_k_at_or_over_the_vocabulary_keeps_every_token_and_the_random_state_works():
+    logits = mx.random.normal((3, VOCAB), key=mx.random.key(0))
+    unfiltered = log_probs(logits, SamplingParams(temp=0.7))
+    for top_k in (VOCAB, VOCAB + 1, 10**12):
+        assert mx.array_equal(log_probs(logits, SamplingParams(temp=0.7, top_k=top_k)), unfiltered).item()
+    assert not mx.array_equal(log_probs(logits, SamplingParams(temp=0.7, top_k=3)), unfiltered).item()
+    # mlx-lm compiles its filters with the random state as an input and output: one that raised
+    # mid-trace (top_k == vocabulary) left a placeholder there, and every later draw failed.
+    mx.eval(mx.random.uniform(shape=(2,)))
+
+
+def test_no_filter_is_compiled_with_the_random_state():
+    """The mechanism of issue 33, 1: nothing in specdec compiles a function over ``mx.random.state``."""
+    import pathlib
+
+    import specdec_cli
+
+    root = pathlib.Path(specdec_cli.__file__).parent
+    for path in root.rglob("*.py"):
+        source = path.read_text()
+        assert "mlx_lm.sample_utils import apply_" not in source, path
+        assert "outputs=mx.random.state" not in source, path

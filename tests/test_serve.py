@@ -249,7 +249,31 @@ BAD = [
     ("no prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("token id out of the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("echo", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    # Issue 33, 3: each of these was a 500.
+    ("a tool call whose function is a string", "/v1/chat/completions", {"messages": [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": "f"}]},
+        {"role": "user", "content": "hi"}]}, 400, "messages.0.tool_calls.0.function"),
+    ("a lone surrogate", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}', 400, None),
+    ("a lone surrogate in a prompt", "/v1/completions", '{"prompt": "\\udfff"}', 400, None),
+    # 5: controls other servers honour are refused by name, never ignored.
+    *[(name, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], name: value}, 400, name)
+      for name, value in (("repetition_penalty", 1.2), ("repeat_penalty", 1.1), ("num_ctx", 4096),
+                          ("mirostat", 2), ("typical_p", 0.9))],
+    # 6: what is wrong, said plainly.
+    *[(f"temperature {v}", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+       f'"temperature": {v}}}', 400, "temperature") for v in ("NaN", "Infinity", "1e400")],
+    ("a text part without text", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
+    # 7: seeds outside [0, 2^64 - 1] are refused, not reduced.
+    *[(f"seed {v}", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": v}, 400,
+       "seed") for v in (2**64, 2**200, -1)],
 ]
+
+# What each of those answers says, where the wording is the point (issue 33, 6 and 7).
+SAYS = {"temperature NaN": "finite", "temperature 1e400": "finite", "a text part without text": "needs its text",
+        "seed -1": "[0, 2^64 - 1]", "a lone surrogate": "unpaired UTF-16 surrogate",
+        "repeat_penalty": "drop repeat_penalty", "num_ctx": "drop num_ctx"}
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
@@ -262,6 +286,7 @@ def test_bad_input_gets_a_4xx_in_openais_shape_and_the_server_keeps_serving(serv
     assert set(error) == ERROR_KEYS and error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param, error
+    assert SAYS.get(name, "") in error["message"] and not error["message"].startswith("Value error")
     assert chat_text(server.client(), [{"role": "user", "content": "hi"}], max_tokens=3)[1].choices
 
 
@@ -282,6 +307,15 @@ def test_routes_methods_and_size_limits_answer_in_the_error_shape(servers):
                       (server.post("/v1/completions", b"x" * (33 * 2**20)), 413)):
         assert r.status_code == status and set(r.json()["error"]) == ERROR_KEYS
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == str(server.args[1])
+    # The openai client's models.retrieve (issue 33, 10), under any name a request may use.
+    client = server.client()
+    assert client.models.retrieve("default_model").id == str(server.args[1])
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    # A body sent chunked (no Content-Length) gets the same 413 (issue 33, 6).
+    chunked = httpx.post(f"{server.url}/v1/completions", content=iter([b"x" * 2**20] * 33),
+                         headers={"content-type": "application/json"}, timeout=120)
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
 
 
 def test_health_and_models_answer_while_a_generation_runs(long_server):
@@ -323,6 +357,10 @@ def test_an_api_key_is_required_when_given(dirs):
         assert server.post("/v1/models", {}).status_code == 401
         assert server.client(api_key="sesame").chat.completions.create(
             model="default_model", messages=messages, max_tokens=2).choices
+        # Anthropic's clients send x-api-key.
+        body = {"messages": messages, "max_tokens": 2}
+        assert server.post("/v1/chat/completions", body, headers={"x-api-key": "sesame"}).status_code == 200
+        assert server.post("/v1/chat/completions", body, headers={"x-api-key": "sesam"}).status_code == 401
         assert httpx.get(f"{server.url}/health").status_code == 200  # health checks need no key
     finally:
         server.stop()

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import SpecdecError
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body
@@ -30,19 +30,27 @@ log = logging.getLogger("specdec.serve")
 
 # A comment line keeps proxies and clients from timing out while a long prompt is prefilled.
 KEEPALIVE_S = 10.0
-# How often a non-streamed request checks that its client is still there.
-DISCONNECT_POLL_S = 0.2
 MAX_BODY_BYTES = 32 * 2**20
+# A request body must arrive whole within this long once its headers are in.
+BODY_TIMEOUT_S = 60.0
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
            kind: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
-    err = ApiError(status, message, param, code, kind)
-    return JSONResponse(err.body(), status_code=status, headers=headers)
+    err = ApiError(status, message, param, code, kind, headers)
+    return _answer_error(err)
+
+
+def _answer_error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 class _BodyLimit:
-    """Refuse bodies over ``limit`` bytes with a 413 before they are read whole."""
+    """Read the whole body first, refusing one over ``limit`` bytes with a 413 (sent chunked or not).
+
+    The app then reads the buffered body, and every later ``receive`` goes to
+    the server's own, so a handler still sees the client's disconnect.
+    """
 
     def __init__(self, app: ASGIApp, limit: int):
         self.app, self.limit = app, limit
@@ -50,28 +58,58 @@ class _BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
         too_big = _error(413, f"the request body is over {self.limit // 2**20} MiB", code="request_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await too_big(scope, receive, send)
-        seen = 0
-
-        async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
+        parts, seen = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                late = _error(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s",
+                              code="request_timeout")
+                return await late(scope, receive, send)
+            if message["type"] != "http.request":
+                return  # the client left before its body was whole: nobody to answer
+            parts.append(message.get("body", b""))
+            seen += len(parts[-1])
             if seen > self.limit:
-                raise _TooLarge()
+                return await too_big(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body: Optional[bytes] = b"".join(parts)
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await too_big(scope, receive, send)
+        await self.app(scope, replay, send)
 
 
-class _TooLarge(Exception):
-    pass
+class _ApiKey:
+    """With a key set, every ``/v1`` request needs it: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
+
+    A plain ASGI middleware (Starlette's ``BaseHTTPMiddleware`` wraps ``receive``
+    so that a handler never saw its client go away).
+    """
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            bearer = headers.get(b"authorization", b"")
+            given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(given.strip(), self.key):
+                refusal = _error(401, "a valid API key is needed: send Authorization: Bearer <key> "
+                                 "(or x-api-key: <key>)", code="invalid_api_key")
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _sse(body: dict) -> str:
@@ -99,7 +137,7 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return _answer_error(e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -108,13 +146,14 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         param = ".".join(where) or None
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON", code="invalid_json")
-        message = first.get("msg", "invalid request")
+        # pydantic prefixes the text of a validator's ValueError; the client needs only the text.
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         return _error(400, f"{param}: {message}" if param else message, param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         messages = {404: f"no route {request.url.path}: this server answers /v1/chat/completions, "
-                         "/v1/completions, /v1/models and /health",
+                         "/v1/completions, /v1/models[/ID] and /health",
                     405: f"{request.method} is not allowed on {request.url.path}"}
         return _error(e.status_code, messages.get(e.status_code, str(e.detail)))
 
@@ -123,17 +162,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         log.exception("unexpected error")
         return _error(500, "the server failed on this request; its log says why", kind="server_error")
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return _error(401, "a valid API key is needed: send Authorization: Bearer <key>",
-                              code="invalid_api_key")
-        return await call_next(request)
-
+    # The last added runs first: the key is checked before a body is read.
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
 
     @app.get("/health")
     async def health() -> dict:
@@ -142,6 +174,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.get("/v1/models")
     async def models() -> dict:
         return service.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        return service.model(model_id)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
@@ -167,7 +203,7 @@ def _failure(e: BaseException) -> ApiError:
     if isinstance(e, SpecdecError):
         return ApiError(400, str(e))
     if isinstance(e, Busy):
-        return ApiError(503, str(e), code="overloaded")
+        return ApiError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
     log.error("generation failed: %s", e, exc_info=(type(e), e, e.__traceback__))
     return ApiError(500, "generation failed on the server; its log says why", kind="server_error")
 
@@ -176,8 +212,7 @@ async def _answer(service: Service, prepared: Prepared, stream: bool, request: R
     try:
         service.worker.submit(prepared.job)
     except Busy as e:
-        return _error(503, f"the server is busy ({e}): try again shortly", code="overloaded",
-                      headers={"Retry-After": "1"})
+        return _answer_error(_failure(Busy(f"the server is busy ({e}): try again shortly")))
     if stream:
         return StreamingResponse(_events(service, prepared), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -186,23 +221,31 @@ async def _answer(service: Service, prepared: Prepared, stream: bool, request: R
 
 async def _collect(service: Service, prepared: Prepared, request: Request):
     job, pieces = prepared.job, []
+    # The body is read whole: the next message the server has for this request is its disconnect.
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(job.out.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    return None
-                continue
+            item = asyncio.ensure_future(job.out.get())
+            await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not item.done():
+                item.cancel()
+                log.info("the client went away before its answer was ready")
+                return None
+            item = item.result()
             if isinstance(item, Done):
                 return JSONResponse(service.response(prepared, pieces, item.reply))
             if isinstance(item, Failed):
-                err = _failure(item.error)
-                return JSONResponse(err.body(), status_code=err.status)
+                return _answer_error(_failure(item.error))
             pieces.append(item)
     finally:
-        job.cancel()  # a no-op once done; cancels when the handler itself is cancelled
+        gone.cancel()
+        job.cancel()  # a no-op once done; stops the generation (or skips a queued job) otherwise
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(service: Service, prepared: Prepared) -> AsyncIterator[str]:

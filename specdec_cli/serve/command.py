@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import bundled
 from ..display import print_stderr
@@ -31,6 +33,11 @@ log = logging.getLogger("specdec.serve")
 # uvicorn's own wait for open connections once asked to stop; generation is
 # cancelled at once and each block is short, so this bounds shutdown.
 GRACEFUL_S = 0.5
+# A connection must send a request's whole headers this soon after it opens (or after its
+# last answer): half-sent headers cannot hold a connection open for free.
+HEADERS_TIMEOUT_S = 10.0
+# An idle kept-alive connection is closed after this long (uvicorn's default, said here).
+KEEP_ALIVE_S = 5
 
 
 @dataclass
@@ -117,13 +124,54 @@ def serve_command(opts: ServeOptions) -> int:
                   f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])
     _logging(opts.log_level)
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.log_level == "debug",
-                            timeout_graceful_shutdown=GRACEFUL_S, lifespan="on", log_config=None)
+                            timeout_graceful_shutdown=GRACEFUL_S, lifespan="on", log_config=None,
+                            http=TimedH11Protocol, timeout_keep_alive=KEEP_ALIVE_S)
     server = _Server(config, service)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn raises the signal it caught again once it has shut down: stopping is the normal end
     return 0
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, which also closes a connection whose request headers come too slowly.
+
+    uvicorn times out idle kept-alive connections, but not one that was just
+    opened, nor one sending its headers a byte at a time.
+    """
+
+    _headers_timer: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._wait_for_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._between_requests():
+            self._wait_for_headers()  # the start of a request: its headers must come in time
+        elif self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def connection_lost(self, exc) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _wait_for_headers(self) -> None:
+        if self._headers_timer is None:
+            self._headers_timer = self.loop.call_later(HEADERS_TIMEOUT_S, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._headers_timer = None
+        if self._between_requests() and not self.transport.is_closing():
+            log.info("closed a connection that sent no whole request headers within %.0f s", HEADERS_TIMEOUT_S)
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..stats import Stats
 
@@ -27,11 +27,13 @@ class ApiError(Exception):
         param: The request field at fault, if one is.
         code: A machine-readable code (OpenAI's, where one exists).
         kind: OpenAI's error type.
+        headers: HTTP headers the answer carries (``Retry-After`` on a 503).
     """
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: Optional[str] = None):
+                 kind: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -57,16 +59,58 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+# OpenAI's seed is a 64-bit integer; draws are keyed by all 64 bits (see specdec_cli.sampling).
+SEED_MAX = 2**64 - 1
+
+
+def _unpaired_surrogate(value: Any, path: str) -> Optional[str]:
+    """Where in a decoded JSON value a string holds a lone UTF-16 surrogate (``"\\ud800"``), or None.
+
+    JSON may escape one; no tokenizer can encode it.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _unpaired_surrogate(key, where) if isinstance(key, str) else None
+        found = found or _unpaired_surrogate(item, where)
+        if found:
+            return found
+    return None
+
+
+def _finite(default=None, **bounds):
+    """A float field that refuses NaN and infinities (JSON's ``NaN``, ``Infinity``, ``1e400``) by name."""
+    return Field(default=default, allow_inf_nan=False, **bounds)
+
+
 class TextPart(_Strict):
     type: str
     text: Optional[str] = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    # OpenAI sends the arguments as a JSON string; some clients send the object itself.
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(_Strict):
+    function: FunctionCall
+    id: Optional[str] = None
+    type: Optional[str] = "function"
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
 
 
@@ -81,10 +125,11 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    temperature: Optional[float] = _finite(ge=0, le=2)
+    top_p: Optional[float] = _finite(ge=0, le=1)
+    # At or above the vocabulary size: every token is kept (no top-k).
     top_k: Optional[int] = Field(default=None, ge=0)
-    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    min_p: Optional[float] = _finite(ge=0, le=1)
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
     num_draft_tokens: Optional[int] = Field(default=None, ge=0)
@@ -94,9 +139,25 @@ class _Common(_Strict):
     n: Optional[int] = Field(default=None, ge=1)
     logprobs: Union[bool, int, None] = None
     top_logprobs: Optional[int] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = _finite()
+    presence_penalty: Optional[float] = _finite()
     logit_bias: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, body: Any) -> Any:
+        where = _unpaired_surrogate(body, "")
+        if where:
+            raise ValueError(f"{where} holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), which "
+                             "no tokenizer can encode: send valid Unicode text")
+        return body
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed: Optional[int]) -> Optional[int]:
+        if seed is not None and not 0 <= seed <= SEED_MAX:
+            raise ValueError("must be an integer within [0, 2^64 - 1]; leave it out for random draws")
+        return seed
 
     @property
     def stop_strings(self) -> list[str]:
@@ -124,9 +185,33 @@ class CompletionRequest(_Common):
     best_of: Optional[int] = None
 
 
+# Sampling controls of other servers (mlx-lm, llama.cpp, Ollama, Open WebUI) that no OpenAI field
+# covers: each would change the distribution, so any value but a neutral one is refused by name.
+_NEUTRAL = {
+    "repetition_penalty": ((None, 0, 1), "mlx-lm's repetition penalty"),
+    "repeat_penalty": ((None, 1), "llama.cpp's and Ollama's repetition penalty"),
+    "mirostat": ((None, 0), "Mirostat sampling"),
+    "mirostat_tau": ((None,), "Mirostat sampling"),
+    "mirostat_eta": ((None,), "Mirostat sampling"),
+    "typical_p": ((None, 1), "typical sampling"),
+    "tfs_z": ((None, 1), "tail-free sampling"),
+    "top_a": ((None, 0), "top-a sampling"),
+    "xtc_probability": ((None, 0), "XTC sampling"),
+    "dry_multiplier": ((None, 0), "DRY sampling"),
+    "min_tokens": ((None, 0), "a minimum length (end-of-sequence tokens suppressed)"),
+}
+
+
 def unsupported(req: _Common) -> Optional[ApiError]:
     """The first field this server cannot honour exactly, as a 400 naming it (None: all fine)."""
+    extra = req.model_extra or {}
     checks: list[tuple[str, bool, str]] = [
+        (name, name in extra and extra[name] not in neutral,
+         f"{what} is not supported (it would change the model's distribution): drop {name}")
+        for name, (neutral, what) in _NEUTRAL.items()
+    ]
+    checks += [
+        ("num_ctx", "num_ctx" in extra, "the context is the model's own, set when the server starts: drop num_ctx"),
         ("n", (req.n or 1) != 1, "only one choice per request is generated: drop n or set it to 1"),
         ("logprobs", bool(req.logprobs), "log-probabilities are not returned: drop logprobs"),
         ("top_logprobs", req.top_logprobs not in (None, 0), "log-probabilities are not returned: drop top_logprobs"),
@@ -147,9 +232,12 @@ def unsupported(req: _Common) -> Optional[ApiError]:
         ]
         for i, m in enumerate(req.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     checks.append((f"messages[{i}].content[{j}]", True,
                                    f"content of type {part.type!r} is not supported: this server runs a text model"))
+                elif part.text is None:
+                    checks.append((f"messages[{i}].content[{j}].text", True,
+                                   "a part of type 'text' needs its text: add a \"text\" string"))
     else:
         checks += [
             ("echo", bool(req.echo), "echo is not supported: drop it"),
@@ -184,9 +272,9 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         if m.tool_calls:
             calls = []
             for call in m.tool_calls:
-                call = json.loads(json.dumps(call))  # a copy
-                fn = call.get("function") or {}
-                if isinstance(fn.get("arguments"), str):
+                call = call.model_dump(exclude_none=True)  # a copy, with any fields the client added
+                fn = call["function"]
+                if isinstance(fn["arguments"], str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
                     except ValueError:
@@ -195,6 +283,15 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             msg["tool_calls"] = calls
         out.append(msg)
     return out
+
+
+def content_chars(req: ChatRequest) -> int:
+    """Characters of the messages' text (what the prompt holds at least)."""
+    total = 0
+    for m in req.messages:
+        parts = m.content if isinstance(m.content, list) else [TextPart(type="text", text=m.content or "")]
+        total += sum(len(p.text or "") for p in parts)
+    return total
 
 
 def new_id(prefix: str) -> str:

@@ -75,8 +75,24 @@ class Service:
     # --- answers that need no model run ------------------------------------------
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": protocol.now(),
-                                            "owned_by": "specdec"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    def model(self, name: str) -> dict:
+        """``GET /v1/models/{name}``: the served model under any name a request may use for it.
+
+        Raises:
+            ApiError: 404 for another name.
+        """
+        self._served(name)
+        return self._model_card()
+
+    def _served(self, name: str) -> None:
+        if name not in self.names:
+            raise ApiError(404, f"the model {name!r} is not served here; this server runs {self.model_id!r} "
+                           "(GET /v1/models)", "model", "model_not_found")
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": protocol.now(), "owned_by": "specdec"}
 
     def health(self) -> dict:
         cache = self.session.prompt_cache
@@ -87,12 +103,18 @@ class Service:
 
     def _check(self, req) -> None:
         """A model served here, and no field this server cannot honour."""
-        if req.model is not None and req.model not in self.names:
-            raise ApiError(404, f"the model {req.model!r} is not served here; this server runs {self.model_id!r} "
-                           "(GET /v1/models)", "model", "model_not_found")
+        if req.model is not None:
+            self._served(req.model)
         bad = protocol.unsupported(req)
         if bad is not None:
             raise bad
+
+    def _bound_chars(self, chars: int, param: str) -> None:
+        """A text that cannot fit the context is refused before it is tokenized (a huge body costs nothing)."""
+        try:
+            self.session.setup.check_prompt_chars(chars)
+        except PromptTooLongError as e:
+            raise ApiError(400, str(e), param, "context_length_exceeded") from None
 
     def _limits(self, ids: list[int], max_tokens: Optional[int], param: str) -> int:
         """The most tokens to generate; a prompt over the context or the device's memory is a 400."""
@@ -132,6 +154,7 @@ class Service:
             ApiError: A 4xx naming the field at fault.
         """
         self._check(req)
+        self._bound_chars(protocol.content_chars(req), "messages")
         tools = req.tools if req.tool_choice != "none" else None
         kwargs = {**self.session.setup.template_kwargs, **(req.chat_template_kwargs or {})}
         try:
@@ -154,6 +177,7 @@ class Service:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._bound_chars(len(prompt), "prompt")
             ids = encode_text(self.tokenizer, prompt)
         else:
             vocab = len(self.tokenizer)

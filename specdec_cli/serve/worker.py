@@ -126,6 +126,7 @@ class Worker:
             if job is None:
                 break
             if job.cancelled.is_set():
+                log.info("skipped a queued request whose client went away")
                 continue
             self.current = job
             try:

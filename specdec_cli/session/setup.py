@@ -28,6 +28,7 @@ from ..errors import OptionError, SpecdecError
 from ..hooks import TargetParts, target_parts
 from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
+from ..prompts import longest_token_chars
 from .options import ModelOptions, check_block_size, hidden_states_refused
 
 
@@ -152,6 +153,28 @@ class Setup:
     def context(self) -> Optional[tuple[int, str]]:
         """The model's context length and where it was read (None: unknown)."""
         return context_length(self.target.config)
+
+    @functools.cached_property
+    def longest_token(self) -> Optional[int]:
+        """The most characters one token stands for (see :func:`~specdec_cli.prompts.longest_token_chars`)."""
+        return longest_token_chars(self.tokenizer)
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing it, a text too long for the context whatever its tokens.
+
+        Raises:
+            PromptTooLongError: ``chars`` characters cannot encode to fewer tokens than the context holds.
+        """
+        found, longest = self.context(), self.longest_token
+        if found is None or longest is None:
+            return
+        limit, source = found
+        least = -(-chars // longest)
+        if least >= limit:
+            raise PromptTooLongError(
+                f"the prompt is {chars} characters, so at least {least} tokens (no token of this model is longer "
+                f"than {longest} characters), but the model's context is {limit} tokens ({source}): shorten the prompt"
+            )
 
     def fit_context(self, prompt_tokens: int, max_tokens: int) -> tuple[int, Optional[int]]:
         """Refuse a prompt the model's context cannot hold; cap generation at the context.
