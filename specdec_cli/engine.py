@@ -12,15 +12,16 @@ as plain decoding would leave it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
 from .adaptive import DraftPolicy, FixedLength
+from .batch_cache import BatchCache
 from .caches import ModelCache
-from .drafters import Drafter
-from .hooks import HiddenTap
+from .drafters import Draft, Drafter, no_draft
+from .hooks import Hidden, HiddenTap
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, log_probs
 
 if TYPE_CHECKING:
@@ -94,6 +95,327 @@ MAX_CARRY = 8
 TARGET_REACH = 1
 
 
+@dataclass(eq=False)
+class Row:
+    """One sequence the engine decodes: its own drafter, draft policy, sampling, stops and budget.
+
+    Nothing one row sets reaches another: a batch is rows, each with its own state.
+
+    Attributes:
+        last: The last committed token (not yet fed to the target).
+        drafter: A prefilled drafter in step with the row's caches, or None (plain decoding).
+        policy: Chooses each block's draft length.
+        sampling: Greedy, or sampling options (with a seed, draws keyed by position).
+        eos: Token ids that end the row (not emitted).
+        max_tokens: Most tokens to emit.
+        emitted: Tokens emitted so far.
+        carry: Committed tokens the target has not been fed yet (solo rows under ``carry``).
+        finish: Why the row ended (``stop`` or ``length``), once it has.
+        tag: Whatever the caller uses to know the row (a request).
+    """
+
+    last: int
+    drafter: Optional[Drafter]
+    policy: DraftPolicy
+    sampling: SamplingParams = GREEDY
+    eos: frozenset = frozenset()
+    max_tokens: int = 256
+    emitted: int = 0
+    carry: mx.array = field(default_factory=lambda: mx.array([], dtype=mx.uint32))
+    finish: Optional[str] = None
+    tag: Any = None
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - self.emitted
+
+
+@dataclass
+class _Pending:
+    """One row's part of a block between its draft and its commit."""
+
+    row: Row
+    draft: Draft
+    params: SamplingParams
+    x: mx.array  # carry + [last] + drafts
+    c: int  # carried tokens leading x
+    n_acc: Any = None
+    nxt: Any = None
+    hidden: Optional[Hidden] = None
+
+    @property
+    def k(self) -> int:
+        return self.draft.size
+
+
+class Engine:
+    """The draft -> verify -> accept loop over rows: one target forward per block for all of them.
+
+    A single row (``generate``, ``--compare-ar``, ``sweep``, under ``mlx.launch``)
+    runs on its own :class:`~specdec_cli.caches.ModelCache` with every
+    recurrent rollback strategy. Several rows share a
+    :class:`~specdec_cli.batch_cache.BatchCache`: their drafts are padded to the
+    longest, verified in one forward, and each row accepts and rolls back at
+    its own depth (recurrent layers by ``capture``; a model that cannot record
+    its recurrent states decodes a batch plainly). Rows join (:meth:`admit`)
+    and leave (:meth:`remove`) at any block boundary; a batch of one is a
+    single row's cache again.
+
+    Args:
+        model: The target model.
+        rollback: A single row's recurrent rollback: ``reforward``, ``carry``,
+            ``capture`` or ``tape``.
+        timed: Add a sync after each phase and report :class:`PhaseTimes`.
+        tap: Records the target's hidden states for drafters that read them.
+        sync: The ranks of a sharded target (one row only).
+        planner: Weighs each row's expected tokens against what its drafts
+            add to a batch's forward (see :mod:`specdec_cli.batch_policy`).
+    """
+
+    def __init__(self, model: Any, *, rollback: str = "carry", timed: bool = False,
+                 tap: Optional[HiddenTap] = None, sync: Optional[Ranks] = None, planner: Any = None):
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {ROLLBACKS}")
+        self.model = model
+        self.rollback = rollback
+        self.timed = timed
+        self.tap = tap
+        self.sync = sync
+        self.planner = planner
+        self.rows: list[Row] = []
+        self._solo: Optional[ModelCache] = None
+        self._batch: Optional[BatchCache] = None
+
+    # -- rows in and out -------------------------------------------------------------------------
+
+    def admit(self, row: Row, cache: ModelCache) -> Row:
+        """Add a row whose target caches (``cache``) hold its prompt and committed tokens but the last.
+
+        Raises:
+            UnsupportedModelError: Verify forwards cannot compute as one-token decoding does.
+            ValueError: A second row under ``sync``, or capture/tape on a model that cannot record.
+        """
+        if self.sync is not None and self.rows:
+            raise ValueError("a sharded target decodes one row")
+        k_max = getattr(row.policy, "k_max", getattr(row.policy, "k", 0))
+        # Before the row's first token: every verify row count it can use computes as one-token decoding.
+        cache.check_verify(max(verify_rows(k_max, cache.recurrent, self.rollback)))
+        if self._record_for(cache) and not cache.can_record:
+            raise ValueError(f"--rollback {self.rollback} cannot run on this model ({cache.record_problem})")
+        cache.ensure_reach(TARGET_REACH)
+        if not self.rows:
+            self._solo = cache
+        else:
+            if self._solo is not None:
+                self._flush(self.rows[0], self._solo)
+                self._batch, self._solo = BatchCache(self.model, self._solo), None
+            self._flush(row, cache)
+            self._batch.add(cache)
+        self.rows.append(row)
+        return row
+
+    def remove(self, row: Row) -> ModelCache:
+        """Take a row out; returns its target caches as a single row's (the engine's invariant holds)."""
+        b = self.rows.index(row)
+        if self._solo is not None:
+            cache, self._solo = self._solo, None
+            self._flush(row, cache)
+        else:
+            cache = self._batch.row(b)
+            self._batch.keep_rows([i for i in range(len(self.rows)) if i != b])
+            if len(self.rows) == 2:
+                self._solo, self._batch = self._batch.row(0), None
+        self.rows.pop(b)
+        return cache
+
+    def close(self) -> None:
+        """Leave every row's caches as plain decoding would (carried tokens fed)."""
+        if self._solo is not None and self.rows:
+            self._flush(self.rows[0], self._solo)
+        if self.tap is not None:
+            self.tap.clear()
+
+    @staticmethod
+    def _flush(row: Row, cache: ModelCache) -> None:
+        if row.carry.shape[0]:
+            cache.feed(row.carry)
+            row.carry = row.carry[:0]
+
+    def _record_for(self, cache) -> Optional[str]:
+        return self.rollback if self.rollback in ("capture", "tape") and cache.recurrent else None
+
+    # -- one block for every row -------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Row, Block]]:
+        """One target forward for all rows; returns each row's :class:`Block`.
+
+        A row that ended (EOS or its max tokens: ``row.finish``) must be
+        :meth:`remove`-d before the next step.
+        """
+        live = self.rows
+        if not live:
+            return []
+        if any(r.finish is not None or r.room <= 0 for r in live):
+            raise ValueError("remove the rows that ended before the next step")
+        batch = self._batch is not None
+        cache = self._batch if batch else self._solo
+        # A batch rolls recurrent layers back by capture; without it, its rows decode plainly.
+        record = ("capture" if cache.recurrent and cache.can_record else None) if batch else self._record_for(cache)
+        speculate = not (batch and cache.recurrent and record is None)
+        pending: list[_Pending] = []
+        snap = None
+        done = False
+        try:
+            t0 = time.perf_counter()
+            if batch and self.planner is not None:
+                self.planner.prepare(live)
+            for r in live:
+                # With a seed, draws are keyed by the generated position: row i of this block is token emitted + i.
+                params = r.sampling.at(r.emitted)
+                k = min(r.policy.next_k(), r.room - 1) if speculate and r.drafter is not None else 0
+                draft = r.drafter.propose(r.last, k, params) if r.drafter is not None else no_draft()
+                pending.append(_Pending(r, draft, params, mx.array([], dtype=mx.uint32), r.carry.shape[0]))
+            if batch and self.planner is not None:
+                self.planner.trim(pending)
+            syncs = sum(p.draft.syncs for p in pending)
+            if self.timed:
+                mx.eval([p.draft.tokens for p in pending])
+                syncs += 1
+            t1 = time.perf_counter()
+            snap = cache.snapshot()
+            for p in pending:
+                p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
+            position = None if batch else cache.length
+            if batch:
+                width = max(p.x.shape[0] for p in pending)
+                xs = mx.stack([mx.pad(p.x, (0, width - p.x.shape[0])) for p in pending])
+                logits = cache.feed(xs, record=record)
+                hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
+                for b, p in enumerate(pending):
+                    p.hidden = None if hidden is None else hidden[b]
+                    self._accept(p, logits[b, p.c : p.c + 1 + p.k])
+            else:
+                p = pending[0]
+                logits = cache.feed(p.x, record=record)[p.c:]
+                p.hidden = self.tap.take() if self.tap is not None else None
+                self._accept(p, logits)
+            tables = [None] * len(pending)
+            if self.sync is not None:
+                p = pending[0]
+                tables[0] = self.sync.propose(mx.stack([p.n_acc.astype(mx.int32), p.nxt.astype(mx.int32)]),
+                                              p.x, position)
+            mx.eval([(p.n_acc, p.nxt, p.draft.tokens) for p in pending], [t for t in tables if t is not None])
+            syncs += 1
+            t2 = time.perf_counter()
+            out = self._commit(pending, tables, cache, snap, record, batch)
+            if self.timed:
+                mx.eval(cache.state_arrays())
+                syncs += 1
+            t3 = time.perf_counter()
+            done = True
+        finally:
+            if not done:
+                # Interrupted mid-block: every row back to its state before it.
+                for p in pending:
+                    if p.row.drafter is not None:
+                        p.row.drafter.cancel()
+                if snap is not None:
+                    cache.restore(snap)
+                if self.tap is not None:
+                    self.tap.clear()
+        seconds = t3 - t0
+        if self.sync is not None and getattr(live[0].policy, "clocked", True):
+            seconds = self.sync.clock(seconds)  # every rank's policy decides alike
+            syncs += 1
+        times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if self.timed else None
+        blocks = []
+        for p, (committed, n_keep, carry, n, kind, finish) in zip(pending, out):
+            # Only now: an interrupted block leaves each row as it was.
+            r = p.row
+            r.carry, r.last, r.finish = carry, committed[n_keep - 1], finish
+            tokens = committed[:n_keep - 1] if finish == "stop" else committed[:n_keep]
+            r.emitted += len(tokens)
+            r.policy.observe(p.k, n, len(tokens), seconds)
+            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.c + 1 + p.k, p.c)))
+        if batch and self.planner is not None:
+            self.planner.observe(len(pending), max(p.x.shape[0] for p in pending), seconds)
+        return blocks
+
+    @staticmethod
+    def _accept(p: _Pending, logits: mx.array) -> None:
+        """The row's accepted count and next token, lazily (one host sync for all rows)."""
+        if p.params.greedy:
+            p.n_acc, p.nxt = accept_greedy(logits, p.draft.tokens)
+        elif p.params.keyed:
+            p.n_acc, p.nxt = accept_keyed(logits, p.draft.tokens, p.params)
+        else:
+            p.n_acc, p.nxt = accept_sampled(logits, p.draft.tokens, p.draft.logprobs, p.params)
+
+    def _commit(self, pending: list[_Pending], tables: list, cache, snap, record: Optional[str],
+                batch: bool) -> list[tuple]:
+        """Each row's committed tokens, kept count, new carry, accepted count, rollback kind and finish.
+
+        The caches and drafters follow; the rows themselves are updated by the caller once the block is done.
+        """
+        out, keep = [], []
+        width = max(p.x.shape[0] for p in pending)
+        for p, table in zip(pending, tables):
+            r = p.row
+            if table is None:
+                n, last_token = p.n_acc.item(), p.nxt.item()
+            else:
+                n, last_token = self.sync.settle(table)
+            committed = p.draft.tokens.tolist()[:n] + [last_token]
+            n_keep, finish = _cut(committed, r.eos, r.room)
+            # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
+            carry = r.carry[:0]
+            if batch:
+                kept = p.c + n_keep
+                keep.append(kept)
+                # A row shorter than the forward had padding fed after it: never a full accept.
+                kind = "none" if kept == width else "trim" if not cache.recurrent else record
+            else:
+                kind, carry = self._settle_solo(p, cache, snap, record, n_keep, finish)
+            self._hand_over(p, n_keep)
+            out.append((committed, n_keep, carry, n, kind, finish))
+        if batch:
+            cache.settle(snap, keep)
+        return out
+
+    def _settle_solo(self, p: _Pending, cache: ModelCache, snap, record: Optional[str], n_keep: int,
+                     finish: Optional[str]) -> tuple[str, mx.array]:
+        """Cut a single row's caches back to ``n_keep`` tokens; returns the rollback kind and the new carry."""
+        kept = p.x[: p.c + n_keep]
+        none = p.row.carry[:0]
+        if n_keep == p.k + 1:
+            return "none", none
+        if not cache.recurrent:
+            cache.rollback(snap, p.c + n_keep)
+            return "trim", none
+        if record:
+            cache.rollback_recorded(snap, p.c + n_keep)
+            return record, none
+        if self.rollback == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
+            cache.restore(snap)
+            return "carry", kept
+        if cache.rollback(snap, p.c + n_keep):
+            cache.feed(kept)
+        return "reforward", none
+
+    def _hand_over(self, p: _Pending, n_keep: int) -> None:
+        drafter = p.row.drafter
+        if drafter is None:
+            return
+        if p.hidden is not None:
+            # Rows of [last, d1 .. d(n_keep-1)]; carried rows were handed over before.
+            hidden = p.hidden.rows(p.c, p.c + n_keep)
+            if self.tap is not None:
+                self.tap.clear()  # a re-forward's states repeat rows already taken
+            drafter.accept(n_keep - 1, hidden)
+        else:
+            drafter.accept(n_keep - 1)
+
+
 def speculative_generate_step(
     last: int,
     cache: ModelCache,
@@ -109,11 +431,12 @@ def speculative_generate_step(
     tap: Optional[HiddenTap] = None,
     sync: Optional[Ranks] = None,
 ) -> Iterator[Block]:
-    """Speculative decoding: greedy, or lossless sampling at temp > 0.
+    """Speculative decoding of one sequence: greedy, or lossless sampling at temp > 0.
 
-    Sampling is rejection sampling, or with a seed (``sampling.seed``) draws
-    keyed by position (see :mod:`specdec_cli.sampling`): then the text does
-    not depend on the draft lengths.
+    The :class:`Engine` with one row. Sampling is rejection sampling, or with
+    a seed (``sampling.seed``) draws keyed by position (see
+    :mod:`specdec_cli.sampling`): then the text does not depend on the draft
+    lengths.
 
     Each block drafts up to k tokens, verifies ``[last, d1..dk]`` in one
     target forward, computes the accepted length on the device and reads it
@@ -155,118 +478,15 @@ def speculative_generate_step(
         if num_draft_tokens is None or num_draft_tokens < 0:
             raise ValueError("give num_draft_tokens >= 0 or a policy")
         policy = FixedLength(num_draft_tokens)
-    if rollback not in ROLLBACKS:
-        raise ValueError(f"rollback must be one of {ROLLBACKS}")
-    # Before the first token: every verify row count this run can use must compute as one-token decoding.
-    cache.check_verify(max(verify_rows(getattr(policy, "k_max", getattr(policy, "k", 0)), cache.recurrent,
-                                       rollback)))
-    record = rollback if rollback in ("capture", "tape") and cache.recurrent else None
-    if record and not cache.can_record:
-        raise ValueError(f"--rollback {rollback} cannot run on this model ({cache.record_problem})")
-    cache.ensure_reach(TARGET_REACH)
-    eos = frozenset(eos_ids)
-    emitted = 0
-    # Committed tokens the target has not been fed yet (carry strategy).
-    carry = mx.array([], dtype=mx.uint32)
+    engine = Engine(cache.model, rollback=rollback, timed=timed, tap=tap, sync=sync)
+    row = engine.admit(Row(last, drafter, policy, sampling, frozenset(eos_ids), max_tokens), cache)
     try:
-        while emitted < max_tokens:
-            room = max_tokens - emitted
-            snap = None
-            done = False
-            try:
-                t0 = time.perf_counter()
-                # With a seed, draws are keyed by the generated position: row i of this block is token emitted + i.
-                params = sampling.at(emitted)
-                draft = drafter.propose(last, min(policy.next_k(), room - 1), params)
-                k, syncs = draft.size, draft.syncs
-                if timed:
-                    mx.eval(draft.tokens)
-                    syncs += 1
-                t1 = time.perf_counter()
-                snap = cache.snapshot()
-                x = mx.concatenate([carry, mx.array([last], dtype=mx.uint32), draft.tokens])
-                c = carry.shape[0]
-                position = cache.length
-                logits = cache.feed(x, record=record)[c:]
-                hidden = tap.take() if tap is not None else None
-                if sampling.greedy:
-                    n_acc, nxt = accept_greedy(logits, draft.tokens)
-                elif sampling.keyed:
-                    n_acc, nxt = accept_keyed(logits, draft.tokens, params)
-                else:
-                    n_acc, nxt = accept_sampled(logits, draft.tokens, draft.logprobs, sampling)
-                table = None if sync is None else sync.propose(
-                    mx.stack([n_acc.astype(mx.int32), nxt.astype(mx.int32)]), x, position)
-                mx.eval(n_acc, nxt, draft.tokens, *([] if table is None else [table]))
-                syncs += 1
-                t2 = time.perf_counter()
-                if table is None:
-                    n, last_token = n_acc.item(), nxt.item()
-                else:
-                    n, last_token = sync.settle(table)
-                committed = draft.tokens.tolist()[:n] + [last_token]
-                n_keep, finish = _cut(committed, eos, room)
-                # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
-                kept = x[: c + n_keep]
-                new_carry = carry[:0]
-                if n_keep == k + 1:
-                    kind = "none"
-                elif not cache.recurrent:
-                    kind = "trim"
-                    cache.rollback(snap, c + n_keep)
-                elif record:
-                    kind = record
-                    cache.rollback_recorded(snap, c + n_keep)
-                elif rollback == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
-                    kind, new_carry = "carry", kept
-                    cache.restore(snap)
-                else:
-                    kind = "reforward"
-                    if cache.rollback(snap, c + n_keep):
-                        cache.feed(kept)
-                if hidden is not None:
-                    # Rows of [last, d1 .. d(n_keep-1)]; carried rows were handed over before.
-                    hidden = hidden.rows(c, c + n_keep)
-                    tap.clear()  # a re-forward's states repeat rows already taken
-                    drafter.accept(n_keep - 1, hidden)
-                else:
-                    drafter.accept(n_keep - 1)
-                if timed:
-                    mx.eval(cache.state_arrays())
-                    syncs += 1
-                t3 = time.perf_counter()
-                done = True
-            finally:
-                if not done:
-                    # Interrupted mid-block: back to the state before it.
-                    drafter.cancel()
-                    if snap is not None:
-                        cache.restore(snap)
-                    if tap is not None:
-                        tap.clear()
-            # Only now: an interrupted block leaves the old carry to be fed.
-            carry = new_carry
-            last = committed[n_keep - 1]
-            tokens = committed[:n_keep]
-            if finish == "stop":
-                tokens = tokens[:-1]
-            emitted += len(tokens)
-            seconds = t3 - t0
-            if sync is not None and getattr(policy, "clocked", True):
-                seconds = sync.clock(seconds)  # every rank's policy decides alike
-                syncs += 1
-            policy.observe(k, n, len(tokens), seconds)
-            times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if timed else None
-            yield Block(tuple(tokens), k, n, kind, syncs, finish, times, c + 1 + k, c)
-            if finish:
-                return
+        while row.finish is None and row.room > 0:
+            ((_, block),) = engine.step()
+            yield block
     finally:
-        if carry.shape[0]:
-            # Whatever ends the run, the cache must hold every committed token
-            # but the last, as plain decoding leaves it.
-            cache.feed(carry)
-        if tap is not None:
-            tap.clear()
+        # Whatever ends the run, the cache must hold every committed token but the last, as plain decoding leaves it.
+        engine.close()
 
 
 @dataclass(frozen=True)

@@ -379,6 +379,21 @@ class HiddenTap:
         return Hidden(tuple(taken[i] for i in self.spec.layers),
                       joined(self._final) if self.spec.final else None)
 
+    def take_rows(self, rows: int) -> list[Hidden]:
+        """The states recorded since the last call, one :class:`Hidden` (``[T, H]`` each) per batch row."""
+        layers = tuple(self._layers[i] for i in self.spec.layers)
+        if any(not c for c in layers) or (self.spec.final and not self._final):
+            self.clear()
+            return [Hidden() for _ in range(rows)]
+        taken = {i: mx.concatenate(self._layers[i], axis=1) if len(self._layers[i]) > 1 else self._layers[i][0]
+                 for i in dict.fromkeys(self.spec.layers)}
+        final = None
+        if self.spec.final:
+            final = mx.concatenate(self._final, axis=1) if len(self._final) > 1 else self._final[0]
+        self.clear()
+        return [Hidden(tuple(taken[i][b] for i in self.spec.layers), None if final is None else final[b])
+                for b in range(rows)]
+
     def clear(self) -> None:
         """Forget what was recorded (a re-forward's states, say)."""
         for chunks in self._layers.values():
