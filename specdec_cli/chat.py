@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from .display import print_stderr, text_view
+from .display import print_stderr, stderr_width, text_view
 from .errors import OptionError
 from .prompts import clean, render_messages
 from .session import (
@@ -45,13 +45,46 @@ class ChatOptions(RunOptions):
     prompt_cache_size: int = 10
 
 
-def turn_line(stats: Stats, interrupted: bool = False) -> str:
-    """The numbers of one answer, in one line."""
+def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = None) -> str:
+    """The numbers of one answer, in one line no wider than ``width`` where it can be.
+
+    A wrapped line breaks mid-word, so on a narrow terminal the words are shortened
+    first, then the least useful numbers are left out: the prefill time, the prompt,
+    tokens per block, acceptance. The tokens generated, tok/s and a Ctrl-C stop stay.
+
+    Args:
+        stats: The answer's statistics.
+        interrupted: Whether Ctrl-C stopped the answer.
+        width: Columns available; None (not a terminal) for the full line.
+
+    Returns:
+        The line, bracketed; the shortest form when even that is wider than ``width``.
+    """
     cached = f" ({stats.cached_tokens} cached)" if stats.cached_tokens else ""
-    end = "; stopped (Ctrl-C)" if interrupted else ""
-    return (f"[prompt {stats.prompt_tokens} tokens{cached}, {stats.prefill_s:.2f} s | {stats.generated} tokens, "
-            f"{stats.decode_tps:.1f} tok/s | acceptance {100 * stats.acceptance:.0f}%, "
-            f"{stats.tokens_per_block:.2f} tokens per block{end}]")
+    accept, tpb = f"{100 * stats.acceptance:.0f}%", f"{stats.tokens_per_block:.2f}"
+    # (group, full text, short text, drop rank): groups are joined by " | ", their
+    # parts by ", "; the highest rank goes first, rank 0 never.
+    parts = [
+        (0, f"prompt {stats.prompt_tokens} tokens{cached}", f"prompt {stats.prompt_tokens}{cached}", 3),
+        (0, f"{stats.prefill_s:.2f} s", f"{stats.prefill_s:.2f} s", 4),
+        (1, f"{stats.generated} tokens", f"{stats.generated} tokens", 0),
+        (1, f"{stats.decode_tps:.1f} tok/s", f"{stats.decode_tps:.1f} tok/s", 0),
+        (2, f"acceptance {accept}", f"accept {accept}", 1),
+        (2, f"{tpb} tokens per block", f"{tpb} tok/block", 2),
+    ]
+
+    def line(short: bool, keep: int) -> str:
+        groups: dict[int, list[str]] = {}
+        for group, full, brief, rank in parts:
+            if rank <= keep:
+                groups.setdefault(group, []).append(brief if short else full)
+        end = ("; stopped" if short else "; stopped (Ctrl-C)") if interrupted else ""
+        return "[" + " | ".join(", ".join(g) for g in groups.values()) + end + "]"
+
+    candidates = [line(False, 4)] + [line(True, keep) for keep in (4, 3, 2, 1, 0)]
+    if width is None:
+        return candidates[0]
+    return next((c for c in candidates if len(c) <= width), candidates[-1])
 
 
 def _read(prompt: str) -> Optional[str]:
@@ -109,7 +142,7 @@ def chat_command(opts: ChatOptions) -> int:
         reply = Reply(session, request, TextStream(setup.tokenizer, chat=False))
         answer, interrupted = _stream(reply, opts.live, setup.drafter_name)
         messages.append({"role": "assistant", "content": answer})
-        print_stderr([turn_line(reply.stats, interrupted)])
+        print_stderr([turn_line(reply.stats, interrupted, stderr_width())])
     return 0
 
 

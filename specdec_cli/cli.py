@@ -164,7 +164,11 @@ def error_boundary(debug: bool) -> Iterator[None]:
         if debug:
             raise
         who, silent = _ranks(e)
-        if not silent:
+        if silent:
+            from .distributed import leave_to_rank_0
+
+            leave_to_rank_0()
+        else:
             _err(f"error: {who}{e}")
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt as e:
@@ -751,3 +755,11 @@ def main() -> None:
         app()
     except KeyboardInterrupt:  # a Ctrl-C after the command's own boundary (parsing, exiting)
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as e:
+        # Under mlx.launch a rank that left its error to rank 0 must not exit first: the launcher
+        # would end rank 0 before it says why.
+        if "specdec_cli.distributed" in sys.modules:
+            from .distributed import outlast_rank_0
+
+            outlast_rank_0(e.code if isinstance(e.code, int) else 1)
+        raise

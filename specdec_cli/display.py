@@ -326,6 +326,12 @@ def print_stderr(lines: list[str]) -> None:
         console.print(line, markup=False, soft_wrap=True)
 
 
+def stderr_width() -> Optional[int]:
+    """The terminal's width in columns when stderr is one; None on a pipe, where nothing wraps."""
+    console = Console(stderr=True)
+    return console.width if console.is_terminal else None
+
+
 @contextmanager
 def sweep_progress() -> Iterator[Callable[[Progress], None]]:
     """A progress bar on stderr while the sweep runs (hidden when not a terminal)."""

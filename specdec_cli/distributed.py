@@ -320,6 +320,8 @@ class Ranks:
 _WORLD: Any = None
 _CURRENT: Optional[Ranks] = None
 _STDERR_FD: Optional[int] = None
+# Set on a rank but 0 that left its error for rank 0 to report: it exits after rank 0.
+_LEFT_TO_RANK_0 = False
 
 
 def world():
@@ -369,6 +371,46 @@ def silent(error: BaseException) -> bool:
     if _CURRENT is None or _CURRENT.primary:
         return False
     return isinstance(error, KeyboardInterrupt) or bool(getattr(error, "every_rank", False))
+
+
+def leave_to_rank_0() -> None:
+    """Say that this rank left its error for rank 0 to report: the process will outlast rank 0's.
+
+    See :func:`outlast_rank_0`, which the console entry point calls on the way out.
+    """
+    global _LEFT_TO_RANK_0
+    _LEFT_TO_RANK_0 = True
+
+
+def outlast_rank_0(code: int) -> None:
+    """On a rank that left its error to rank 0, return only once rank 0's process has gone.
+
+    ``mlx.launch`` (MLX 0.32) terminates every rank as soon as one exits with a non-zero code,
+    so a rank that left first could cut rank 0 off before it wrote the refusal's one line, or
+    make its exit code a signal's. Rank 0 runs no collective after an error every rank raised
+    alike, so a collective here ends only when rank 0 exits and its connections close (MLX
+    then raises). Should rank 0 never go, the process ends with ``code`` after the watchdog's
+    deadline.
+
+    Args:
+        code: The exit code this process is leaving with.
+    """
+    ranks = _CURRENT
+    if not _LEFT_TO_RANK_0 or ranks is None or ranks.primary:
+        return
+    ended = threading.Event()
+
+    def give_up() -> None:
+        if not ended.wait(deadline()):
+            os._exit(code)
+
+    threading.Thread(target=give_up, name="specdec-outlast", daemon=True).start()
+    try:
+        mx.eval(mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=ranks.group))
+    except Exception:  # the connection to rank 0 lost: it has gone, as awaited
+        pass
+    finally:
+        ended.set()
 
 
 def is_peer_error(error: BaseException) -> bool:

@@ -3,7 +3,10 @@
 - acceptance = accepted / drafted (drafts the target agreed with, over drafts
   it verified);
 - mean accepted per block = accepted / blocks that drafted anything;
-- tokens per block = generated / target forwards (blocks);
+- tokens per block = committed tokens / target forwards (blocks), where the
+  committed tokens are the generated ones plus the end-of-sequence token when
+  the run ended on one (the target's forward chose it; it is not emitted).
+  Every forward commits at least one token, so this is never below 1;
 - decode tok/s = generated / time spent inside the engine (display excluded);
 - prompt tok/s = prompt tokens prefilled (those a prompt cache held are not)
   / prefill time (target and drafter), timed apart from decoding;
@@ -123,8 +126,15 @@ class Stats:
         return self.accepted / self.drafting_blocks if self.drafting_blocks else 0.0
 
     @property
+    def committed(self) -> int:
+        """Tokens the target's forwards committed: the generated ones, plus a final EOS."""
+        # Only the run's last block can end on an EOS, so at most one is added.
+        return self.generated + (self.finish_reason == "eos")
+
+    @property
     def tokens_per_block(self) -> float:
-        return self.generated / self.blocks if self.blocks else 0.0
+        """Committed tokens per target forward; at least 1 once a block ran."""
+        return self.committed / self.blocks if self.blocks else 0.0
 
     @property
     def decode_tps(self) -> float:

@@ -131,3 +131,45 @@ def test_a_sweep_of_no_tokens_shows_no_speedup():
     print_sweep(SweepResult(0.0, [row], 0), "lookup", Console(file=out, width=120, highlight=False))
     text = out.getvalue()
     assert "0.00x" not in text and "no speedup measurable" in text
+
+
+# --- the chat stats line at any width ----------------------------------------------------
+
+def _chat_stats() -> Stats:
+    # Wide numbers, as a long conversation on a slow machine has them.
+    stats = Stats(prompt_tokens=12345, cached_tokens=12001, prefill_s=12.5)
+    for _ in range(80):
+        stats.add(Block((1, 2, 3, 4, 5), 8, 4, "trim", 1), 0.01)
+    return stats
+
+
+def test_chat_line_fits_the_terminal_and_drops_the_least_useful_numbers_first():
+    from specdec_cli.chat import turn_line
+
+    stats = _chat_stats()
+    full = turn_line(stats, interrupted=True)
+    # Not a terminal: nothing wraps, so every number shows in full.
+    assert full == ("[prompt 12345 tokens (12001 cached), 12.50 s | 400 tokens, 500.0 tok/s | "
+                    "acceptance 50%, 5.00 tokens per block; stopped (Ctrl-C)]")
+    assert turn_line(stats, True, 200) == full
+    # Which pieces each width keeps, in the order they are dropped.
+    pieces = ("12.50 s", "prompt 12345", "5.00 tok", "50%")
+    shown = {}
+    for width in (60, 80, 100, 200):
+        line = turn_line(stats, True, width)
+        assert len(line) <= width, (width, line)
+        assert line.startswith("[") and line.endswith("]") and "  " not in line, line
+        assert "400 tokens" in line and "500.0 tok/s" in line and "stopped" in line, line
+        shown[width] = [p in line for p in pieces]
+        # A piece dropped means every less useful one (earlier in `pieces`) is gone too.
+        assert shown[width] == sorted(shown[width]), (width, line)
+    assert shown[200] == [True] * 4 and not all(shown[60])
+    # A wider terminal never shows less.
+    assert [sum(shown[w]) for w in (60, 80, 100, 200)] == sorted(sum(shown[w]) for w in (60, 80, 100, 200))
+    assert turn_line(stats, False, 100).endswith("tok/block]")
+
+
+def test_chat_line_too_narrow_for_anything_keeps_the_essentials():
+    from specdec_cli.chat import turn_line
+
+    assert turn_line(_chat_stats(), True, 10) == "[400 tokens, 500.0 tok/s; stopped]"

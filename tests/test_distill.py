@@ -372,6 +372,7 @@ def test_cli_distills_a_head_that_generate_loads(tmp_path, tiny_dir):
     assert "3000 tokens" in readme and "Draft vocabulary: 64" in readme
     info = json.loads((out / "training.json").read_text())
     assert info["steps_done"] == 16 and info["acceptance"] is not None
+    assert info["tokens_per_block"] >= 1  # every target forward commits a token, a final EOS included
     gen = CliRunner().invoke(app, ["generate", "--model", str(tiny_dir), "--draft-model", str(out),
                                    "-p", "The quick brown fox", "--ignore-chat-template", "-m", "30",
                                    "--no-live", "--compare-ar", "--json"])

@@ -300,6 +300,41 @@ def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
     assert run["stdout"] == ""
 
 
+# --- a refusal under the real launcher ---------------------------------------------------------
+
+# specdec's console entry point, with rank 0 slow to write its error line (a loaded or slower
+# machine): rank 1 reaches the same refusal and would exit first.
+SLOW_RANK_0 = """
+import os, sys, time
+from specdec_cli import cli
+if os.environ.get("MLX_RANK") == "0":
+    write = cli._err
+    cli._err = lambda line: (time.sleep(3), write(line))
+sys.argv[0] = "specdec"
+cli.main()
+"""
+
+
+def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_path):
+    # mlx.launch ends every rank once one exits non-zero: the others must outlast rank 0.
+    model = make_model_dir(tmp_path / "llama", "llama")
+    (tmp_path / "slow_rank_0.py").write_text(SLOW_RANK_0)
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's specdec_cli on every rank
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
+         sys.executable, "slow_rank_0.py", "chat", "--model", str(model)],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: specdec chat runs in one process: under mlx.launch, run specdec generate or sweep "
+                      "(a chat sharded over several machines is not built yet); start specdec chat without "
+                      "mlx.launch"], done.stderr
+    # The launcher's own line for rank 0 carries the refusal's exit code (not 130 or -15: ended early).
+    assert "Node with rank 0 exited with code 2" in done.stderr, done.stderr
+
+
 # --- a rank that dies or hangs mid-run -----------------------------------------------------------
 
 def _pair(tmp: Path, args: list[str], env: dict) -> list[subprocess.Popen]:

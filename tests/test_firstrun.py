@@ -418,3 +418,29 @@ def test_the_bundled_head_drafts_for_the_bundled_model_exactly(tmp_path):
     assert out.returncode == 0, out.stderr
     want = "drafter: auto -> lookup+mtp" if bundled.HEAD_BEATS_LOOKUP else "drafter: auto -> lookup (the head"
     assert want in out.stderr
+
+
+# --- README's commands are the ones CI runs ---------------------------------------------
+
+def _commands(text: str) -> list[str]:
+    """Shell command lines, comments and blank lines dropped."""
+    lines = (line.split(" #")[0].strip() for line in text.splitlines() if not line.lstrip().startswith("#"))
+    return [line for line in lines if line]
+
+
+def test_ci_runs_readme_install_and_test_commands():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Development"):]
+    block = section[section.index("```bash") + len("```bash"):]
+    # .ci/run names its virtualenv .venv-ci so that a developer's .venv is left alone.
+    want = [c.replace(".venv", ".venv-ci") for c in _commands(block[:block.index("```")])]
+    ci = _commands((ROOT / ".ci" / "run").read_text())
+    assert want[-1] == "python -m pytest -q" and ci[-1] == want[-1]
+    at = [ci.index(c) if c in ci else None for c in want]
+    assert None not in at and at == sorted(at), (want, ci)
+    # The first-run install uses a virtualenv too (PEP 668 refuses pip outside one on
+    # Homebrew's and Debian's Python); no doc falls back to the bare system pip install.
+    first = readme[readme.index("## Install and first run"):readme.index("## Serve it")]
+    assert "python3 -m venv .venv && . .venv/bin/activate && pip install ." in first
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        assert "python3 -m pip install ." not in doc.read_text(), doc.name

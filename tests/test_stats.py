@@ -27,3 +27,30 @@ def test_phase_times_average_over_timed_blocks():
     assert s.phase_ms == {"draft_ms": 3.0, "verify_ms": 5.0, "rollback_ms": 2.0}
     assert s.to_dict()["rollback_s"] == 0.004
     assert s.acceptance_by_position == [0.5, 0.0]
+
+
+def test_tokens_per_block_counts_the_final_eos_and_is_never_below_one():
+    # Nothing accepted, then a block that commits only the EOS: 36 tokens over 37 forwards
+    # would read 0.97 if the EOS were not counted; it is committed by its forward.
+    s = Stats()
+    for tok in range(36):
+        s.add(Block((tok,), 3, 0, "trim", 1), 0.01)
+    s.add(Block((), 3, 0, "trim", 1, "stop"), 0.01)
+    assert (s.generated, s.blocks, s.finish_reason) == (36, 37, "eos")
+    assert s.committed == 37 and s.tokens_per_block == 1.0
+    # A run that is only the EOS-only block: one forward, one committed token.
+    only = Stats()
+    only.add(Block((), 0, 0, "none", 1, "stop"), 0.01)
+    assert only.generated == 0 and only.tokens_per_block == 1.0
+    # An EOS cut mid-block counts the EOS beside the tokens before it.
+    cut = Stats()
+    cut.add(Block((1, 2, 3), 3, 3, "none", 1), 0.01)
+    cut.add(Block((4,), 3, 2, "trim", 1, "stop"), 0.01)   # accepted [4, EOS], the rest dropped
+    assert cut.tokens_per_block == (4 + 1) / 2
+    # Plain decoding (nothing drafted) ending at max_tokens or on an EOS: exactly 1.
+    for finish in ("length", "stop"):
+        plain = Stats()
+        plain.add(Block((1,), 0, 0, "none", 1), 0.01)
+        plain.add(Block((2,) if finish == "length" else (), 0, 0, "none", 1, finish), 0.01)
+        assert plain.tokens_per_block == 1.0, finish
+    assert Stats().tokens_per_block == 0.0   # no block ran: no rate

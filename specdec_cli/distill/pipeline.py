@@ -286,14 +286,18 @@ def make_result(trainer: Trainer, description: str, seqs, train_ix, held_ix, cov
 
 def measure_acceptance(model: nn.Module, tokenizer, parts: TargetParts, head: MTPHead, prompts: Sequence,
                        max_tokens: int = 48, block_size: int = 4) -> tuple[float, float]:
-    """Acceptance (accepted / drafted) and tokens per block of the head drafting for the target, greedy."""
+    """Acceptance (accepted / drafted) and tokens per block of the head drafting for the target, greedy.
+
+    Tokens per block is :attr:`Stats.tokens_per_block`'s (committed tokens, a final EOS included,
+    per target forward), pooled over the prompts.
+    """
     drafted = accepted = tokens = blocks = 0
     eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     for p in prompts:
         stats, _ = collect(run(model, prompt_ids(tokenizer, p), drafter=MTPDrafter(head, parts),
                                num_draft_tokens=block_size - 1, max_tokens=max_tokens, eos_ids=eos))
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
-        tokens, blocks = tokens + stats.generated, blocks + stats.blocks
+        tokens, blocks = tokens + stats.committed, blocks + stats.blocks
     return (accepted / drafted if drafted else 0.0), (tokens / blocks if blocks else 0.0)
 
 
