@@ -20,6 +20,9 @@ from tokenizers import Tokenizer
 
 from server import TOOL_QUESTION, WEATHER_TOOL, Server, tool_model_dir
 from specdec_cli.serve import anthropic as messages_api
+from specdec_cli.serve import responses as responses_api
+from specdec_cli.serve.protocol import ApiError
+from specdec_cli.session.reply import Piece
 from specdec_cli.synthetic import CHAT_TEMPLATE, TINY_CONFIGS, VOCAB_SIZE, make_model_dir
 
 KEY = "sesame"
@@ -548,3 +551,20 @@ def test_a_codex_body_gets_well_formed_answers(server):
     assert all(item["type"] in ("message", "function_call", "reasoning") for item in out["output"])
     assert set(out["usage"]) == {"input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details",
                                  "total_tokens"}
+
+
+def test_a_failure_after_the_answer_started_is_an_event_in_each_dialect():
+    error = ApiError(503, "the server is shutting down")
+    message = messages_api.MessageShape("m", 3, timings=lambda reply: {})
+    message.start()
+    message.piece(Piece(content="Hi"))
+    assert message.failed(error) == [{"type": "error", "error": {"type": "overloaded_error",
+                                                                  "message": "the server is shutting down"}}]
+    shape = responses_api.ResponseShape(responses_api.ResponsesRequest.model_validate({"input": "hi"}), "m",
+                                        timings=lambda reply: {})
+    events = shape.start() + shape.piece(Piece(content="Hi")) + shape.failed(error)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["error"] == {"code": "server_error", "message": "the server is shutting down"}
+    assert last["response"]["output"][0]["status"] == "incomplete"
