@@ -501,6 +501,7 @@ REFUSED = [
     ("json output", {"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
     ("an item reference", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ("no input", {"model": "default_model"}, "input"),
+    ("an empty input", {"input": []}, "input"),
 ]
 
 

@@ -143,6 +143,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
     items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    if not items:
+        raise ApiError(400, "input is empty: send a string or at least one item", "input", "invalid_value")
     for i, item in enumerate(items):
         kind = item.type or ("message" if item.role is not None else None)
         if kind == "message":
@@ -169,6 +171,9 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                         "content": _text(item.output, f"input[{i}].output")})
         elif kind == "reasoning":
             continue  # earlier reasoning: left out, as the chat templates of thinking models do
+        elif kind is None:
+            raise ApiError(400, f"input[{i}] needs a type (or, for a message, a role)", f"input[{i}]",
+                           "invalid_value")
         elif kind == "item_reference":
             raise _refuse(f"input[{i}]", "this server keeps no state: send the item itself, not a reference")
         else:
