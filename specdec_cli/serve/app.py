@@ -2,8 +2,11 @@
 
 The only module that imports the web framework. Every failure a client can
 cause answers a 4xx in OpenAI's error shape (one exception handler per kind,
-here); generation runs on the service's own thread, so ``/health`` and
-``/v1/models`` answer while a request is generated.
+here), or in Anthropic's on ``/v1/messages`` paths (converted on the way out);
+generation runs on the service's own thread, so ``/health`` and ``/v1/models``
+answer while a request is generated. The Anthropic Messages and OpenAI
+Responses routes translate to chat requests (``anthropic``, ``responses``)
+and answer through a shape object of their module.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import SpecdecError
+from . import anthropic, responses
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body
 from .service import Prepared, Service
 from .worker import Busy, Done, Failed
@@ -33,6 +37,8 @@ KEEPALIVE_S = 10.0
 MAX_BODY_BYTES = 32 * 2**20
 # A request body must arrive whole within this long once its headers are in.
 BODY_TIMEOUT_S = 60.0
+# Where errors answer in Anthropic's shape (the Messages API's routes).
+ANTHROPIC_PATHS = "/v1/messages"
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -112,8 +118,39 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
-def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+class _AnthropicErrors:
+    """Errors answered on ``/v1/messages`` paths leave in Anthropic's shape, whoever made them."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PATHS):
+            return await self.app(scope, receive, send)
+        start: Optional[dict] = None
+        chunks: list[bytes] = []
+
+        async def shaped(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            body = anthropic.from_openai_error(start["status"], b"".join(chunks))
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, shaped)
+
+
+def _sse(body: dict, event: Optional[str] = None) -> str:
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -153,19 +190,24 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         messages = {404: f"no route {request.url.path}: this server answers /v1/chat/completions, "
-                         "/v1/completions, /v1/models[/ID] and /health",
+                         "/v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/responses, "
+                         "/v1/models[/ID] and /health",
                     405: f"{request.method} is not allowed on {request.url.path}"}
         return _error(e.status_code, messages.get(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return _error(500, "the server failed on this request; its log says why", kind="server_error")
+        message = "the server failed on this request; its log says why"
+        if request.url.path.startswith(ANTHROPIC_PATHS):  # answered outside the middleware that converts
+            return JSONResponse(anthropic.error_body(500, message), status_code=500)
+        return _error(500, message, kind="server_error")
 
     # The last added runs first: the key is checked before a body is read.
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
+    app.add_middleware(_AnthropicErrors)  # outermost: it sees every error answer
 
     @app.get("/health")
     async def health() -> dict:
@@ -193,6 +235,25 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         prepared = await asyncio.to_thread(service.prepare_completion, body, loop)
         return await _answer(service, prepared, body.stream, request)
 
+    @app.post("/v1/messages")
+    async def create_message(body: anthropic.MessagesRequest, request: Request):
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.to_thread(service.prepare_chat, anthropic.to_chat(body), loop)
+        shape = anthropic.MessageShape(service.model_id, len(prepared.request.prompt_ids),
+                                       lambda reply: service.timings(prepared, reply))
+        return await _answer(service, prepared, body.stream, request, shape)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
+        return {"input_tokens": await asyncio.to_thread(service.count_chat, anthropic.to_chat(body))}
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.to_thread(service.prepare_chat, responses.to_chat(body), loop)
+        shape = responses.ResponseShape(body, service.model_id, lambda reply: service.timings(prepared, reply))
+        return await _answer(service, prepared, body.stream, request, shape)
+
     return app
 
 
@@ -208,18 +269,21 @@ def _failure(e: BaseException) -> ApiError:
     return ApiError(500, "generation failed on the server; its log says why", kind="server_error")
 
 
-async def _answer(service: Service, prepared: Prepared, stream: bool, request: Request):
+async def _answer(service: Service, prepared: Prepared, stream: bool, request: Request, shape=None):
+    """Queue a prepared request and answer it: in OpenAI's chat or text shapes, or through ``shape``
+    (a dialect's: ``start``/``piece``/``done``/``failed``/``keepalive`` events, or ``whole``)."""
     try:
         service.worker.submit(prepared.job)
     except Busy as e:
         return _answer_error(_failure(Busy(f"the server is busy ({e}): try again shortly")))
     if stream:
-        return StreamingResponse(_events(service, prepared), media_type="text/event-stream",
+        events = _events(service, prepared) if shape is None else _shaped_events(shape, prepared)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _collect(service, prepared, request)
+    return await _collect(service, prepared, request, shape)
 
 
-async def _collect(service: Service, prepared: Prepared, request: Request):
+async def _collect(service: Service, prepared: Prepared, request: Request, shape=None):
     job, pieces = prepared.job, []
     # The body is read whole: the next message the server has for this request is its disconnect.
     gone = asyncio.ensure_future(_disconnected(request))
@@ -233,6 +297,8 @@ async def _collect(service: Service, prepared: Prepared, request: Request):
                 return None
             item = item.result()
             if isinstance(item, Done):
+                if shape is not None:
+                    return JSONResponse(shape.whole(pieces, item.reply))
                 return JSONResponse(service.response(prepared, pieces, item.reply))
             if isinstance(item, Failed):
                 return _answer_error(_failure(item.error))
@@ -269,6 +335,33 @@ async def _events(service: Service, prepared: Prepared) -> AsyncIterator[str]:
                 break
             yield _sse(service.chunk(prepared, item))
         yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # the client went away (or we are done): stop at the next block
+
+
+async def _shaped_events(shape, prepared: Prepared) -> AsyncIterator[str]:
+    """A dialect's event stream: each event is named by its ``type``, as Anthropic and the Responses API do."""
+    job = prepared.job
+    try:
+        for event in shape.start():
+            yield _sse(event, event["type"])
+        while True:
+            try:
+                item = await asyncio.wait_for(job.out.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                ping = shape.keepalive()
+                yield _sse(ping, ping["type"]) if ping else ": keepalive\n\n"
+                continue
+            if isinstance(item, Done):
+                events = shape.done(item.reply)
+            elif isinstance(item, Failed):
+                events = shape.failed(_failure(item.error))  # the 200 is out already: an error event
+            else:
+                events = shape.piece(item)
+            for event in events:
+                yield _sse(event, event["type"])
+            if isinstance(item, (Done, Failed)):
+                break
     finally:
         job.cancel()  # the client went away (or we are done): stop at the next block
 

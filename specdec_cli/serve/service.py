@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import OptionError
-from ..prompts import encode_text, render_messages
+from ..prompts import Rendered, encode_text, render_messages
 from ..sampling import SamplingParams
 from ..session import Request, RunOptions, Session
 from ..session.reply import Piece, Reply, TextStream
@@ -153,6 +153,17 @@ class Service:
         Raises:
             ApiError: A 4xx naming the field at fault.
         """
+        rendered, tools = self.render_chat(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages")
+        return self._prepared("chat", req, request, loop, tools, chat=True)
+
+    def render_chat(self, req: ChatRequest) -> tuple[Rendered, Optional[list]]:
+        """A checked chat request's prompt, and the tools it offers (None when ``tool_choice`` is none).
+
+        Raises:
+            ApiError: A 4xx naming the field at fault.
+        """
         self._check(req)
         self._bound_chars(protocol.content_chars(req), "messages")
         tools = req.tools if req.tool_choice != "none" else None
@@ -162,9 +173,15 @@ class Service:
                                        template_kwargs=kwargs)
         except OptionError as e:
             raise ApiError(400, str(e), "messages") from None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages")
-        return self._prepared("chat", req, request, loop, tools, chat=True)
+        return rendered, tools
+
+    def count_chat(self, req: ChatRequest) -> int:
+        """Prompt tokens of a chat request: the rendering its generation would use.
+
+        Raises:
+            ApiError: A 4xx naming the field at fault.
+        """
+        return len(self.render_chat(req)[0].ids)
 
     def prepare_completion(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
         """Check a text completion request and make its job.

@@ -73,6 +73,7 @@ class TextStream:
         self.stops = [s for s in stop if s]
         self.tools = tools
         self.stopped = False
+        self.stop_string: Optional[str] = None  # the stop string that ended the reply
         self.text = ""  # everything emitted, raw (before the split)
         self._held = ""
         self._machine = None
@@ -114,7 +115,7 @@ class TextStream:
         for s in self.stops:
             i = text.find(s)
             if i >= 0 and (cut is None or i < cut):
-                cut = i
+                cut, self.stop_string = i, s
         if cut is not None:
             self.stopped = True
             out, self._held = text[:cut], ""
@@ -229,3 +230,8 @@ class Reply:
         if self.stats.finish_reason == "length":
             return "length"
         return "tool_calls" if self.stream.made_tool_calls else "stop"
+
+    @property
+    def stop_string(self) -> Optional[str]:
+        """The stop string that ended the reply (None: it ended otherwise)."""
+        return self.stream.stop_string

@@ -1,0 +1,377 @@
+"""Anthropic's Messages API as a thin translation over chat completions. No MLX, no HTTP.
+
+``POST /v1/messages`` (and ``/v1/messages/count_tokens``) requests are
+pydantic models here; :func:`to_chat` turns one into the internal
+:class:`~.protocol.ChatRequest` (system and content blocks to chat messages,
+``tool_use`` / ``tool_result`` blocks to OpenAI tool calls and ``tool``
+messages, Anthropic tools to function tools), refusing with a 400 naming the
+field what this server cannot honour (images, documents, server tools, a
+forced tool call, prefill). :class:`MessageShape` turns what the generation
+thread hands back into Anthropic's answer: a ``message`` object, or its
+stream of events. Errors leave in Anthropic's shape (:func:`error_body`);
+the HTTP layer converts the OpenAI-shaped ones the rest of the server makes
+with :func:`from_openai_error`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..session.reply import Piece
+from .protocol import ApiError, ChatRequest
+
+# Anthropic's error type for each HTTP status (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
+               529: "overloaded_error"}
+# Fields of ours (not Anthropic's) a request may add, passed on to the chat request as they are.
+EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "chat_template_kwargs")
+
+
+def error_body(status: int, message: str) -> dict:
+    """Anthropic's error object for an HTTP status."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def from_openai_error(status: int, body: bytes) -> bytes:
+    """An error answer in OpenAI's shape (``{"error": {"message", "param", ...}}``), in Anthropic's."""
+    try:
+        error = json.loads(body)["error"]
+        message, param = str(error["message"]), error.get("param")
+    except (ValueError, KeyError, TypeError):
+        message, param = body.decode("utf-8", "replace").strip() or f"HTTP {status}", None
+    if param and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"
+    return json.dumps(error_body(status, message), ensure_ascii=False).encode()
+
+
+# --- requests ------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    # As protocol's models: strict types; fields this server does not know are kept (and ignored).
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class Block(_Model):
+    """A content block: ``text``, ``tool_use``, ``tool_result``, ``thinking``, ... (read by ``type``)."""
+
+    type: str
+    text: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    input: Optional[dict[str, Any]] = None
+    tool_use_id: Optional[str] = None
+    content: Union[str, list["Block"], None] = None
+    is_error: Optional[bool] = None
+
+
+class Message(_Model):
+    role: Literal["user", "assistant", "system"]
+    content: Union[str, list[Block]]
+
+
+class Tool(_Model):
+    """A client tool (``name``, ``description``, ``input_schema``); server tools carry a versioned ``type``."""
+
+    name: str
+    type: Optional[str] = None
+    description: Optional[str] = None
+    input_schema: Optional[dict[str, Any]] = None
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class Thinking(_Model):
+    type: str
+    budget_tokens: Optional[int] = None
+
+
+class CountTokensRequest(_Model):
+    """``POST /v1/messages/count_tokens``: what the prompt is made of."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: Union[str, list[Block], None] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+    # Refused when set (see to_chat).
+    output_config: Optional[dict[str, Any]] = None
+    mcp_servers: Optional[list[Any]] = None
+    container: Union[str, dict[str, Any], None] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages``."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = None
+    stream: bool = False
+    temperature: Optional[float] = Field(default=None, ge=0, le=1)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    metadata: Optional[dict[str, Any]] = None
+
+
+# --- requests to chat ------------------------------------------------------------------
+
+
+def _refuse(param: str, why: str) -> ApiError:
+    return ApiError(400, f"{param}: {why}", param, "unsupported_parameter")
+
+
+def _text(blocks: Union[str, list[Block], None], where: str) -> str:
+    """Text blocks (or a string) as one string; any other block is refused."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    for j, b in enumerate(blocks):
+        if b.type != "text":
+            raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported here: this server runs a text "
+                          "model and reads text blocks only")
+    return "\n".join(b.text or "" for b in blocks)
+
+
+def _call(block: Block, where: str) -> dict:
+    if block.id is None or block.name is None or block.input is None:
+        raise ApiError(400, f"{where}: a tool_use block needs id, name and input", where, "invalid_value")
+    return {"id": block.id, "type": "function",
+            "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
+
+
+def _messages(req: CountTokensRequest) -> list[dict]:
+    """Anthropic's system and messages as chat messages."""
+    out: list[dict] = []
+    system = _text(req.system, "system")
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        if isinstance(m.content, str) or m.role == "system":
+            out.append({"role": m.role, "content": _text(m.content, where)})
+            continue
+        if m.role == "assistant":
+            texts, calls = [], []
+            for j, b in enumerate(m.content):
+                if b.type == "text":
+                    texts.append(b.text or "")
+                elif b.type == "tool_use":
+                    calls.append(_call(b, f"{where}[{j}]"))
+                elif b.type not in ("thinking", "redacted_thinking"):  # earlier thinking: left out, as templates do
+                    raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported in assistant messages: "
+                                  "text, tool_use and thinking are")
+            msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        texts = []
+        for j, b in enumerate(m.content):
+            if b.type == "tool_result":
+                if b.tool_use_id is None:
+                    raise ApiError(400, f"{where}[{j}]: a tool_result block needs tool_use_id", f"{where}[{j}]",
+                                   "invalid_value")
+                if texts:  # text before a result keeps its place in the conversation
+                    out.append({"role": "user", "content": "\n".join(texts)})
+                    texts = []
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": _text(b.content, f"{where}[{j}].content")})
+            elif b.type == "text":
+                texts.append(b.text or "")
+            else:
+                raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported: this server runs a text model "
+                              "and reads text and tool_result blocks")
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    if req.messages[-1].role == "assistant":
+        raise _refuse(f"messages[{len(req.messages) - 1}]", "the last message must be the user's: continuing an "
+                      "assistant message (prefill) is not supported")
+    return out
+
+
+def _tools(req: CountTokensRequest) -> Optional[list[dict]]:
+    if not req.tools:
+        return None
+    out = []
+    for i, t in enumerate(req.tools):
+        if t.type not in (None, "custom"):
+            raise _refuse(f"tools[{i}]", f"the server tool {t.type!r} is not run here: only client tools "
+                          "(name, description, input_schema) are")
+        if t.input_schema is None:
+            raise ApiError(400, f"tools[{i}].input_schema: Field required", f"tools[{i}].input_schema",
+                           "invalid_value")
+        fn: dict[str, Any] = {"name": t.name}
+        if t.description is not None:
+            fn["description"] = t.description
+        fn["parameters"] = t.input_schema
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def to_chat(req: CountTokensRequest) -> ChatRequest:
+    """The chat request a Messages request (or a token count) amounts to.
+
+    Raises:
+        ApiError: A 400 naming the field this server cannot honour.
+    """
+    choice = req.tool_choice.type if req.tool_choice is not None else None
+    if choice in ("any", "tool"):
+        raise _refuse("tool_choice", f"{choice!r} forces a tool call, which is not supported yet: use auto "
+                      "(the model decides) or none")
+    if (req.output_config or {}).get("format") is not None:
+        raise _refuse("output_config.format", "structured output is not supported (plain text only)")
+    if req.mcp_servers:
+        raise _refuse("mcp_servers", "this server connects to no MCP servers: give their tools as client tools")
+    if req.container is not None:
+        raise _refuse("container", "this server runs no containers")
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
+                            "tool_choice": choice}
+    kwargs: dict[str, Any] = {}
+    if req.thinking is not None and req.thinking.type in ("enabled", "disabled", "adaptive"):
+        kwargs["enable_thinking"] = req.thinking.type != "disabled"
+    extra = req.model_extra or {}
+    if isinstance(extra.get("chat_template_kwargs"), dict):
+        kwargs.update(extra["chat_template_kwargs"])
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    body.update({k: extra[k] for k in EXTENSIONS if k in extra and k != "chat_template_kwargs"})
+    if isinstance(req, MessagesRequest):
+        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
+                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise ApiError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param,
+                       "invalid_value") from None
+
+
+# --- answers ---------------------------------------------------------------------------
+
+
+def stop_reason(finish_reason: Optional[str], stop_string: Optional[str]) -> str:
+    """Anthropic's ``stop_reason`` for a reply's finish reason."""
+    if stop_string is not None:
+        return "stop_sequence"
+    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish_reason or "stop", "end_turn")
+
+
+def usage(stats) -> dict:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens the prompt cache did not hold."""
+    return {"input_tokens": stats.prompt_tokens - stats.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": stats.cached_tokens, "output_tokens": stats.generated}
+
+
+class MessageShape:
+    """One request's answer in Anthropic's shapes: the ``message`` object, or its events.
+
+    The same fold of pieces into content blocks makes both, so a streamed
+    answer's blocks are the non-streamed one's.
+
+    Args:
+        model: The served model's id.
+        prompt_tokens: The prompt's length (``message_start`` reports it before the prompt cache is read).
+        timings: The ``timings`` object of a finished reply.
+    """
+
+    def __init__(self, model: str, prompt_tokens: int, timings: Callable[[Any], dict]):
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.timings = timings
+        self.blocks: list[dict] = []
+        self._open = False  # the last block is still streaming
+
+    def _message(self) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0, "output_tokens": 0}}
+
+    def start(self) -> list[dict]:
+        return [{"type": "message_start", "message": self._message()}, {"type": "ping"}]
+
+    def keepalive(self) -> dict:
+        return {"type": "ping"}
+
+    def _close(self) -> list[dict]:
+        if not self._open:
+            return []
+        self._open = False
+        index = len(self.blocks) - 1
+        events = []
+        if self.blocks[-1]["type"] == "thinking":
+            events.append({"type": "content_block_delta", "index": index,
+                           "delta": {"type": "signature_delta", "signature": ""}})
+        return events + [{"type": "content_block_stop", "index": index}]
+
+    def _add(self, kind: str, text: str) -> list[dict]:
+        """Text or thinking: into the open block of that kind, or a new one."""
+        events = []
+        if not (self._open and self.blocks[-1]["type"] == kind):
+            events += self._close()
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                           "signature": ""}
+            self.blocks.append(block)
+            self._open = True
+            events.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)})
+        self.blocks[-1][kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta",
+                                                                             "thinking": text}
+        return events + [{"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
+
+    def piece(self, piece: Piece) -> list[dict]:
+        events = []
+        if piece.reasoning:
+            events += self._add("thinking", piece.reasoning)
+        if piece.content:
+            events += self._add("text", piece.content)
+        for call in piece.tool_calls:
+            fn = call["function"]
+            try:
+                arguments = json.loads(fn["arguments"])
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):  # never lose model output: shown as text
+                events += self._add("text", f"{fn['name']}({fn['arguments']})")
+                continue
+            events += self._close()
+            self.blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": arguments})
+            index = len(self.blocks) - 1
+            events += [{"type": "content_block_start", "index": index,
+                        "content_block": {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}},
+                       {"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}},
+                       {"type": "content_block_stop", "index": index}]
+        return events
+
+    def done(self, reply) -> list[dict]:
+        events = self._close()
+        delta = {"stop_reason": stop_reason(reply.finish_reason, reply.stop_string),
+                 "stop_sequence": reply.stop_string}
+        return events + [{"type": "message_delta", "delta": delta, "usage": usage(reply.stats),
+                          "timings": self.timings(reply)},
+                         {"type": "message_stop"}]
+
+    def failed(self, error: ApiError) -> list[dict]:
+        return [error_body(error.status, error.message)]
+
+    def whole(self, pieces: list[Piece], reply) -> dict:
+        """The ``message`` object of a request that was not streamed."""
+        for p in pieces:
+            self.piece(p)
+        self._close()
+        return {**self._message(), "content": self.blocks,
+                "stop_reason": stop_reason(reply.finish_reason, reply.stop_string),
+                "stop_sequence": reply.stop_string, "usage": usage(reply.stats), "timings": self.timings(reply)}
