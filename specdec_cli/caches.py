@@ -20,7 +20,7 @@ import copy
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -517,6 +517,23 @@ class ModelCache:
         Returns:
             With a tap, the hidden states it recorded, one evaluated part per chunk.
         """
+        parts: list = []
+        for _ in self.prefill_chunks(tokens, step_size, tap, parts, seconds=seconds, sizes=sizes, stops=stops,
+                                     agree=agree):
+            if cancelled is not None and cancelled():
+                raise Cancelled(f"prefill cancelled after {sum(self.chunks)} of {len(tokens)} tokens")
+        return parts
+
+    def prefill_chunks(self, tokens: Sequence[int], step_size: int = 2048, tap: Any = None,
+                       parts: Optional[list] = None, *, seconds: Optional[float] = None,
+                       sizes: Optional[Sequence[int]] = None, stops: Sequence[int] = (),
+                       agree: Optional[Callable[[int], int]] = None) -> Iterator[int]:
+        """:meth:`prefill`, one chunk per step: yields the tokens fed so far after each chunk but the last.
+
+        A caller can interleave other work between chunks (a server decoding
+        other requests) or stop (close the generator): the caches then hold
+        the chunks fed. With a tap, each chunk's hidden states go to ``parts``.
+        """
         if step_size < 1:
             raise ValueError("step_size must be >= 1")
         ids = mx.array(list(tokens), dtype=mx.uint32)
@@ -524,7 +541,6 @@ class ModelCache:
         self.chunks = []
         self.marks = []
         pending = sorted({s for s in stops if 0 < s <= n})
-        parts = []
         self._recorded = None
         size = min(step_size, _FIRST_TIMED_CHUNK) if seconds else step_size
         start = 0
@@ -541,8 +557,10 @@ class ModelCache:
             self.length += cut
             extra = []
             if tap is not None:
-                parts.append(tap.take())
-                extra = [*parts[-1].layers, *([] if parts[-1].final is None else [parts[-1].final])]
+                part = tap.take()
+                if parts is not None:
+                    parts.append(part)
+                extra = [*part.layers, *([] if part.final is None else [part.final])]
             mx.eval(self.state_arrays(), extra)
             # Free the chunk's intermediate buffers before the next one.
             mx.clear_cache()
@@ -552,17 +570,15 @@ class ModelCache:
             if pending and start == pending[0]:
                 self.marks.append(self.checkpoint())
                 pending.pop(0)
-            if cancelled is not None and start < n and cancelled():
-                raise Cancelled(f"prefill cancelled after {start} of {n} tokens")
-            if cut < size:
-                continue  # cut short by a stop: its time says little about the rate
-            if seconds and sizes is None:
+            if cut >= size and seconds and sizes is None:
                 # The measured rate sets the next size, damped (x0.5 .. x2: one
                 # slow chunk on a busy machine must not collapse the rest), and
-                # never so small that each forward's fixed cost dominates.
+                # never so small that each forward's fixed cost dominates. A
+                # chunk cut short by a stop says little about the rate.
                 want = size * seconds / max(elapsed, 1e-6)
                 size = int(min(step_size, max(_MIN_TIMED_CHUNK, size / 2, min(want, 2 * size))))
-        return parts
+            if start < n:
+                yield start
 
     def checkpoint(self) -> "Checkpoint":
         """Copies of the layers that cannot go back to this length later (see :func:`fixed_position`).

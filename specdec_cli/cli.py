@@ -577,7 +577,11 @@ PromptCacheBytesOpt = Annotated[Optional[str], _opt(
     "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes the prompt caches may hold "
     "(e.g. 4G).", rich_help_panel=SERVER, **_default("no bound"))]
 QueueOpt = Annotated[int, _opt(
-    "--queue-size", min=1, max=1 << 16, help="Requests that may wait while one is generated; more get 503.",
+    "--queue-size", min=1, max=1 << 16, help="Requests that may wait beyond those decoding; more get 503.",
+    rich_help_panel=SERVER)]
+DecodeConcurrencyOpt = Annotated[int, _opt(
+    "--decode-concurrency", "--parallel", min=1, max=256, help="Requests decoded together, as rows of one "
+    "batch (mlx_lm.server's --decode-concurrency, llama-server's --parallel); more wait in the queue.",
     rich_help_panel=SERVER)]
 
 
@@ -629,6 +633,7 @@ def serve(
     prompt_cache_size: PromptCacheSizeOpt = 10,
     prompt_cache_bytes: PromptCacheBytesOpt = None,
     queue_size: QueueOpt = 16,
+    decode_concurrency: DecodeConcurrencyOpt = 4,
     log_level: Annotated[LogLevel, _opt("--log-level", help="What the server logs on stderr (info: a line per "
                                         "request; debug adds each HTTP request).", rich_help_panel=SERVER)]
     = LogLevel.info,

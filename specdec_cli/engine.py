@@ -112,6 +112,7 @@ class Row:
         carry: Committed tokens the target has not been fed yet (solo rows under ``carry``).
         finish: Why the row ended (``stop`` or ``length``), once it has.
         tag: Whatever the caller uses to know the row (a request).
+        rollback: Its recurrent rollback while it decodes alone (None: the engine's).
     """
 
     last: int
@@ -124,6 +125,7 @@ class Row:
     carry: mx.array = field(default_factory=lambda: mx.array([], dtype=mx.uint32))
     finish: Optional[str] = None
     tag: Any = None
+    rollback: Optional[str] = None
 
     @property
     def room(self) -> int:
@@ -197,11 +199,14 @@ class Engine:
         """
         if self.sync is not None and self.rows:
             raise ValueError("a sharded target decodes one row")
+        if row.rollback is not None and row.rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {ROLLBACKS}")
         k_max = getattr(row.policy, "k_max", getattr(row.policy, "k", 0))
         # Before the row's first token: every verify row count it can use computes as one-token decoding.
-        cache.check_verify(max(verify_rows(k_max, cache.recurrent, self.rollback)))
-        if self._record_for(cache) and not cache.can_record:
-            raise ValueError(f"--rollback {self.rollback} cannot run on this model ({cache.record_problem})")
+        cache.check_verify(max(verify_rows(k_max, cache.recurrent, row.rollback or self.rollback)))
+        if self._record_for(row, cache) and not cache.can_record:
+            raise ValueError(f"--rollback {row.rollback or self.rollback} cannot run on this model "
+                             f"({cache.record_problem})")
         cache.ensure_reach(TARGET_REACH)
         if not self.rows:
             self._solo = cache
@@ -241,8 +246,10 @@ class Engine:
             cache.feed(row.carry)
             row.carry = row.carry[:0]
 
-    def _record_for(self, cache) -> Optional[str]:
-        return self.rollback if self.rollback in ("capture", "tape") and cache.recurrent else None
+    def _record_for(self, row: Row, cache) -> Optional[str]:
+        """What a single row's verify records for its rollback (None: nothing)."""
+        strategy = row.rollback or self.rollback
+        return strategy if strategy in ("capture", "tape") and cache.recurrent else None
 
     # -- one block for every row -------------------------------------------------------------------
 
@@ -260,7 +267,8 @@ class Engine:
         batch = self._batch is not None
         cache = self._batch if batch else self._solo
         # A batch rolls recurrent layers back by capture; without it, its rows decode plainly.
-        record = ("capture" if cache.recurrent and cache.can_record else None) if batch else self._record_for(cache)
+        record = ("capture" if cache.recurrent and cache.can_record else None) if batch else \
+            self._record_for(live[0], cache)
         speculate = not (batch and cache.recurrent and record is None)
         pending: list[_Pending] = []
         snap = None
@@ -395,7 +403,7 @@ class Engine:
         if record:
             cache.rollback_recorded(snap, p.c + n_keep)
             return record, none
-        if self.rollback == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
+        if (p.row.rollback or self.rollback) == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
             cache.restore(snap)
             return "carry", kept
         if cache.rollback(snap, p.c + n_keep):

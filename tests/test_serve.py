@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -329,19 +330,24 @@ def test_health_and_models_answer_while_a_generation_runs(long_server):
 
 
 def test_a_full_queue_answers_503_with_retry_after(dirs):
-    server = Server("--model", dirs["long"], "--queue-size", "1")
+    # Two requests decode together, one more may wait: the fourth is turned away.
+    server = Server("--model", dirs["long"], "--decode-concurrency", "2", "--queue-size", "1")
     try:
         body = {"messages": [{"role": "user", "content": "Go"}], **LONG, **LONG_EXTRA}
-        with httpx.Client(timeout=120) as http:
-            with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as running:
+        with httpx.Client(timeout=120) as http, contextlib.ExitStack() as streams:
+            for _ in range(2):
+                running = streams.enter_context(http.stream("POST", f"{server.url}/v1/chat/completions", json=body))
                 lines = running.iter_lines()  # kept: a closed iterator closes the response
                 while '"content": "' not in (line := next(lines)) or '"content": ""' in line:
-                    pass  # until a token shows that the first is being generated
-                with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as waiting:
-                    assert waiting.status_code == 200  # queued
-                    over = server.post("/v1/chat/completions", body)
-                    assert over.status_code == 503 and over.headers["retry-after"] == "1"
-                    assert over.json()["error"]["code"] == "overloaded"
+                    pass  # until a token shows that it is being generated
+                streams.callback(lines.close)
+            health = httpx.get(f"{server.url}/health").json()
+            assert health["decoding"] == 2 and health["decode_concurrency"] == 2, health
+            with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as waiting:
+                assert waiting.status_code == 200  # queued
+                over = server.post("/v1/chat/completions", body)
+                assert over.status_code == 503 and over.headers["retry-after"] == "1"
+                assert over.json()["error"]["code"] == "overloaded"
     finally:
         server.stop()
 

@@ -139,7 +139,9 @@ def test_a_dropped_non_streamed_request_stops_while_it_decodes(server):
 def test_a_dropped_request_stops_during_its_prefill_and_one_dropped_in_the_queue_never_runs(dirs, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(SLOW_SITECUSTOMIZE)
     from server import ROOT
-    slow = Server("--model", dirs["long"], extra_env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    # One request decodes at a time, so the second one waits in the queue.
+    slow = Server("--model", dirs["long"], "--decode-concurrency", "1",
+                  extra_env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
     try:
         long_prompt = {"messages": [{"role": "user", "content": "w" * 100_000}], "max_tokens": 5}
         first = raw_request(slow, long_prompt)
@@ -182,7 +184,7 @@ def test_a_prompt_of_millions_of_characters_is_refused_without_tokenizing_it(ser
 # --- 8. shutting down: queued requests get a 503 with Retry-After -----------------------------------
 
 def test_requests_queued_at_shutdown_get_a_503_with_retry_after(dirs):
-    s = Server("--model", dirs["long"])
+    s = Server("--model", dirs["long"], "--decode-concurrency", "1")
     try:
         running = raw_request(s, {"messages": [{"role": "user", "content": "Go"}], **ENDLESS})
         until(lambda: health(s)["busy"], "the request never started")

@@ -3,6 +3,6 @@
 ``protocol`` (request and response shapes, no MLX), ``anthropic`` and
 ``responses`` (Anthropic's Messages API and OpenAI's Responses API as
 translations to chat requests, no MLX), ``service`` (what a request becomes),
-``worker`` (the one generation thread), ``app`` (the only module that imports
+``scheduler`` (the generation thread: requests decoded together as rows of one engine), ``app`` (the only module that imports
 the web framework) and ``command`` (options, bind, run).
 """

@@ -28,7 +28,7 @@ from ..errors import SpecdecError
 from . import anthropic, responses
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body
 from .service import Prepared, Service
-from .worker import Busy, Done, Failed
+from .scheduler import Busy, Done, Failed
 
 log = logging.getLogger("specdec.serve")
 
@@ -164,11 +164,11 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        service.worker.start()
+        service.scheduler.start()
         try:
             yield
         finally:
-            service.worker.stop()
+            service.scheduler.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -273,7 +273,7 @@ async def _answer(service: Service, prepared: Prepared, stream: bool, request: R
     """Queue a prepared request and answer it: in OpenAI's chat or text shapes, or through ``shape``
     (a dialect's: ``start``/``piece``/``done``/``failed``/``keepalive`` events, or ``whole``)."""
     try:
-        service.worker.submit(prepared.job)
+        service.scheduler.submit(prepared.job)
     except Busy as e:
         return _answer_error(_failure(Busy(f"the server is busy ({e}): try again shortly")))
     if stream:

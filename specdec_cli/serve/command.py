@@ -52,6 +52,7 @@ class ServeOptions(RunOptions):
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
     queue_size: int = 16
+    decode_concurrency: int = 4
     log_level: str = "info"
 
 
@@ -113,14 +114,14 @@ def serve_command(opts: ServeOptions) -> int:
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
     # The id clients send back: what --model named, or the bundled model's own name.
     name = opts.model if opts.model is not None else bundled.NAME
-    service = Service(session, name, opts, opts.queue_size)
+    service = Service(session, name, opts, opts.queue_size, opts.decode_concurrency)
     app = create_app(service, api_key=opts.api_key)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []))
     cached = f"prompt cache {opts.prompt_cache_size} entries" if cache is not None else "no prompt cache"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
-                  f"{block_size}; {cached}",
+                  f"{block_size}; {cached}; up to {opts.decode_concurrency} requests decoded together",
                   f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])
     _logging(opts.log_level)
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.log_level == "debug",
@@ -182,7 +183,7 @@ class _Server(uvicorn.Server):
         self.service = service
 
     def handle_exit(self, sig, frame) -> None:
-        self.service.worker.stop(timeout=0)  # streams end now, with an error frame
+        self.service.scheduler.stop(timeout=0)  # streams end now, with an error frame
         super().handle_exit(sig, frame)
 
 

@@ -1,6 +1,6 @@
 """What the server does with a request, apart from HTTP: check it, render it, run it, shape the answer.
 
-A :class:`Service` owns the session and the generation :class:`~.worker.Worker`.
+A :class:`Service` owns the session and the generation :class:`~.scheduler.Scheduler`.
 ``prepare_chat`` / ``prepare_completion`` turn a validated request into a
 :class:`Prepared` job, raising :class:`~.protocol.ApiError` (a 4xx) for
 anything that can be known before generation starts (a field it cannot
@@ -22,7 +22,7 @@ from ..session.reply import Piece, Reply, TextStream
 from ..session.setup import MemoryLimitError, PromptTooLongError
 from . import protocol
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .worker import Job, Worker
+from .scheduler import Job, Scheduler
 
 
 # Drafts in a streamed reply's first block (see Request.first_draft).
@@ -58,14 +58,16 @@ class Service:
         model_id: The name ``/v1/models`` lists and requests may use.
         defaults: The server's options: what a request gets for a field it leaves out
             (``max_tokens``, ``temp``, ``top_p``, ``top_k``, ``min_p``).
-        max_queue: Requests that may wait while one runs.
+        max_queue: Requests that may wait beyond those running.
+        max_rows: Requests decoding together (``--decode-concurrency``).
     """
 
-    def __init__(self, session: Session, model_id: str, defaults: RunOptions, max_queue: int = 16):
+    def __init__(self, session: Session, model_id: str, defaults: RunOptions, max_queue: int = 16,
+                 max_rows: int = 4):
         self.session = session
         self.model_id = model_id
         self.defaults = defaults
-        self.worker = Worker(max_queue)
+        self.scheduler = Scheduler(session, max_rows, max_queue)
         self.names = {model_id, "default_model", str(session.setup.target.path), session.setup.target.name}
 
     @property
@@ -96,8 +98,10 @@ class Service:
 
     def health(self) -> dict:
         cache = self.session.prompt_cache
-        return {"status": "ok", "model": self.model_id, "busy": self.worker.current is not None,
-                "waiting": self.worker.waiting, "prompt_cache_entries": len(cache) if cache is not None else 0}
+        sched = self.scheduler
+        return {"status": "ok", "model": self.model_id, "busy": sched.running > 0, "running": sched.running,
+                "decoding": sched.decoding, "waiting": sched.waiting, "decode_concurrency": sched.max_rows,
+                "prompt_cache_entries": len(cache) if cache is not None else 0}
 
     # --- checking and rendering ----------------------------------------------------
 

@@ -10,14 +10,17 @@ says and kept in the prompt cache for the next request.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
-from ..adaptive import FirstBlock
+from ..adaptive import FirstBlock, FixedLength
 from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
-from ..hooks import Hidden
+from ..engine import Row
+from ..hooks import Hidden, HiddenTap
 from ..rollback import RollbackChoice
+from ..rollback import choose as choose_rollback
 from ..runner import Finished, Prefilled, Step, Warmed, run
 from ..sampling import GREEDY, SamplingParams
 from .options import HIDDEN_STATE_DRAFTERS, make_policy
@@ -140,11 +143,7 @@ class Session:
         drafter = None
         if not self.plain:
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
-        hit = None
-        if self.prompt_cache is not None:
-            taps = not self.plain and setup.kind in HIDDEN_STATE_DRAFTERS
-            hit = self.prompt_cache.fetch(ids, self.model, setup.draft.model if setup.draft else None,
-                                          need_hidden=taps)
+        hit = self._fetch(ids)
         cache = hit.target if hit else self.fresh_cache()
         if not self.plain:
             drafter = setup.make_drafter(policy, hit.draft if hit else None)
@@ -183,6 +182,48 @@ class Session:
             if self.prompt_cache is not None and consistent:
                 self._keep(ids + emitted, cache, drafter, hit)
 
+    def tap_spec(self):
+        """The target hidden states this session's drafter reads (a ``TapSpec``), or None."""
+        if self.plain or self.setup.kind not in HIDDEN_STATE_DRAFTERS:
+            return None
+        return self.setup.make_drafter(make_policy(self.adaptive, self.block_size, self.setup.kind)).taps
+
+    def open(self, request: Request, tap: Optional[HiddenTap] = None) -> "Opening":
+        """Start ``request`` for an :class:`~specdec_cli.engine.Engine` shared with others.
+
+        Returns an :class:`Opening`: step it to prefill the prompt a chunk at a
+        time (between other rows' blocks), then admit its ``row`` and ``cache``
+        to the engine; when the row leaves, hand its caches to :meth:`close`.
+
+        Args:
+            request: What to generate. Sampling without a seed gets a random
+                one: every draw is then keyed by position, so a row's text
+                never depends on what else the engine runs.
+            tap: The hidden-state tap installed on the target for the engine's
+                life, when the drafter reads hidden states.
+        """
+        return Opening(self, request, tap)
+
+    def close(self, opening: "Opening", cache: Optional[ModelCache], emitted: Sequence[int]) -> None:
+        """A row left the engine (or its prefill stopped): keep its caches in the prompt cache.
+
+        Args:
+            opening: The row's :class:`Opening`.
+            cache: Its target caches as the engine returned them (None: there are none to keep).
+            emitted: The tokens it generated.
+        """
+        if self.prompt_cache is not None and cache is not None:
+            self._keep(list(opening.ids) + list(emitted), cache, opening.drafter, opening.hit)
+
+    def _fetch(self, ids: list[int]):
+        """The prompt cache's longest usable prefix of ``ids`` (None: a miss, or no prompt cache)."""
+        if self.prompt_cache is None:
+            return None
+        setup = self.setup
+        taps = not self.plain and setup.kind in HIDDEN_STATE_DRAFTERS
+        return self.prompt_cache.fetch(ids, self.model, setup.draft.model if setup.draft else None,
+                                       need_hidden=taps)
+
     def _marks(self, cache: ModelCache, request: Request, n: int) -> tuple[int, ...]:
         """Where to checkpoint the prompt: only layers that cannot trim back need it (each mark ends a chunk)."""
         if self.prompt_cache is None or not any(fixed_position(c) for c in _leaves(cache.layers)):
@@ -210,3 +251,88 @@ class Session:
             hidden = rows if rows.length == cache.length else None
         self.prompt_cache.insert(Entry(tuple(tokens[: cache.length]), saved, draft, hidden))
 
+
+
+class Opening:
+    """One request on its way into a shared :class:`~specdec_cli.engine.Engine`.
+
+    :meth:`step` prefills the prompt a chunk at a time (each chunk sized to
+    about ``Session.prefill_seconds``) and returns True once the drafter is
+    prefilled too; then ``row`` and ``cache`` go to ``Engine.admit`` and
+    ``prefilled`` says what the prefill did. Closing it before that leaves the
+    caches holding the chunks fed (see :meth:`Session.close`).
+
+    Attributes:
+        row: The engine row (after the last step).
+        cache: The target caches, the prompt but its last token in them.
+        prefilled: The :class:`~specdec_cli.runner.Prefilled` event of this request.
+    """
+
+    def __init__(self, session: Session, request: Request, tap: Optional[HiddenTap]):
+        setup = session.setup
+        self.session, self.request, self.tap = session, request, tap
+        self.ids = list(request.prompt_ids)
+        if not self.ids:
+            raise ValueError("the prompt is empty")
+        if not session.plain and setup.ranks is not None:
+            raise ValueError("a sharded target decodes one request at a time")
+        self.hit = session._fetch(self.ids)
+        self.cache = self.hit.target if self.hit else session.fresh_cache()
+        self.cached = self.cache.length
+        block = min(request.block_size or session.block_size, session.block_size)
+        self.policy = FixedLength(0) if session.plain else make_policy(session.adaptive, block, setup.kind)
+        self.drafter = None if session.plain else setup.make_drafter(self.policy, self.hit.draft if self.hit else None)
+        if self.drafter is not None and session.prompt_cache is not None and getattr(self.drafter, "taps", None):
+            self.drafter = _HiddenLog(self.drafter)
+        policy = self.policy if request.first_draft is None else FirstBlock(self.policy, request.first_draft)
+        sampling = request.sampling
+        if not sampling.greedy:
+            # Keyed draws: the same text whatever shares the batch, and no global random state.
+            seed = request.seed if request.seed is not None else random.getrandbits(64)
+            sampling = replace(sampling, seed=seed)
+        self.row = Row(self.ids[-1], self.drafter, policy, sampling,
+                       frozenset(() if request.ignore_eos else setup.eos_ids), request.max_tokens, tag=request)
+        self.parts: list = []
+        self.prefilled: Optional[Prefilled] = None
+        self._start = time.perf_counter()
+        self._chunks = self.cache.prefill_chunks(
+            self.ids[self.cached:-1], setup.options.prefill_step_size, tap if self.drafter is not None else None,
+            self.parts, seconds=session.prefill_seconds, stops=[m - self.cached for m in
+                                                               session._marks(self.cache, request, len(self.ids))])
+
+    @property
+    def ready(self) -> bool:
+        return self.prefilled is not None
+
+    def step(self) -> bool:
+        """Prefill one more chunk; True once the row can be admitted (then nothing more to do)."""
+        if self.prefilled is not None:
+            return True
+        if next(self._chunks, None) is not None:
+            return False
+        setup, cache = self.session.setup, self.cache
+        step = min(setup.options.prefill_step_size, max(cache.chunks, default=setup.options.prefill_step_size))
+        if self.drafter is not None:
+            taps = getattr(self.drafter, "taps", None) is not None
+            if taps:
+                prefix = self.hit.hidden if self.hit else None
+                self.drafter.prefill(self.ids[:-1], step, Hidden.concat([prefix or Hidden(), *self.parts]))
+            else:
+                self.drafter.prefill(self.ids[:-1], step)
+        choice = None
+        if self.drafter is not None:
+            # A row decoding alone rolls its recurrent layers back as auto measured (once per block size).
+            k_max = getattr(self.policy, "k_max", getattr(self.policy, "k", 0))
+            choice = self.session._choices.get(k_max + 1)
+            if choice is None:
+                opts = setup.options
+                choice = self.session._choices[k_max + 1] = choose_rollback(
+                    opts.rollback, cache, k_max + 1, opts.rollback_memory_cap_bytes)
+            self.row.rollback = "carry" if choice.strategy == "trim" else choice.strategy
+        self.prefilled = Prefilled(len(self.ids), time.perf_counter() - self._start, choice, tuple(cache.chunks),
+                                   self.cached, tuple(cache.marks))
+        return True
+
+    def close(self) -> None:
+        """Stop prefilling (the caches keep the chunks fed)."""
+        self._chunks.close()

@@ -207,22 +207,36 @@ class Reply:
         events = self.session.generate(self.request, cancelled=self.cancelled)
         try:
             for event in events:
-                if not isinstance(event, Step):
-                    self.stats.note(event)
-                    continue
-                self.tokens += event.block.tokens
-                self.stats.add(event.block, event.seconds)
-                piece = self.stream.add(event.block.tokens)
+                piece = self.take(event)
                 if piece:
                     yield piece
-                if self.stream.stopped:
+                if self.stopped:
                     break
         finally:
             events.close()
-        piece = self.stream.finish()
-        self.finish_reason = self._reason()
+        piece = self.end()
         if piece:
             yield piece
+
+    def take(self, event) -> Piece:
+        """One event of the generation (a ``Step``'s block, or what prefill reported); the text it made safe."""
+        if not isinstance(event, Step):
+            self.stats.note(event)
+            return Piece()
+        self.tokens += event.block.tokens
+        self.stats.add(event.block, event.seconds)
+        return self.stream.add(event.block.tokens)
+
+    def end(self) -> Piece:
+        """The generation ended: the text held back until now, and the finish reason set."""
+        piece = self.stream.finish()
+        self.finish_reason = self._reason()
+        return piece
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the reply: generate no more."""
+        return self.stream.stopped
 
     def _reason(self) -> str:
         if self.stream.stopped:

@@ -1,0 +1,283 @@
+"""The generation thread: several requests decode together as rows of one engine, more wait in a bounded queue.
+
+Each loop of the thread admits waiting requests while fewer than
+``max_rows`` are in flight, prefills one chunk of the oldest request still
+prefilling (so the rows already decoding never stall for a whole long
+prompt), then runs one engine block for every decoding row and hands each
+request its text. A row whose request ended (EOS, max tokens, a stop string)
+or whose client went away leaves at the next block boundary, and its caches
+go to the prompt cache. MLX work stays on this thread; each :class:`Job`
+hands what it produces to the HTTP side through an asyncio queue of its own.
+No HTTP here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..engine import Engine, Row
+from ..hooks import HiddenTap
+from ..runner import Step
+from ..session import Session
+from ..session.generate import Opening
+from ..session.reply import Piece, Reply
+
+log = logging.getLogger("specdec.serve")
+
+
+@dataclass
+class Done:
+    """The reply ran to its end (or was cut by a stop string)."""
+
+    reply: Reply
+
+
+@dataclass
+class Failed:
+    """The reply raised; ``error`` is what it raised."""
+
+    error: BaseException
+
+
+class Busy(Exception):
+    """The queue is full, or the server is shutting down."""
+
+
+@dataclass(eq=False)
+class Job:
+    """A reply to run, and the channel its pieces go back on.
+
+    Args:
+        make: Builds the :class:`Reply` on the generation thread.
+        loop: The event loop of the HTTP side.
+    """
+
+    make: Callable[[], Reply]
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop this job at the next block boundary or prefill chunk (or skip it if it has not started)."""
+        self.cancelled.set()
+
+    def send(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is going away
+            self.cancelled.set()
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request in flight: its job, its reply, and its row on the way in or in the engine."""
+
+    job: Job
+    reply: Reply
+    opening: Opening
+    row: Optional[Row] = None
+
+
+class Scheduler:
+    """The generation thread, its engine and its queue.
+
+    Args:
+        session: The loaded session (models, drafter kind, prompt cache).
+        max_rows: Requests decoding together (``--decode-concurrency``).
+        max_queue: Requests that may wait beyond those; past it :meth:`submit` raises :class:`Busy`.
+    """
+
+    def __init__(self, session: Session, max_rows: int = 4, max_queue: int = 16):
+        if max_rows < 1:
+            raise ValueError("max_rows must be >= 1")
+        self.session = session
+        self.max_rows = max_rows
+        self._jobs: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="specdec-generation", daemon=True)
+        self._stopping = threading.Event()
+        self._flights: list[_Flight] = []
+        self.engine: Optional[Engine] = None
+        self._tap: Optional[HiddenTap] = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- what the HTTP side sees -------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet started."""
+        return self._jobs.qsize()
+
+    @property
+    def running(self) -> int:
+        """Requests in flight (prefilling or decoding)."""
+        return len(self._flights)
+
+    @property
+    def decoding(self) -> int:
+        """Rows in the engine."""
+        return sum(f.row is not None for f in self._flights)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``.
+
+        Raises:
+            Busy: The queue is full, or the server is shutting down.
+        """
+        if self._stopping.is_set():
+            raise Busy("the server is shutting down")
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise Busy(f"{self._jobs.maxsize} requests are already waiting") from None
+
+    def stop(self, timeout: float = 1.5) -> None:
+        """Cancel every job (each gets a :class:`Busy` failure) and end the thread (waits up to ``timeout`` s)."""
+        self._stopping.set()
+        for flight in list(self._flights):
+            flight.job.cancel()
+            flight.job.send(Failed(Busy("the server is shutting down")))
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.send(Failed(Busy("the server is shutting down")))
+        try:
+            self._jobs.put_nowait(None)  # wakes the thread if it waits for work
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        session = self.session
+        spec = session.tap_spec()
+        self._tap = HiddenTap(session.model, spec) if spec is not None else None
+        self.engine = Engine(session.model, tap=self._tap)
+        try:
+            while not self._stopping.is_set():
+                if not self._take_jobs():
+                    break
+                self._drop_cancelled()
+                self._prefill_one()
+                if self.engine.rows:
+                    self._step()
+        finally:
+            for flight in list(self._flights):
+                self._leave(flight, keep=False)
+            if self._tap is not None:
+                self._tap.close()
+
+    def _take_jobs(self) -> bool:
+        """Start waiting jobs while rows are free; wait for one when nothing runs. False: stop."""
+        while len(self._flights) < self.max_rows:
+            try:
+                job = self._jobs.get(block=not self._flights)
+            except queue.Empty:
+                return True
+            if job is None or self._stopping.is_set():
+                return False
+            if job.cancelled.is_set():
+                log.info("skipped a queued request whose client went away")
+                continue
+            self._open(job)
+        return True
+
+    def _open(self, job: Job) -> None:
+        try:
+            reply = job.make()
+            opening = self.session.open(reply.request, self._tap)
+        except BaseException as e:  # the HTTP side decides what the client sees
+            job.send(Failed(e))
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._flights.append(_Flight(job, reply, opening))
+
+    def _drop_cancelled(self) -> None:
+        for flight in [f for f in self._flights if f.job.cancelled.is_set()]:
+            if flight.row is None:
+                log.info("request cancelled during prefill")
+            else:
+                log.info("cancelled after %d tokens", flight.reply.stats.generated)
+            self._leave(flight)
+
+    def _prefill_one(self) -> None:
+        """One prefill chunk of the oldest request still prefilling; admitted to the engine once done."""
+        flight = next((f for f in self._flights if f.row is None), None)
+        if flight is None:
+            return
+        try:
+            if not flight.opening.step():
+                return
+            flight.reply.take(flight.opening.prefilled)
+            flight.row = self.engine.admit(flight.opening.row, flight.opening.cache)
+        except Exception as e:
+            self._fail([flight], e)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            blocks = self.engine.step()
+        except Exception as e:
+            # The engine restored every row to its state before the block; the requests cannot go on.
+            self._fail([f for f in self._flights if f.row is not None], e)
+            return
+        seconds = time.perf_counter() - start
+        for row, block in blocks:
+            flight = next(f for f in self._flights if f.row is row)
+            piece = flight.reply.take(Step(block, seconds))
+            if piece:
+                flight.job.send(piece)
+            if flight.reply.stopped or row.finish is not None or row.room <= 0:
+                self._finish(flight)
+
+    def _finish(self, flight: _Flight) -> None:
+        self._leave(flight)
+        piece = flight.reply.end()
+        if piece:
+            flight.job.send(piece)
+        flight.job.send(Done(flight.reply))
+        log.info(_line(flight.reply))
+
+    def _fail(self, flights: list[_Flight], error: Exception) -> None:
+        for flight in flights:
+            self._leave(flight, keep=False)
+            flight.job.send(Failed(error))
+
+    def _leave(self, flight: _Flight, keep: bool = True) -> None:
+        """Take a request out of flight; its caches go to the prompt cache when they are consistent."""
+        self._flights.remove(flight)
+        cache = None
+        if flight.row is not None:
+            if flight.row in self.engine.rows:
+                cache = self.engine.remove(flight.row)
+        else:
+            flight.opening.close()
+            cache = flight.opening.cache  # holds the prompt chunks fed: a prefix the next request may reuse
+        if keep:
+            self.session.close(flight.opening, cache, flight.reply.tokens)
+
+
+def _line(reply: Reply) -> str:
+    """One log line per request."""
+    st = reply.stats
+    drafted = f"acceptance {100 * st.acceptance:.0f}% ({st.accepted}/{st.drafted})" if st.drafted else "nothing drafted"
+    return (f"{st.prompt_tokens} prompt tokens ({st.cached_tokens} cached, {st.prompt_tps:.0f} tok/s), "
+            f"{st.generated} generated at {st.decode_tps:.1f} tok/s, {drafted}, {st.tokens_per_block:.2f} "
+            f"tokens/block, finish {reply.finish_reason}")
+
+
+__all__ = ["Busy", "Done", "Failed", "Job", "Piece", "Scheduler"]
