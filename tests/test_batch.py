@@ -1,0 +1,200 @@
+"""Several rows in one engine: each row's text is what its prompt gives alone, whatever shares the batch.
+
+On this CPU with MLX's bundled BLAS a batched forward gives each row the bits
+of that row's own forward (``kernels_agree``), so every comparison here is bit
+for bit: tokens, and the caches a row leaves with against caches built
+directly from its tokens. Rows differ in prompt length, drafter, draft length
+and rollback; rows join mid-run, leave mid-run, and end on EOS and on their
+token budget in the same block.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import DTYPES, FAMILIES, fed, kernels_agree, max_cache_diff, noisy_drafter, prefilled, target
+
+from specdec_cli.adaptive import FixedLength, MatchLength
+from specdec_cli.batch_cache import BatchCache
+from specdec_cli.caches import ModelCache
+from specdec_cli.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
+from specdec_cli.engine import Engine, Row, plain_generate_step
+from specdec_cli.sampling import SamplingParams
+
+FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
+# Prompts of different lengths; two repeat themselves, so lookup drafts get accepted.
+PROMPTS = [
+    list(b"The quick brown fox jumps over the lazy dog, twice: the quick brown fox."),
+    list(b"abc abc abc abc abc"),
+    list(b"Hello"),
+    list(b"one two three four five six seven eight nine ten; one two three four"),
+]
+GEN = 24
+
+
+def plain_tokens(model, prompt, max_tokens=GEN, eos=(), sampling=SamplingParams()) -> tuple[list[int], ModelCache]:
+    cache = prefilled(model, prompt)
+    out = [t for b in plain_generate_step(prompt[-1], cache, max_tokens=max_tokens, eos_ids=eos, sampling=sampling)
+           for t in b.tokens]
+    return out, cache
+
+
+def drafter_for(kind: str, family: str, dtype: str, prompt):
+    if kind == "model":
+        d = ModelDrafter(noisy_drafter(family, dtype))
+    elif kind == "ngram":
+        d = NgramDrafter()
+    else:
+        d = SuffixDrafter()
+    d.prefill(prompt[:-1])
+    return d
+
+
+def run_batch(model, rows: list[dict], join_at: dict[int, int] = (), leave_at: dict[int, int] = ()):
+    """Decode rows together; ``join_at[i]``: row i joins after that many blocks; ``leave_at[i]``: it leaves then.
+
+    Returns each row's tokens, and the caches each left with.
+    """
+    join_at, leave_at = dict(join_at), dict(leave_at)
+    engine = Engine(model, rollback="capture")
+    made, out, caches, step = {}, {}, {}, 0
+
+    def admit(i):
+        spec = rows[i]
+        prompt = spec["prompt"]
+        row = Row(prompt[-1], spec.get("drafter"), spec.get("policy", FixedLength(spec.get("k", 3))),
+                  spec.get("sampling", SamplingParams()), frozenset(spec.get("eos", ())), spec.get("max", GEN), tag=i)
+        made[i] = engine.admit(row, prefilled(model, prompt))
+        out[i] = []
+
+    for i in range(len(rows)):
+        if join_at.get(i, 0) == 0:
+            admit(i)
+    while engine.rows or len(made) < len(rows):
+        for i in range(len(rows)):
+            if i not in made and join_at.get(i, 0) <= step:
+                admit(i)
+        for row, block in engine.step():
+            out[row.tag] += block.tokens
+        step += 1
+        for row in list(engine.rows):
+            if row.finish is not None or row.room <= 0 or leave_at.get(row.tag) == step:
+                caches[row.tag] = engine.remove(row)
+    return [out[i] for i in range(len(rows))], [caches[i] for i in range(len(rows))]
+
+
+def assert_cache_is_directly_built(model, prompt, out, cache, dtype):
+    direct = fed(model, prompt[:-1] + [prompt[-1]] + out[:-1], prompt_len=len(prompt) - 1)
+    tolerance = 0.0 if kernels_agree(dtype) else 1e-3
+    assert max_cache_diff(cache, direct) <= tolerance
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_each_row_equals_its_prompt_alone(family, dtype):
+    """Rows of different lengths, drafters and draft lengths, one batch: each row's text is plain decoding's."""
+    model = target(family, dtype)
+    kinds, ks = ["model", "lookup", "ngram", "model"], [3, 5, 2, 1]
+    rows = [{"prompt": p, "drafter": drafter_for(kind, family, dtype, p), "k": k}
+            for p, kind, k in zip(PROMPTS, kinds, ks)]
+    got, caches = run_batch(model, rows)
+    for p, out, cache in zip(PROMPTS, got, caches):
+        ref, _ = plain_tokens(model, p)
+        assert out == ref
+        assert_cache_is_directly_built(model, p, out, cache, dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_join_and_leave_mid_run(family):
+    dtype = "float32"
+    model = target(family, dtype)
+    rows = [{"prompt": p, "drafter": drafter_for("model", family, dtype, p), "k": k}
+            for p, k in zip(PROMPTS, [4, 2, 3, 1])]
+    # Row 2 joins after 3 blocks, row 3 after 5; row 1 is cancelled after 4 blocks.
+    got, caches = run_batch(model, rows, join_at={2: 3, 3: 5}, leave_at={1: 4})
+    for i, (p, out, cache) in enumerate(zip(PROMPTS, got, caches)):
+        ref, _ = plain_tokens(model, p)
+        if i == 1:
+            assert 0 < len(out) < GEN and out == ref[: len(out)]  # cut short, each token still plain's
+        else:
+            assert out == ref
+        assert_cache_is_directly_built(model, p, out, cache, dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_end_on_eos_and_on_their_budget_in_the_same_block(family):
+    dtype = "float32"
+    model = target(family, dtype)
+    full = [plain_tokens(model, p)[0] for p in PROMPTS[:2]]
+    # Row 0 stops at the first occurrence of its 10th token; row 1 after 10 tokens: both in early blocks.
+    eos = full[0][9]
+    rows = [{"prompt": PROMPTS[0], "drafter": ModelDrafter(model), "k": 4, "eos": [eos]},
+            {"prompt": PROMPTS[1], "drafter": ModelDrafter(model), "k": 4, "max": 10}]
+    for r, p in zip(rows, PROMPTS):
+        r["drafter"].prefill(p[:-1])
+    got, caches = run_batch(model, rows)
+    assert got[0] == plain_tokens(model, PROMPTS[0], eos=[eos])[0] and eos not in got[0]
+    assert got[1] == full[1][:10]
+    # The drafter equal to the target accepts everything: both rows end inside one multi-token block.
+    assert len(got[0]) < 10 and len(got[1]) == 10
+    assert_cache_is_directly_built(model, PROMPTS[1], got[1], caches[1], dtype)
+    ended = got[0] + [eos]
+    assert_cache_is_directly_built(model, PROMPTS[0], ended, caches[0], dtype)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_seeded_sampling_of_a_row_does_not_depend_on_the_batch(family):
+    model = target(family, "float32")
+    sampling = SamplingParams(temp=0.9, top_p=0.95, seed=1234)
+    ref, _ = plain_tokens(model, PROMPTS[0], sampling=sampling)
+    alone, _ = run_batch(model, [{"prompt": PROMPTS[0], "drafter": drafter_for("model", family, "float32",
+                                                                                 PROMPTS[0]), "sampling": sampling}])
+    others = [{"prompt": p, "drafter": drafter_for("lookup", family, "float32", p),
+               "sampling": SamplingParams(temp=0.7, seed=s)} for p, s in zip(PROMPTS[1:], (1, 2, 3))]
+    together, _ = run_batch(model, [{"prompt": PROMPTS[0], "drafter": drafter_for("model", family, "float32",
+                                                                                    PROMPTS[0]),
+                                     "sampling": sampling}] + others)
+    assert alone[0] == together[0] == ref
+
+
+def test_a_batch_of_one_is_a_single_rows_cache():
+    """One row runs on its own ModelCache (every rollback strategy); the batch cache appears with a second."""
+    model = target("qwen3_5", "float32")
+    engine = Engine(model, rollback="carry")
+    a = engine.admit(Row(PROMPTS[0][-1], drafter_for("lookup", "qwen3_5", "float32", PROMPTS[0]),
+                         MatchLength(k_max=7), max_tokens=GEN), prefilled(model, PROMPTS[0]))
+    assert engine._batch is None and isinstance(engine._solo, ModelCache)
+    engine.step()
+    b = engine.admit(Row(PROMPTS[1][-1], drafter_for("lookup", "qwen3_5", "float32", PROMPTS[1]),
+                         MatchLength(k_max=7), max_tokens=GEN), prefilled(model, PROMPTS[1]))
+    assert isinstance(engine._batch, BatchCache) and engine._batch.rows == 2 and not a.carry.shape[0]
+    engine.step()
+    engine.remove(b)
+    assert engine._batch is None and isinstance(engine._solo, ModelCache)
+    out = []
+    while a.finish is None and a.room > 0:
+        out += engine.step()[0][1].tokens
+    engine.remove(a)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_merged_and_taken_out_equal_their_own_caches(family):
+    """BatchCache round trip: rows of different lengths (one empty) in, a padded verify, each kept at its own count."""
+    model = target(family, "float32")
+    prompts = [PROMPTS[0], PROMPTS[2], [PROMPTS[3][0]]]  # the last row has nothing prefilled
+    conts = [[7, 8, 9, 10], [3, 4], [11, 12, 13, 14, 15, 16]]
+    keeps = [2, 2, 6]
+    batch = BatchCache(model, prefilled(model, prompts[0]))
+    for p in prompts[1:]:
+        batch.add(prefilled(model, p))
+    width = max(map(len, conts))
+    x = mx.array([[p[-1]] + c[:-1] + [0] * (width - len(c)) for p, c in zip(prompts, conts)], dtype=mx.uint32)
+    snap = batch.snapshot()
+    logits = batch.feed(x, record="capture" if batch.recurrent else None)
+    for b, (p, c) in enumerate(zip(prompts, conts)):
+        alone = prefilled(model, p)
+        want = alone.feed(mx.array([p[-1]] + c[:-1], dtype=mx.uint32))
+        assert mx.array_equal(logits[b, : len(c)], want).item()
+    batch.settle(snap, keeps)
+    for b, (p, c, k) in enumerate(zip(prompts, conts, keeps)):
+        direct = fed(model, p + c[: k - 1], prompt_len=len(p) - 1)
+        assert max_cache_diff(batch.row(b), direct) == 0.0
