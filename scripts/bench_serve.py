@@ -19,7 +19,17 @@ tokens after the first / the time between the first and the last), and
 whether the two servers' texts are identical. Ratios are specdec / mlx_lm of
 medians over the repeats. Results go to ``bench-results/serve.json``.
 
+With ``--concurrency 1,2,4,8`` it measures several clients at once instead:
+a workload of requests (open questions, a summary, an edit and a copy, twice
+each) is sent by that many clients at once (each takes the next request when
+its last one ends), to each server in turn; then a workload of open questions
+alone. Per level and server: aggregate tokens per second (completion tokens of
+the whole workload / its wall time), mean and worst request latency, mean
+time to first token, and whether every text equals the same request served
+alone (at concurrency 1). Results go to ``bench-results/serve-concurrency.json``.
+
 Usage: python scripts/bench_serve.py [--repeats 3] [--out bench-results/serve.json]
+       python scripts/bench_serve.py --concurrency 1,2,4,8 [--decode-concurrency 8]
 """
 
 from __future__ import annotations
@@ -66,6 +76,16 @@ DOCUMENT = " ".join([NOTICE] * 2)
 TURNS = [f"Read this notice carefully.\n\n{DOCUMENT}\n\nWhat is being repaired?",
          "When does the work start?", "Where should residents park?"]
 KINDS = {"edit": (EDIT, 256), "summary": (SUMMARY, 96), "open": (OPEN, 128)}
+COPY = ("Copy this text exactly: The city council met on Tuesday to discuss the new park. The park will have a "
+        "playground, a small lake and walking paths. The council said the park will open next spring.")
+OPEN2 = "Write a short paragraph about why people enjoy gardening."
+OPEN3 = "Explain in a few sentences how a bicycle works."
+OPEN4 = "Describe a quiet morning in a small town."
+# The workload several clients send at once (kind, prompt, max_tokens), and the open-questions one.
+MIXED = [("open", OPEN, 128), ("summary", SUMMARY, 96), ("edit", EDIT, 256), ("copy", COPY, 96),
+         ("open", OPEN2, 128), ("summary", SUMMARY.replace("Tuesday", "Monday"), 96),
+         ("edit", EDIT.replace("Wednesday", "Thursday"), 256), ("copy", COPY.replace("spring", "summer"), 96)]
+OPENS = [("open", q, 128) for q in (OPEN, OPEN2, OPEN3, OPEN4)] * 2
 
 
 def free_port() -> int:
@@ -134,6 +154,65 @@ def ask(port: int, messages: list[dict], max_tokens: int) -> dict:
             .get("cached_tokens"), "timings": timings}
 
 
+def workload(port: int, requests: list, clients: int) -> dict:
+    """Send ``requests`` from ``clients`` threads at once (each takes the next when its last ends)."""
+    import threading
+
+    todo = list(enumerate(requests))
+    lock = threading.Lock()
+    answers: dict = {}
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, (_, prompt, max_tokens) = todo.pop(0)
+            answers[i] = ask(port, [{"role": "user", "content": prompt}], max_tokens)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    out = [answers[i] for i in range(len(requests))]
+    tokens = sum(a["completion_tokens"] for a in out)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "mean_latency_s": statistics.mean(a["wall_s"] for a in out),
+            "worst_latency_s": max(a["wall_s"] for a in out),
+            "mean_ttft_s": statistics.mean(a["ttft_s"] for a in out if a["ttft_s"] is not None),
+            "texts": [a["text"] for a in out]}
+
+
+def concurrency(ports: dict, levels: list[int]) -> dict:
+    """Each workload at each level, each server in turn; texts held against concurrency 1's."""
+    results: dict = {}
+    for name, requests in (("mixed", MIXED), ("open", OPENS)):
+        alone: dict = {}
+        for level in levels:
+            row: dict = {}
+            for server in ("mlx_lm", "specdec"):
+                got = workload(ports[server], requests, level)
+                alone.setdefault(server, got["texts"])
+                got["same_as_alone"] = got["texts"] == alone[server]
+                row[server] = got
+            row["tok_s_ratio"] = row["specdec"]["tok_s"] / row["mlx_lm"]["tok_s"]
+            row["latency_ratio"] = row["mlx_lm"]["mean_latency_s"] / row["specdec"]["mean_latency_s"]
+            row["texts_equal_across_servers"] = row["mlx_lm"]["texts"] == row["specdec"]["texts"]
+            results.setdefault(name, {})[level] = row
+            print(f"{name:5s} x{level}: specdec {row['specdec']['tok_s']:6.1f} tok/s, mlx_lm "
+                  f"{row['mlx_lm']['tok_s']:6.1f} tok/s ({row['tok_s_ratio']:.2f}x); mean latency "
+                  f"{row['specdec']['mean_latency_s']:.2f}s vs {row['mlx_lm']['mean_latency_s']:.2f}s "
+                  f"({row['latency_ratio']:.2f}x); worst {row['specdec']['worst_latency_s']:.2f}s vs "
+                  f"{row['mlx_lm']['worst_latency_s']:.2f}s; TTFT {row['specdec']['mean_ttft_s']:.2f}s vs "
+                  f"{row['mlx_lm']['mean_ttft_s']:.2f}s; same as alone: specdec "
+                  f"{row['specdec']['same_as_alone']}, mlx_lm {row['mlx_lm']['same_as_alone']}; "
+                  f"same across servers: {row['texts_equal_across_servers']}", flush=True)
+    return results
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -142,8 +221,14 @@ def median(xs):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench-results" / "serve.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--concurrency", default=None, help="e.g. 1,2,4,8: clients sending a workload at once")
+    ap.add_argument("--decode-concurrency", type=int, default=8,
+                    help="Both servers' --decode-concurrency in the --concurrency runs (mlx_lm.server's default "
+                         "is 32; it only matters up to the number of clients)")
     args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else None
+    args.out = args.out or str(ROOT / "bench-results" / ("serve-concurrency.json" if levels else "serve.json"))
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -158,13 +243,14 @@ def main() -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     ports = {"mlx_lm": free_port(), "specdec": free_port()}
+    batch = ["--decode-concurrency", str(args.decode_concurrency)] if levels else []
     procs = {
         "mlx_lm": start([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32), "--port",
-                         str(ports["mlx_lm"])], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
+                         str(ports["mlx_lm"]), *batch], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
         # The same files for both: the bundled 4-bit weights dequantized in-process round differently
         # from mlx_lm.convert's, which changes near-tie tokens.
         "specdec": start([sys.executable, "-m", "specdec_cli", "serve", "--model", str(f32), "--port",
-                          str(ports["specdec"])], ports["specdec"], env, work / "specdec.log"),
+                          str(ports["specdec"]), *batch], ports["specdec"], env, work / "specdec.log"),
     }
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
                      "blas": str(library) if library else "bundled reference BLAS", "repeats": args.repeats,
@@ -172,42 +258,51 @@ def main() -> None:
     try:
         for name in ("mlx_lm", "specdec"):  # untimed warm-up of each server
             ask(ports[name], [{"role": "user", "content": "Hello"}], 8)
-        for kind, (prompt, max_tokens) in KINDS.items():
-            runs = {"mlx_lm": [], "specdec": []}
-            for _ in range(args.repeats):
-                for name in ("mlx_lm", "specdec"):
-                    runs[name].append(ask(ports[name], [{"role": "user", "content": prompt}], max_tokens))
-            row = {name: {"wall_s": median(r["wall_s"] for r in rs), "ttft_s": median(r["ttft_s"] for r in rs),
-                          "decode_tps": median(r["decode_tps"] for r in rs),
-                          "completion_tokens": rs[0]["completion_tokens"]} for name, rs in runs.items()}
-            row["identical"] = all(a["text"] == b["text"] for a, b in zip(runs["mlx_lm"], runs["specdec"]))
-            row["wall_ratio"] = row["mlx_lm"]["wall_s"] / row["specdec"]["wall_s"]
-            row["decode_ratio"] = row["specdec"]["decode_tps"] / row["mlx_lm"]["decode_tps"]
-            row["specdec_timings"] = runs["specdec"][-1]["timings"]
-            row["texts"] = {name: runs[name][0]["text"] for name in runs}
-            results["requests"][kind] = row
-            print(f"{kind:8s} decode {row['specdec']['decode_tps']:7.1f} vs {row['mlx_lm']['decode_tps']:7.1f} "
-                  f"tok/s ({row['decode_ratio']:.2f}x), wall {row['wall_ratio']:.2f}x faster, "
-                  f"identical={row['identical']}", flush=True)
-        convo = {}
-        for name in ("mlx_lm", "specdec"):
-            turns, messages = [], []
-            for text in TURNS:
-                messages.append({"role": "user", "content": text})
-                out = ask(ports[name], messages, 64)
-                messages.append({"role": "assistant", "content": out["text"]})
-                turns.append({k: out[k] for k in ("ttft_s", "wall_s", "decode_tps", "cached_tokens")})
-            convo[name] = turns
-            ttft = [t["ttft_s"] for t in turns]
-            print(f"chat     {name:8s} TTFT per turn " + ", ".join(f"{x:.3f}s" for x in ttft)
-                  + f" (later/first: {', '.join(f'{x / ttft[0]:.0%}' for x in ttft[1:])})", flush=True)
-        results["conversation"] = convo
+        if levels:
+            results["decode_concurrency"] = args.decode_concurrency
+            results["workloads"] = concurrency(ports, levels)
+        else:
+            single(ports, results, args.repeats)
     finally:
         results["stop_s"] = {name: stop(p) for name, p in procs.items()}
         shutil.rmtree(work, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
+
+
+def single(ports: dict, results: dict, repeats: int) -> None:
+    """One request at a time: each kind alternating between the servers, then a three-turn chat."""
+    for kind, (prompt, max_tokens) in KINDS.items():
+        runs = {"mlx_lm": [], "specdec": []}
+        for _ in range(repeats):
+            for name in ("mlx_lm", "specdec"):
+                runs[name].append(ask(ports[name], [{"role": "user", "content": prompt}], max_tokens))
+        row = {name: {"wall_s": median(r["wall_s"] for r in rs), "ttft_s": median(r["ttft_s"] for r in rs),
+                      "decode_tps": median(r["decode_tps"] for r in rs),
+                      "completion_tokens": rs[0]["completion_tokens"]} for name, rs in runs.items()}
+        row["identical"] = all(a["text"] == b["text"] for a, b in zip(runs["mlx_lm"], runs["specdec"]))
+        row["wall_ratio"] = row["mlx_lm"]["wall_s"] / row["specdec"]["wall_s"]
+        row["decode_ratio"] = row["specdec"]["decode_tps"] / row["mlx_lm"]["decode_tps"]
+        row["specdec_timings"] = runs["specdec"][-1]["timings"]
+        row["texts"] = {name: runs[name][0]["text"] for name in runs}
+        results["requests"][kind] = row
+        print(f"{kind:8s} decode {row['specdec']['decode_tps']:7.1f} vs {row['mlx_lm']['decode_tps']:7.1f} "
+              f"tok/s ({row['decode_ratio']:.2f}x), wall {row['wall_ratio']:.2f}x faster, "
+              f"identical={row['identical']}", flush=True)
+    convo = {}
+    for name in ("mlx_lm", "specdec"):
+        turns, messages = [], []
+        for text in TURNS:
+            messages.append({"role": "user", "content": text})
+            out = ask(ports[name], messages, 64)
+            messages.append({"role": "assistant", "content": out["text"]})
+            turns.append({k: out[k] for k in ("ttft_s", "wall_s", "decode_tps", "cached_tokens")})
+        convo[name] = turns
+        ttft = [t["ttft_s"] for t in turns]
+        print(f"chat     {name:8s} TTFT per turn " + ", ".join(f"{x:.3f}s" for x in ttft)
+              + f" (later/first: {', '.join(f'{x / ttft[0]:.0%}' for x in ttft[1:])})", flush=True)
+    results["conversation"] = convo
 
 
 if __name__ == "__main__":

@@ -103,6 +103,8 @@ class AdaptiveLength:
     switched_off: int = field(init=False, default=0)
     plain_blocks: int = field(init=False, default=0)
     lengths: Counter = field(init=False, default_factory=Counter)
+    drafted_total: int = field(init=False, default=0)
+    accepted_total: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.k_min <= self.k_max:
@@ -123,10 +125,20 @@ class AdaptiveLength:
         seconds = sum(s for _, s in samples)
         return sum(t for t, _ in samples) / seconds if seconds > 0 else 0.0
 
+    def expected(self, k: int) -> float:
+        """Tokens a block drafting ``k`` is expected to commit (the target's own included).
+
+        Each draft is taken as accepted with the run's acceptance so far (a Beta(1, 1) posterior mean).
+        """
+        rate = (self.accepted_total + 1) / (self.drafted_total + 2)
+        return sum(rate ** i for i in range(k + 1))
+
     def observe(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
         self._seen += 1
         timed = self._seen > self.warmup
         if self.mode == "speculate":
+            self.drafted_total += drafted
+            self.accepted_total += accepted
             self.lengths[drafted] += 1
             self._learn(drafted, accepted)
             if timed:
@@ -312,6 +324,15 @@ class MatchLength(AdaptiveLength):
         """Drafts for a suffix matched over ``match`` tokens, at most ``k``."""
         return self._lookup_plan(match, k)[0]
 
+    def expected(self, k: int) -> float:
+        """Tokens the last planned block would commit with ``k`` of its drafts (by its match's acceptance)."""
+        rates = self.acceptance()
+        out, survive = 1.0, 1.0
+        for i in range(1, k + 1):
+            survive *= rates[match_bucket(self._match + i - 1)] if self._match else 0.0
+            out += survive
+        return out
+
     def _lookup_plan(self, match: int, k: int) -> tuple[int, float]:
         """The best lookup draft length and its expected tokens per plain step (1.0: a plain step)."""
         self._match = match
@@ -432,6 +453,15 @@ class HybridLength(MatchLength):
             if value > best:
                 best, best_j = value, j
         return best_j, best
+
+    def expected(self, k: int) -> float:
+        if self.source != "head":
+            return super().expected(k)
+        out, survive = 1.0, 1.0
+        for rate in self.head_acceptance()[:k]:
+            survive *= rate
+            out += survive
+        return out
 
     def size(self, match: int, k: int) -> int:
         """Lookup drafts for this block (0 when the head, or nobody, should draft; see ``source``)."""

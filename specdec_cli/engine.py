@@ -113,6 +113,8 @@ class Row:
         finish: Why the row ended (``stop`` or ``length``), once it has.
         tag: Whatever the caller uses to know the row (a request).
         rollback: Its recurrent rollback while it decodes alone (None: the engine's).
+        drafted: Drafts verified so far.
+        accepted: Drafts accepted so far.
     """
 
     last: int
@@ -126,6 +128,8 @@ class Row:
     finish: Optional[str] = None
     tag: Any = None
     rollback: Optional[str] = None
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def room(self) -> int:
@@ -275,8 +279,6 @@ class Engine:
         done = False
         try:
             t0 = time.perf_counter()
-            if batch and self.planner is not None:
-                self.planner.prepare(live)
             for r in live:
                 # With a seed, draws are keyed by the generated position: row i of this block is token emitted + i.
                 params = r.sampling.at(r.emitted)
@@ -343,6 +345,8 @@ class Engine:
             r.carry, r.last, r.finish = carry, committed[n_keep - 1], finish
             tokens = committed[:n_keep - 1] if finish == "stop" else committed[:n_keep]
             r.emitted += len(tokens)
+            r.drafted += p.k
+            r.accepted += n
             r.policy.observe(p.k, n, len(tokens), seconds)
             blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.c + 1 + p.k, p.c)))
         if batch and self.planner is not None:

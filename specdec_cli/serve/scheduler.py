@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..batch_policy import WIDTHS, BatchPlanner, CostTable
 from ..engine import Engine, Row
 from ..hooks import HiddenTap
 from ..runner import Step
@@ -165,7 +166,7 @@ class Scheduler:
         session = self.session
         spec = session.tap_spec()
         self._tap = HiddenTap(session.model, spec) if spec is not None else None
-        self.engine = Engine(session.model, tap=self._tap)
+        self.engine = Engine(session.model, tap=self._tap, planner=self._planner())
         try:
             while not self._stopping.is_set():
                 if not self._take_jobs():
@@ -179,6 +180,19 @@ class Scheduler:
                 self._leave(flight, keep=False)
             if self._tap is not None:
                 self._tap.close()
+
+    def _planner(self) -> Optional[BatchPlanner]:
+        """Rows x width forward costs, measured on the model before the first request (batches only)."""
+        session = self.session
+        if self.max_rows < 2 or session.plain or session.block_size < 2:
+            return None
+        start = time.perf_counter()
+        rows = sorted({1, 2, self.max_rows})
+        widths = [w for w in WIDTHS if w <= session.block_size] + [session.block_size]
+        costs = CostTable.measure(session.model, session.fresh_cache, rows, widths)
+        log.info("measured the model's forward for %s rows x %s tokens in %.1f s", rows, sorted(set(widths)),
+                 time.perf_counter() - start)
+        return BatchPlanner(costs)
 
     def _take_jobs(self) -> bool:
         """Start waiting jobs while rows are free; wait for one when nothing runs. False: stop."""

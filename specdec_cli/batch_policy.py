@@ -1,0 +1,147 @@
+"""How wide a batch's verify forward is: each row's expected tokens against what its drafts cost everyone.
+
+A verify of ``B`` rows x ``T`` positions costs more than one of ``B`` rows x 1,
+and every row pays for the widest: on a 2-core x86 CPU (SmolLM2-135M,
+float32, OpenBLAS) 4 rows at T = 8 cost 2.1x 4 rows at T = 1. So after each
+row's own policy has drafted, the block's width ``W`` is chosen to maximise
+
+    sum over rows of E_row(min(drafts_row, W - 1))  /  cost(B, W)
+
+where ``E_row(j)`` is the tokens the row is expected to commit with ``j``
+drafts (its policy's estimate: by match length for prompt lookup, by the
+run's acceptance otherwise), and drafts past ``W - 1`` are cut (a prefix of a
+draft is a draft). ``cost`` is measured when the server starts (a forward of
+each row count by each width, on the model itself) and follows what the
+blocks take while running. When nothing is accepted every ``E`` falls to 1
+and the widest worthwhile block is ``W = 1``: plain batched decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from .batch_cache import BatchCache
+from .caches import ModelCache
+from .drafters import Draft
+
+# Widths measured at start-up (up to the block size), and how many timed forwards each.
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+_REPEATS = 2
+# How much one block's time moves a cell of the table.
+_LEARN = 0.2
+
+
+class CostTable:
+    """Seconds of one verify forward by rows x width: measured, interpolated between, learned while running.
+
+    Args:
+        cells: ``(rows, width) -> seconds`` at the measured points.
+    """
+
+    def __init__(self, cells: dict[tuple[int, int], float]):
+        self.cells = dict(cells)
+        self.rows = sorted({b for b, _ in cells})
+        self.widths = sorted({w for _, w in cells})
+
+    @classmethod
+    def measure(cls, model: Any, fresh: Callable[[], ModelCache], rows: Sequence[int],
+                widths: Sequence[int] = WIDTHS, context: int = 64, repeats: int = _REPEATS) -> "CostTable":
+        """Time the model's forward for each row count and width over ``context`` tokens of cache.
+
+        The caches are throwaway; nothing else is touched.
+        """
+        base = fresh()
+        base.prefill([(7 * i) % 97 + 1 for i in range(context)])
+        cells = {}
+        for b in sorted(set(rows)):
+            cache: Any = base
+            if b > 1:
+                cache = BatchCache(model, base)
+                for _ in range(b - 1):
+                    cache.add(base)
+            for w in sorted(set(widths)):
+                x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)
+                times = []
+                for i in range(repeats + 1):
+                    snap = cache.snapshot()
+                    t0 = time.perf_counter()
+                    mx.eval(cache.feed(x))
+                    if i:  # the first run of a shape is not timed
+                        times.append(time.perf_counter() - t0)
+                    cache.restore(snap)
+                cells[(b, w)] = min(times)
+        return cls(cells)
+
+    def cost(self, rows: int, width: int) -> float:
+        """Seconds of a forward of ``rows`` x ``width`` (bilinear between measured points, linear beyond)."""
+        cell = self.cells.get((rows, width))
+        if cell is not None:
+            return cell
+        b0, b1, fb = _bracket(self.rows, rows)
+        w0, w1, fw = _bracket(self.widths, width)
+
+        def at(b: int) -> float:
+            return self.cells[(b, w0)] + fw * (self.cells[(b, w1)] - self.cells[(b, w0)])
+
+        return max(1e-6, at(b0) + fb * (at(b1) - at(b0)))
+
+    def learn(self, rows: int, width: int, seconds: float) -> None:
+        """A block of ``rows`` x ``width`` took ``seconds``: measured cells move towards it."""
+        if (rows, width) in self.cells:
+            self.cells[(rows, width)] += _LEARN * (seconds - self.cells[(rows, width)])
+
+
+def _bracket(points: list[int], x: int) -> tuple[int, int, float]:
+    """The measured points around ``x`` and where ``x`` lies between them (beyond the ends: extrapolated)."""
+    if len(points) == 1:
+        return points[0], points[0], 0.0
+    i = min(max(bisect_left(points, x), 1), len(points) - 1)
+    lo, hi = points[i - 1], points[i]
+    return lo, hi, (x - lo) / (hi - lo)
+
+
+class BatchPlanner:
+    """Cuts a batch's drafts to the width worth its forward (see the module docstring).
+
+    Args:
+        costs: The model's forward costs.
+    """
+
+    def __init__(self, costs: CostTable):
+        self.costs = costs
+
+    def trim(self, pending: Sequence[Any]) -> int:
+        """Cut each row's draft (``pending[i].draft``) to the chosen width - 1; returns the width."""
+        rows = len(pending)
+        ks = [p.draft.size for p in pending]
+        curves = [[_expected(p.row, j) for j in range(k + 1)] for p, k in zip(pending, ks)]
+        best_w, best = 1, rows / self.costs.cost(rows, 1)
+        for w in sorted({k + 1 for k in ks if k}):
+            value = sum(c[min(k, w - 1)] for c, k in zip(curves, ks)) / self.costs.cost(rows, w)
+            if value > best:
+                best_w, best = w, value
+        for p, k in zip(pending, ks):
+            if k > best_w - 1:
+                p.draft = _cut(p.draft, best_w - 1)
+        return best_w
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        self.costs.learn(rows, width, seconds)
+
+
+def _expected(row: Any, k: int) -> float:
+    """Tokens ``row`` is expected to commit with ``k`` drafts: its policy's estimate, else its acceptance so far."""
+    estimate: Optional[Callable[[int], float]] = getattr(row.policy, "expected", None)
+    if estimate is not None:
+        return estimate(k)
+    rate = (row.accepted + 1) / (row.drafted + 2)
+    return sum(rate ** i for i in range(k + 1))
+
+
+def _cut(draft: Draft, k: int) -> Draft:
+    """The first ``k`` tokens of a draft (and of its log q)."""
+    return Draft(draft.tokens[:k], None if draft.logprobs is None else draft.logprobs[:k], draft.syncs)
