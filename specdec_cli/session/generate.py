@@ -17,6 +17,7 @@ from ..adaptive import FirstBlock
 from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
 from ..hooks import Hidden
+from ..processors import Constraint, make_processors
 from ..rollback import RollbackChoice
 from ..runner import Finished, Prefilled, Step, Warmed, run
 from ..sampling import GREEDY, SamplingParams
@@ -47,6 +48,11 @@ class Request:
         ignore_eos: Generate past end-of-sequence tokens (to ``max_tokens``).
         first_draft: Most drafts in the first block (None: the policy's):
             a streamed reply's first token comes sooner after a short verify.
+        logit_bias, repetition_penalty, repetition_context_size, presence_penalty,
+            presence_context_size, frequency_penalty, frequency_context_size:
+            mlx-lm's logits processors (``make_logits_processors``; None or 0: off).
+        constraint: The output must be JSON (of a schema) or tool calls (a grammar).
+        logprobs: None: off; n >= 0: each token's log-probability and its n best alternatives.
     """
 
     prompt_ids: Sequence[int]
@@ -58,6 +64,15 @@ class Request:
     timed: bool = False
     ignore_eos: bool = False
     first_draft: Optional[int] = None
+    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None
+    frequency_context_size: int = 20
+    constraint: Optional[Constraint] = None
+    logprobs: Optional[int] = None
 
 
 class _HiddenLog:
@@ -131,6 +146,8 @@ class Session:
         """
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
+        # The request's own processors, fresh for this run (before any cache is taken): nothing it sets outlives it.
+        processors = make_processors(request, setup.tokenizer, ids)
         block = min(request.block_size or self.block_size, self.block_size)
         ranks = setup.ranks
         seed = request.seed
@@ -163,7 +180,7 @@ class Session:
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
             timed=request.timed, seed=seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
-            sync=ranks,
+            sync=ranks, processors=processors, logprobs=request.logprobs,
         )
         try:
             for event in events:
