@@ -35,6 +35,7 @@ after the drafts before it, and its state advances only over committed tokens.
 from __future__ import annotations
 
 import json
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
@@ -490,10 +491,11 @@ def logprob_arrays(logits: mx.array, tokens: mx.array, top: int) -> tuple:
 
 def logprob_entries(arrays: tuple, rows: int) -> tuple:
     """The first ``rows`` rows of :func:`logprob_arrays`' (evaluated) output as
-    ``((logprob, ((token, logprob), ...)), ...)``."""
+    ``((logprob, ((token, logprob), ...)), ...)``; alternatives a processor ruled out are left out."""
     chosen, ids, values = arrays
     lps = chosen[:rows].astype(mx.float32).tolist()
     if ids is None:
         return tuple((lp, ()) for lp in lps)
     tops = zip(ids[:rows].tolist(), values[:rows].astype(mx.float32).tolist())
-    return tuple((lp, tuple(zip(i, v))) for lp, (i, v) in zip(lps, tops))
+    # Tokens a processor ruled out (-inf: a grammar's mask) are no alternatives.
+    return tuple((lp, tuple((t, x) for t, x in zip(i, v) if x != -math.inf)) for lp, (i, v) in zip(lps, tops))
