@@ -479,3 +479,59 @@ def test_make_processors_reads_a_request_and_makes_fresh_state_each_time():
     assert b[1].allowed(list(b"}")) == 0 and a[1].allowed(list(b"}")) == 1  # b's grammar never saw the "{"
     # mlx-lm's "off" values make no processor.
     assert make_processors(Request(PROMPT, repetition_penalty=1.0, presence_penalty=0.0), tokenizer(), PROMPT) == ()
+
+
+# --- generate's options ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from specdec_cli.synthetic import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("gen") / "llama", "llama", seed=0)
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from specdec_cli.cli import app
+
+    return CliRunner().invoke(app, ["generate", *map(str, args)])
+
+
+def test_generate_with_a_repetition_penalty_is_plain_decodings_with_it(model_dir):
+    base = ["--model", model_dir, "--json", "--compare-ar", "-m", 40, "-p", "the quick brown fox, the quick brown fox"]
+    out = cli(*base, "--repetition-penalty", 1.3, "--repetition-context-size", 8)
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["compare"]["identical"] and report["sampling"]["repetition_penalty"] == 1.3
+    plain = json.loads(cli(*base).stdout)
+    assert plain["text"] != report["text"]
+
+
+def test_generate_with_a_json_schema_answers_valid_json(model_dir, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    out = cli("--model", model_dir, "--json", "--compare-ar", "-m", 150, "--json-schema", schema, "-p", "JSON please")
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["compare"]["identical"] and report["finish_reason"] == "eos"
+    assert valid(json.loads(report["text"])), report["text"]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--repetition-context-size", "0"], "--repetition-context-size"),
+    (["--repetition-penalty", "-1"], "--repetition-penalty"),
+    (["--json-schema", "/nonexistent/schema.json"], "cannot read --json-schema"),
+    (["--json-schema", "LIST"], "not a JSON schema"),
+    (["--json-schema", "LOOKAROUND"], "cannot be compiled"),
+])
+def test_bad_processor_options_are_one_line_errors(model_dir, tmp_path, args, says):
+    files = {"LIST": "[1, 2]", "LOOKAROUND": json.dumps({"type": "string", "pattern": "(?<=a)b"})}
+    for i, a in enumerate(args):
+        if a in files:
+            path = tmp_path / f"{a}.json"
+            path.write_text(files[a])
+            args[i] = str(path)
+    out = cli("--model", model_dir, "-p", "hi", *args)
+    assert out.exit_code in (1, 2) and says in out.output and "Traceback" not in out.output, out.output
