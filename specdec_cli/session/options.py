@@ -237,6 +237,9 @@ def processor_fields(opts: RunOptions) -> dict:
                               "schema") from None
         except UnicodeDecodeError:
             raise OptionError(f"--json-schema {path} is not UTF-8 text: give a file holding a JSON schema") from None
+        except ValueError:  # a name the file system cannot take (a lone surrogate, a NUL)
+            raise OptionError(f"cannot read --json-schema {path!r}: give the path of a file holding a JSON "
+                              "schema") from None
         try:
             schema = json.loads(text)
         except ValueError as e:
