@@ -504,7 +504,7 @@ def test_generate_with_a_repetition_penalty_is_plain_decodings_with_it(model_dir
     out = cli(*base, "--repetition-penalty", 1.3, "--repetition-context-size", 8)
     assert out.exit_code == 0, out.output
     report = json.loads(out.stdout)
-    assert report["compare"]["identical"] and report["sampling"]["repetition_penalty"] == 1.3
+    assert report["compare"]["identical"] and report["processors"]["repetition_penalty"] == 1.3
     plain = json.loads(cli(*base).stdout)
     assert plain["text"] != report["text"]
 
