@@ -161,7 +161,14 @@ def test_speculative_equals_plain_with_the_same_processor(family, dtype, drafter
     plain = run_plain(model, make(kind, prompt), prompt, max_tokens=max_tokens)
     blocks = run_spec(model, drafter_for(drafter, family, dtype, prompt), make(kind, prompt), prompt,
                       max_tokens=max_tokens, k=5)
-    assert kernels_agree(dtype)
+    if not kernels_agree(dtype):
+        # Batched kernels round differently here (a GPU, OpenBLAS): identical, or a proven rounding tie.
+        from specdec_cli.compare import TIE, explain
+
+        d = explain(model, prompt, tokens(blocks), tokens(plain), blocks, eos_ids=[EOS_ID],
+                    processors=lambda: make(kind, prompt))
+        assert d is None or d.verdict == TIE, d
+        return
     assert tokens(blocks) == tokens(plain)
     assert logprobs_of(blocks) == logprobs_of(plain)  # the same numbers, bit for bit
     assert len(logprobs_of(blocks)) == len(tokens(blocks))
