@@ -143,5 +143,6 @@ def _expected(row: Any, k: int) -> float:
 
 
 def _cut(draft: Draft, k: int) -> Draft:
-    """The first ``k`` tokens of a draft (and of its log q)."""
-    return Draft(draft.tokens[:k], None if draft.logprobs is None else draft.logprobs[:k], draft.syncs)
+    """The first ``k`` tokens of a draft (and of its log q): a cut that does not depend on what was drafted."""
+    return Draft(draft.tokens[:k], None if draft.logprobs is None else draft.logprobs[:k], draft.syncs,
+                 None if draft.host is None else draft.host[:k])

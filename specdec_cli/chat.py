@@ -25,6 +25,7 @@ from .session import (
     check_model_options,
     load_setup,
     resolve_block_size,
+    processor_fields,
     sampling_params,
     single_process,
 )
@@ -101,6 +102,7 @@ def chat_command(opts: ChatOptions) -> int:
     kind = check_model_options(opts)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p)
+    controls = processor_fields(opts)
     if opts.prompt_cache_size < 0:
         raise OptionError("--prompt-cache-size must be >= 0")
     setup = load_setup(opts, kind)
@@ -138,7 +140,7 @@ def chat_command(opts: ChatOptions) -> int:
             messages.pop()
             print_stderr([f"error: {e}" + ("; /reset starts over" if isinstance(e, PromptTooLongError) else "")])
             continue
-        request = Request(rendered.ids, max_tokens, sampling, opts.seed, boundaries=rendered.boundaries)
+        request = Request(rendered.ids, max_tokens, sampling, opts.seed, boundaries=rendered.boundaries, **controls)
         reply = Reply(session, request, TextStream(setup.tokenizer, chat=False))
         answer, interrupted = _stream(reply, opts.live, setup.drafter_name)
         messages.append({"role": "assistant", "content": answer})

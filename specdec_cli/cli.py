@@ -406,6 +406,18 @@ MinPOpt = Annotated[float, _opt(
     help="Drop tokens below min-p x the top probability (0 = off).", rich_help_panel=SAMPLING)]
 SeedOpt = Annotated[Optional[int], _opt(
     "--seed", min=0, max=(1 << 32) - 1, help="Random seed.", rich_help_panel=SAMPLING, **_default("random"))]
+RepetitionPenaltyOpt = Annotated[Optional[float], _opt(
+    "--repetition-penalty", min=0.0, callback=_finite,
+    help="mlx-lm's repetition penalty: a token among the last --repetition-context-size (prompt included) has its "
+    "logit divided by it (multiplied when negative). Applied at every verify row: output is still plain "
+    "decoding's with the same penalty.", rich_help_panel=SAMPLING, **_default("off"))]
+RepetitionContextOpt = Annotated[int, _opt(
+    "--repetition-context-size", min=1, max=1 << 20,
+    help="Tokens the repetition penalty looks back over (mlx-lm's name and default).", rich_help_panel=SAMPLING)]
+JsonSchemaOpt = Annotated[Optional[str], _opt(
+    "--json-schema", metavar="FILE",
+    help="Constrain the output to JSON valid against the JSON schema in FILE (a grammar; llguidance). Greedy "
+    "output is plain decoding's under the same grammar.", rich_help_panel=SAMPLING, **_default("off"))]
 ExtraEosOpt = Annotated[Optional[List[str]], _opt(
     "--extra-eos-token", help="Another token that ends generation (repeatable).",
     rich_help_panel=SAMPLING, **_default("none"))]
@@ -474,6 +486,9 @@ def generate(
     top_p: TopPOpt = 0.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    repetition_context_size: RepetitionContextOpt = 20,
+    json_schema: JsonSchemaOpt = None,
     seed: SeedOpt = None,
     extra_eos_token: ExtraEosOpt = None,
     json_output: JsonOpt = False,
@@ -676,6 +691,8 @@ def chat(
     top_p: TopPOpt = 0.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    repetition_context_size: RepetitionContextOpt = 20,
     seed: SeedOpt = None,
     extra_eos_token: ExtraEosOpt = None,
     prompt_cache_size: PromptCacheSizeOpt = 10,

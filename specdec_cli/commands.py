@@ -45,6 +45,7 @@ from .distributed import peer_errors
 from .errors import OptionError
 from .limits import gb
 from .measure import SweepResult, sweep
+from .processors import ConstraintError, check_constraint, make_processors
 from .prompts import clean, encode_prompt, read_prompt
 from .runner import Step
 from .session import (
@@ -60,6 +61,7 @@ from .session import (
     join_ranks,
     load_setup,
     make_policy,
+    processor_fields,
     resolve_block_size,
     sampling_params,
 )
@@ -119,8 +121,13 @@ def _generate(opts: GenerateOptions) -> int:
     check_distributed_options(opts, kind, ranks is not None)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar, opts.seed)
+    controls = processor_fields(opts)
     text = read_prompt(opts.prompt_arg, opts.prompt)
     setup = load_setup(opts, kind, ranks)
+    try:
+        check_constraint(controls.get("constraint"), setup.tokenizer)
+    except ConstraintError as e:
+        raise OptionError(f"--json-schema {opts.json_schema}: {e}") from None
     ids = prompt_ids(setup, text)
     setup.check_ranks(ids)
     print_stderr(setup.start_lines())
@@ -146,8 +153,8 @@ def _generate(opts: GenerateOptions) -> int:
                           f"{gb(estimate.cache)}, prefill scratch {gb(estimate.scratch)})"])
         mx.reset_peak_memory()
         view = text_view(opts.live, drafter_name, opts.json_output)
-        events = session.generate(Request(ids, max_tokens, sampling, opts.seed, timed=opts.verbose),
-                                  policy=policy)
+        request = Request(ids, max_tokens, sampling, opts.seed, timed=opts.verbose, **controls)
+        events = session.generate(request, policy=policy)
         # closing(): whatever stops the loop, the run's own cleanup happens now.
         with closing(events):
             for event in events:
@@ -191,7 +198,8 @@ def _generate(opts: GenerateOptions) -> int:
             comparison = compare_with_plain(
                 target.model, ids, tokens, stats.trace, max_tokens=max_tokens, eos_ids=setup.eos_ids,
                 prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks, sync=ranks,
-                sampling=replace(sampling, seed=opts.seed), **kv,
+                sampling=replace(sampling, seed=opts.seed),
+                processors=(lambda: make_processors(request, tokenizer, ids)) if controls else None, **kv,
             )
         except KeyboardInterrupt:
             compare_interrupted = True
@@ -208,6 +216,8 @@ def _generate(opts: GenerateOptions) -> int:
             "rollback": stats.rollback_choice["strategy"] if stats.rollback_choice else None,
             "sampling": {"temp": sampling.temp, "top_p": sampling.top_p, "top_k": sampling.top_k,
                          "min_p": sampling.min_p, "seed": opts.seed},
+            "processors": {"repetition_penalty": opts.repetition_penalty,
+                           "repetition_context_size": opts.repetition_context_size, "json_schema": opts.json_schema},
             "adaptive": policy.summary(),
             "peak_memory_gb": peak_gb,
             "memory_estimate_gb": estimate.total / 1e9,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -203,6 +203,7 @@ def replay(
     kv_group_size: int = 64,
     sync: Optional[Ranks] = None,
     sampling: SamplingParams = GREEDY,
+    processors: Optional[Callable[[], tuple]] = None,
 ) -> Replay:
     """Recompute every target forward of a speculative run (greedy, or seeded) and check its tokens.
 
@@ -226,14 +227,16 @@ def replay(
         kv_group_size: Its group size.
         sync: The ranks of a sharded target: the picks that steer the replay are rank 0's.
         sampling: Greedy, or sampling keyed by a seed (unseeded draws cannot be replayed).
+        processors: Makes the run's logits processors afresh (applied to the
+            replayed rows as the run applied them).
     """
     with _watch(sync):
         return _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size, prefill_chunks,
-                       kv_bits, kv_group_size, sync, sampling)
+                       kv_bits, kv_group_size, sync, sampling, processors() if processors else ())
 
 
 def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size, prefill_chunks, kv_bits,
-            kv_group_size, sync, sampling) -> Replay:
+            kv_group_size, sync, sampling, procs=()) -> Replay:
     cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size, sync)
     eos = frozenset(eos_ids)
     # A run that cut recurrent layers back from recorded states fed every verify recorded.
@@ -252,15 +255,20 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
         snap = cache.snapshot()
         position = cache.length
         logits = cache.feed(_ids(x), record=record)
-        picks = _picks(logits[c : c + keep], sampling, emitted)
+        rows = logits[c : c + keep]
+        for proc in procs:
+            rows = proc.apply(rows, x[c + 1 : c + keep])
+        picks = _picks(rows, sampling, emitted)
         picks = picks.tolist() if sync is None else sync.settle(sync.propose(picks, _ids(x), position))
         if emitted <= index < emitted + keep:
             row = c + index - emitted
-            found = (block.verify_len, row, _score(logits[row], sampling, index))
+            found = (block.verify_len, row, _score(rows[index - emitted], sampling, index))
         want = list(tokens[emitted : emitted + len(block.tokens)])
         if picks[: len(want)] != want or (block.finish_reason == "stop" and picks[-1] not in eos):
             bad = next((i for i, (p, w) in enumerate(zip(picks, want)) if p != w), len(want))
             return Replay(*found, emitted + bad)
+        for proc in procs:
+            proc.commit(picks[:keep])
         n = c + keep  # rows the target keeps: carry, last, the kept drafts
         carry = []
         if block.rollback == "trim":
@@ -288,6 +296,7 @@ def one_token(
     prefill_chunks: Optional[Sequence[int]] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
     sync: Optional[Ranks] = None,
     sampling: SamplingParams = GREEDY,
+    processors: Optional[Callable[[], tuple]] = None,
 ) -> mx.array:
     """Plain decoding's prediction of generated token ``index``, computed again (one token per forward)."""
     with _watch(sync):
@@ -297,6 +306,10 @@ def one_token(
             mx.eval(logits, cache.state_arrays())
             if sync is not None:
                 sync.tick()  # every forward waits on the other ranks: they are there
+    procs = processors() if processors else ()
+    for proc in procs:
+        proc.commit(list(tokens[:index]))
+        logits = proc.apply(logits[None], ())[0]
     return _score(logits, sampling, index)
 
 
@@ -390,6 +403,7 @@ def compare_with_plain(
     kv_group_size: int = 64,
     sync: Optional[Ranks] = None,
     sampling: SamplingParams = GREEDY,
+    processors: Optional[Callable[[], tuple]] = None,
 ) -> Comparison:
     """Run plain decoding with fresh caches, compare token by token, explain a difference.
 
@@ -400,13 +414,16 @@ def compare_with_plain(
     sharded the same way, and the verdict is rank 0's on every rank.
     ``sampling``: greedy, or sampling with a seed (the speculative run's);
     unseeded draws differ from run to run and are refused.
+    ``processors``: makes the speculative run's logits processors afresh;
+    plain decoding runs with its own set, and a difference is explained with them.
     """
     if not sampling.greedy and not sampling.keyed:
         raise ValueError("only greedy or seeded sampled runs can be compared with plain decoding")
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     stats, plain = collect(run(model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
                                prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync,
-                               **kv))
+                               processors=processors() if processors else (), **kv))
     divergence = explain(model, prompt_ids, specdec_tokens, plain, trace, eos_ids=eos_ids, sampling=sampling,
-                         prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync, **kv)
+                         prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync,
+                         processors=processors, **kv)
     return Comparison(divergence is None, len(plain), divergence, stats)

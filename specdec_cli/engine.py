@@ -22,6 +22,7 @@ from .batch_cache import BatchCache
 from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
 from .hooks import Hidden, HiddenTap
+from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, log_probs
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ class Block:
         carry: Carried tokens leading it; the row predicting this block's
             i-th token is ``carry + i``. Both let ``--compare-ar`` recompute a
             position exactly as the verify computed it.
+        logprobs: With a row's ``logprobs`` on, one entry per emitted token:
+            ``(logprob, ((token, logprob), ...))``, the target's (processed)
+            log-probability of the token and its best alternatives, from the
+            forward that verified it; None otherwise.
     """
 
     tokens: tuple[int, ...]
@@ -68,6 +73,7 @@ class Block:
     times: Optional[PhaseTimes] = None
     verify_len: int = 1
     carry: int = 0
+    logprobs: Optional[tuple] = None
 
     @property
     def block_size(self) -> int:
@@ -115,6 +121,11 @@ class Row:
         rollback: Its recurrent rollback while it decodes alone (None: the engine's).
         drafted: Drafts verified so far.
         accepted: Drafts accepted so far.
+        processors: The row's logits processors (see :mod:`specdec_cli.processors`),
+            the row's own state: drafts are cut to what they allow, each verify
+            row's logits go through them in order, and they see every commit.
+        logprobs: None: off; 0: each emitted token's log-probability; n: also
+            the n most likely tokens at its position (``Block.logprobs``).
     """
 
     last: int
@@ -130,6 +141,8 @@ class Row:
     rollback: Optional[str] = None
     drafted: int = 0
     accepted: int = 0
+    processors: tuple = ()
+    logprobs: Optional[int] = None
 
     @property
     def room(self) -> int:
@@ -148,6 +161,8 @@ class _Pending:
     n_acc: Any = None
     nxt: Any = None
     hidden: Optional[Hidden] = None
+    host: Optional[list] = None  # the drafts as ints, for processors that read them
+    lp: Optional[tuple] = None  # lazy log-probabilities (processors.logprob_arrays)
 
     @property
     def k(self) -> int:
@@ -277,6 +292,7 @@ class Engine:
         pending: list[_Pending] = []
         snap = None
         done = False
+        extra_syncs = 0
         try:
             t0 = time.perf_counter()
             for r in live:
@@ -285,9 +301,11 @@ class Engine:
                 k = min(r.policy.next_k(), r.room - 1) if speculate and r.drafter is not None else 0
                 draft = r.drafter.propose(r.last, k, params) if r.drafter is not None else no_draft()
                 pending.append(_Pending(r, draft, params, mx.array([], dtype=mx.uint32), r.carry.shape[0]))
+                if r.processors:
+                    extra_syncs += _allowed(pending[-1])
             if batch and self.planner is not None:
                 self.planner.trim(pending)
-            syncs = sum(p.draft.syncs for p in pending)
+            syncs = sum(p.draft.syncs for p in pending) + extra_syncs
             if self.timed:
                 mx.eval([p.draft.tokens for p in pending])
                 syncs += 1
@@ -303,18 +321,19 @@ class Engine:
                 hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
                 for b, p in enumerate(pending):
                     p.hidden = None if hidden is None else hidden[b]
-                    self._accept(p, logits[b, p.c : p.c + 1 + p.k])
+                    self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
             else:
                 p = pending[0]
                 logits = cache.feed(p.x, record=record)[p.c:]
                 p.hidden = self.tap.take() if self.tap is not None else None
-                self._accept(p, logits)
+                self._accept(p, _processed(p, logits))
             tables = [None] * len(pending)
             if self.sync is not None:
                 p = pending[0]
                 tables[0] = self.sync.propose(mx.stack([p.n_acc.astype(mx.int32), p.nxt.astype(mx.int32)]),
                                               p.x, position)
-            mx.eval([(p.n_acc, p.nxt, p.draft.tokens) for p in pending], [t for t in tables if t is not None])
+            mx.eval([(p.n_acc, p.nxt, p.draft.tokens) for p in pending], [t for t in tables if t is not None],
+                    [[a for a in p.lp if a is not None] for p in pending if p.lp is not None])
             syncs += 1
             t2 = time.perf_counter()
             out = self._commit(pending, tables, cache, snap, record, batch)
@@ -347,8 +366,12 @@ class Engine:
             r.emitted += len(tokens)
             r.drafted += p.k
             r.accepted += n
+            for proc in r.processors:
+                proc.commit(committed[:n_keep])
             r.policy.observe(p.k, n, len(tokens), seconds)
-            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.c + 1 + p.k, p.c)))
+            lps = logprob_entries(p.lp, len(tokens)) if p.lp is not None else None
+            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.c + 1 + p.k, p.c,
+                                        lps)))
         if batch and self.planner is not None:
             self.planner.observe(len(pending), max(p.x.shape[0] for p in pending), seconds)
         return blocks
@@ -362,6 +385,11 @@ class Engine:
             p.n_acc, p.nxt = accept_keyed(logits, p.draft.tokens, p.params)
         else:
             p.n_acc, p.nxt = accept_sampled(logits, p.draft.tokens, p.draft.logprobs, p.params)
+        if p.row.logprobs is not None:
+            # Row i emits draft i while i < n, then the target's own token: the same rows plain decoding scores.
+            drafts = mx.concatenate([p.draft.tokens, mx.zeros((1,), dtype=mx.uint32)])
+            emitted = mx.where(mx.arange(p.k + 1) < p.n_acc, drafts, p.nxt.astype(mx.uint32))
+            p.lp = logprob_arrays(logits, emitted, p.row.logprobs)
 
     def _commit(self, pending: list[_Pending], tables: list, cache, snap, record: Optional[str],
                 batch: bool) -> list[tuple]:
@@ -428,6 +456,43 @@ class Engine:
             drafter.accept(n_keep - 1)
 
 
+def _allowed(p: _Pending) -> int:
+    """Cut a row's draft to what its processors could ever accept; returns the host syncs that took.
+
+    A processor that is not ``lazy`` reads the drafts as ints (a draft model's
+    are read back: one sync). A cut draft of a sampling drafter keeps its log q
+    at the cut position: a draft there would have been refused, so rejection
+    sampling draws from the residual of that row, as it would have without the cut.
+    """
+    draft, procs = p.draft, p.row.processors
+    if not draft.size:
+        return 0
+    syncs = 0
+    if all(getattr(proc, "lazy", False) for proc in procs):
+        arg = draft.tokens
+    else:
+        if draft.host is None:
+            syncs = 1
+        p.host = arg = list(draft.host) if draft.host is not None else draft.tokens.tolist()
+    m = min(proc.allowed(arg) for proc in procs)
+    if m < draft.size:
+        lp = None if draft.logprobs is None else draft.logprobs[: m + 1]
+        p.draft = Draft(draft.tokens[:m], lp, draft.syncs, None if draft.host is None else draft.host[:m])
+        if p.host is not None:
+            p.host = p.host[:m]
+    return syncs
+
+
+def _processed(p: _Pending, logits: mx.array) -> mx.array:
+    """The verify rows ``[last, d1 .. dk]`` through the row's processors, in order (lazy)."""
+    if not p.row.processors:
+        return logits
+    drafts = p.host[: p.k] if p.host is not None else p.draft.tokens
+    for proc in p.row.processors:
+        logits = proc.apply(logits, drafts)
+    return logits
+
+
 def speculative_generate_step(
     last: int,
     cache: ModelCache,
@@ -442,6 +507,8 @@ def speculative_generate_step(
     timed: bool = False,
     tap: Optional[HiddenTap] = None,
     sync: Optional[Ranks] = None,
+    processors: tuple = (),
+    logprobs: Optional[int] = None,
 ) -> Iterator[Block]:
     """Speculative decoding of one sequence: greedy, or lossless sampling at temp > 0.
 
@@ -482,6 +549,10 @@ def speculative_generate_step(
             together with a check that every rank verified the same tokens;
             a clocked policy reads rank 0's block time (one more small
             collective and sync per block).
+        processors: Logits processors (see :mod:`specdec_cli.processors`),
+            fresh for this run: built with the prompt, they follow its commits.
+        logprobs: None, or how many alternatives each emitted token's
+            log-probability comes with (``Block.logprobs``).
 
     Yields:
         One :class:`Block` per target forward.
@@ -491,7 +562,8 @@ def speculative_generate_step(
             raise ValueError("give num_draft_tokens >= 0 or a policy")
         policy = FixedLength(num_draft_tokens)
     engine = Engine(cache.model, rollback=rollback, timed=timed, tap=tap, sync=sync)
-    row = engine.admit(Row(last, drafter, policy, sampling, frozenset(eos_ids), max_tokens), cache)
+    row = engine.admit(Row(last, drafter, policy, sampling, frozenset(eos_ids), max_tokens,
+                           processors=tuple(processors), logprobs=logprobs), cache)
     try:
         while row.finish is None and row.room > 0:
             ((_, block),) = engine.step()
@@ -585,12 +657,16 @@ def plain_generate_step(
     eos_ids: Sequence[int] = (),
     sampling: SamplingParams = GREEDY,
     sync: Optional[Ranks] = None,
+    processors: tuple = (),
+    logprobs: Optional[int] = None,
 ) -> Iterator[Block]:
     """Plain decoding, one token per :class:`Block`: the exactness oracle and the baseline.
 
     The next step is queued before the current token is yielded (as mlx-lm's
     ``generate_step`` does) so the host overlaps the device; the queued step
-    is undone when generation ends early.
+    is undone when generation ends early. A processor that reads tokens on the
+    host (a grammar) needs each token before the next step: then nothing is
+    queued ahead.
 
     Args:
         last: The last prompt token (not yet fed).
@@ -600,17 +676,33 @@ def plain_generate_step(
         sampling: Greedy (default) or sampling options.
         sync: The ranks of a sharded target: each token is rank 0's, agreed
             in a small collective inside the queued step (no extra sync).
+        processors: Logits processors, fresh for this run (as the speculative loop takes them).
+        logprobs: None, or how many alternatives each token's log-probability comes with.
     """
     eos = frozenset(eos_ids)
+    ahead = all(getattr(p, "lazy", False) for p in processors)
 
-    def step(token: mx.array, position: int) -> tuple[mx.array, Optional[mx.array]]:
+    def step(token: mx.array, position: int, pending: bool) -> tuple[mx.array, Optional[mx.array], Optional[tuple]]:
+        # pending: ``token`` is not committed to the processors yet (queued ahead): it is their one draft.
         fed_at = cache.length
-        y = choose(cache.feed(token)[-1:], sampling.at(position))
-        if sync is None:
-            return y, None
-        table = sync.propose(y, token, fed_at)
-        # The token every rank feeds next is rank 0's, still lazy.
-        return table[0, :1].astype(mx.uint32), table
+        logits = cache.feed(token)[-1:]
+        if processors:
+            rows = mx.concatenate([logits, logits]) if pending else logits
+            for proc in processors:
+                rows = proc.apply(rows, token if pending else ())
+            logits = rows[-1:]
+        y = choose(logits, sampling.at(position))
+        table = None
+        if sync is not None:
+            table = sync.propose(y, token, fed_at)
+            # The token every rank feeds next is rank 0's, still lazy.
+            y = table[0, :1].astype(mx.uint32)
+        lp = logprob_arrays(logits, y, logprobs) if logprobs is not None else None
+        return y, table, lp
+
+    def queue(out: tuple) -> None:
+        y, table, lp = out
+        mx.async_eval(y, *([] if table is None else [table]), *[a for a in lp or () if a is not None])
 
     def read(y: mx.array, table: Optional[mx.array]) -> int:
         return y.item() if table is None else sync.settle(table)[0]
@@ -619,22 +711,30 @@ def plain_generate_step(
     # the last one fed. Restored on exit, which drops a queued step.
     safe = cache.snapshot()
     try:
-        y, table = step(mx.array([last], dtype=mx.uint32), 0)
-        mx.async_eval(y, *([] if table is None else [table]))
+        cur = step(mx.array([last], dtype=mx.uint32), 0, False)
+        queue(cur)
         for i in range(max_tokens):
+            y, table, lp = cur
             snap = cache.snapshot()
-            if i + 1 < max_tokens:
-                nxt, nxt_table = step(y, i + 1)
-                mx.async_eval(nxt, *([] if nxt_table is None else [nxt_table]))
+            nxt = None
+            if ahead and i + 1 < max_tokens:
+                nxt = step(y, i + 1, bool(processors))
+                queue(nxt)
             tok = read(y, table)
             safe = snap
+            for proc in processors:
+                proc.commit([tok])
+            entry = logprob_entries(lp, 1) if lp is not None else None
             if tok in eos:
-                yield Block((), 0, 0, "none", 1, "stop")
+                yield Block((), 0, 0, "none", 1, "stop", logprobs=() if lp is not None else None)
                 return
             if i + 1 == max_tokens:
-                yield Block((tok,), 0, 0, "none", 1, "length")
+                yield Block((tok,), 0, 0, "none", 1, "length", logprobs=entry)
                 return
-            yield Block((tok,), 0, 0, "none", 1)
-            y, table = nxt, nxt_table
+            yield Block((tok,), 0, 0, "none", 1, logprobs=entry)
+            if nxt is None:
+                nxt = step(mx.array([tok], dtype=mx.uint32), i + 1, False)
+                queue(nxt)
+            cur = nxt
     finally:
         cache.restore(safe)

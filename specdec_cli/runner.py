@@ -106,6 +106,8 @@ def run(
     choice: Optional[RollbackChoice] = None,
     cancelled: Optional[Callable[[], bool]] = None,
     sync: Optional[Ranks] = None,
+    processors: tuple = (),
+    logprobs: Optional[int] = None,
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill the caches with ``prompt_ids`` and generate.
 
@@ -150,6 +152,10 @@ def run(
             prefill chunk sizes, rollback choice and decisions (see
             :mod:`specdec_cli.distributed`), and a watchdog ends a rank whose
             peers stop answering.
+        processors: Logits processors built for this prompt
+            (:func:`specdec_cli.processors.make_processors`), used by this run only.
+        logprobs: None, or how many alternatives each emitted token's
+            log-probability comes with (``Block.logprobs``).
     """
     if seed is not None and not sampling.greedy:
         sampling = replace(sampling, seed=seed)
@@ -203,12 +209,12 @@ def run(
             yield Warmed(time.perf_counter() - start, what)
         if drafter is None:
             gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
-                                      sync=sync)
+                                      sync=sync, processors=processors, logprobs=logprobs)
         else:
             gen = speculative_generate_step(
                 last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
                 max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=strategy, timed=timed,
-                tap=tap, sync=sync,
+                tap=tap, sync=sync, processors=processors, logprobs=logprobs,
             )
         while True:
             start = time.perf_counter()

@@ -248,7 +248,11 @@ def accept_sampled(
         logits: Target logits for ``[last, d1..dk]``, shape [k+1, V].
         drafts: The k draft tokens.
         draft_logprobs: The drafter's log q for each draft position, [k, V'];
-            None for a deterministic drafter (q one-hot at the draft).
+            None for a deterministic drafter (q one-hot at the draft). With
+            k + 1 rows, the last is the drafter's q at the position after the
+            drafts, whose own draft was cut before the verify because it could
+            never be accepted (p is 0 there): the token after k accepts is then
+            drawn from that row's residual, as the uncut draft's rejection would.
         params: Sampling options, applied to p (and already applied to q).
 
     Returns:
@@ -256,21 +260,29 @@ def accept_sampled(
     """
     p = mx.exp(log_probs(logits, params))
     k, vocab = drafts.shape[0], p.shape[-1]
-    if k == 0:
+    cut = draft_logprobs is not None and draft_logprobs.shape[0] > k
+    if k == 0 and not cut:
         return mx.array(0), sample(mx.log(p[0]))
     if draft_logprobs is None:
         q = (mx.arange(vocab)[None, :] == drafts[:, None]).astype(mx.float32)
     else:
         q = mx.exp(_fit(draft_logprobs, vocab))
-    idx = drafts[:, None].astype(mx.int32)
-    p_x = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
-    q_x = mx.take_along_axis(q, idx, axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(k,))
-    # u < p/q, written without a division (q(x) > 0 since x was drawn from q).
-    keep = (u * q_x < p_x).astype(mx.int32)
-    n = mx.cumprod(keep).sum()
-    # Row k of q is zero: after k accepts the residual is p itself (the bonus).
-    q = mx.concatenate([q, mx.zeros((1, vocab), dtype=q.dtype)])
+    if cut:
+        q, q_after = q[:k], q[k:k + 1]
+    else:
+        # Row k of q is zero: after k accepts the residual is p itself (the bonus).
+        q_after = mx.zeros((1, vocab), dtype=q.dtype)
+    if k:
+        idx = drafts[:, None].astype(mx.int32)
+        p_x = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
+        q_x = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+        u = mx.random.uniform(shape=(k,))
+        # u < p/q, written without a division (q(x) > 0 since x was drawn from q).
+        keep = (u * q_x < p_x).astype(mx.int32)
+        n = mx.cumprod(keep).sum()
+    else:
+        n = mx.array(0)
+    q = mx.concatenate([q, q_after])
     p_n, q_n = p[n], q[n]
     residual = mx.maximum(p_n - q_n, 0.0)
     # p == q leaves nothing to resample from; that branch has probability 0.

@@ -234,15 +234,19 @@ def test_a_tool_use_round_trip(tools_server):
         messages=TOOL_QUESTION + [{"role": "assistant", "content": "", "tool_calls": [call]},
                                   {"role": "tool", "tool_call_id": use.id, "content": "sunny"}])
     assert counted.input_tokens == same.usage.prompt_tokens
-    # tool_choice none leaves the tools out; forcing a call is refused, naming tool_choice.
+    # tool_choice none leaves the tools out; any / tool force a call (a grammar over the call format).
     assert client.messages.count_tokens(model="default_model", messages=TOOL_QUESTION, tools=[ANTHROPIC_TOOL],
                                         tool_choice={"type": "none"}).input_tokens == \
         client.messages.count_tokens(model="default_model", messages=TOOL_QUESTION).input_tokens
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
-        with pytest.raises(anthropic.BadRequestError) as e:
-            client.messages.create(model="default_model", max_tokens=8, messages=TOOL_QUESTION,
-                                   tools=[ANTHROPIC_TOOL], tool_choice=choice)
-        assert e.value.body["error"]["message"].startswith("tool_choice:")
+        out = client.messages.create(model="default_model", max_tokens=120, messages=TOOL_QUESTION,
+                                     tools=[ANTHROPIC_TOOL], tool_choice=choice)
+        assert out.stop_reason == "tool_use" and out.content[-1].type == "tool_use", out
+        assert out.content[-1].name == "get_weather" and isinstance(out.content[-1].input.get("city"), str)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="default_model", max_tokens=8, messages=TOOL_QUESTION, tools=[ANTHROPIC_TOOL],
+                               tool_choice={"type": "tool", "name": "nowhere"})
+    assert e.value.body["error"]["message"].startswith("tool_choice:")
 
 
 def test_thinking_comes_back_in_thinking_blocks(thinker):
@@ -495,8 +499,9 @@ REFUSED = [
     ("an image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
      "input[0].content[0]"),
     ("a hosted tool", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
-    ("a forced call", {"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "required"}, "tool_choice"),
-    ("json output", {"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("a tool_choice of a hosted tool", {"input": "hi", "tools": [RESPONSES_TOOL],
+                                        "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ("an unknown text format", {"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ("an item reference", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ("no input", {"model": "default_model"}, "input"),
     ("an empty input", {"input": []}, "input"),

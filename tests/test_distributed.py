@@ -184,6 +184,10 @@ def launched(tmp_path_factory):
     llama3 = make_model_dir(tmp / "llama3", _llama3())
     hybrid = ["--draft-model", str(qwen_draft), "--compare-ar", "--json"]
     sampled = _gen(llama, "--draft-model", str(llama_draft), "--temp", "0.8", "--seed", "7", "--json")
+    schema = tmp / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer", "maximum": 99},
+                                                                   "b": {"type": "boolean"}},
+                                  "required": ["a", "b"], "additionalProperties": False}))
     runs = [
         ("tp_llama_lookup", _gen(llama, "--compare-ar", "--json")),
         ("tp_llama_draft", _gen(llama, "--draft-model", str(llama_draft), "--compare-ar", "--json")),
@@ -192,6 +196,10 @@ def launched(tmp_path_factory):
         ("tp_qwen35_carry", _gen(qwen, *hybrid, "--rollback", "carry")),
         ("pp_qwen35_lookup", _gen(qwen, "--pipeline", "--compare-ar", "--json")),
         ("pp_qwen35_draft", _gen(qwen, "--pipeline", *hybrid)),
+        # Logits processors on every rank alike: a penalty, and a grammar that cuts drafts.
+        ("tp_llama_penalty", _gen(llama, "--draft-model", str(llama_draft), "--repetition-penalty", "1.3",
+                                  "--compare-ar", "--json")),
+        ("tp_qwen35_schema", _gen(qwen, *hybrid, "--json-schema", str(schema), m=40)),
         ("sampled_1", sampled),
         ("sampled_2", sampled),
         ("text", _gen(llama, "--no-live", m=12)),
@@ -222,7 +230,7 @@ def launched(tmp_path_factory):
 
 
 COMPARED = ["tp_llama_lookup", "tp_llama_draft", "tp_qwen35_capture", "tp_qwen35_tape", "tp_qwen35_carry",
-            "pp_qwen35_lookup", "pp_qwen35_draft"]
+            "pp_qwen35_lookup", "pp_qwen35_draft", "tp_llama_penalty", "tp_qwen35_schema"]
 
 
 def _report(run: dict) -> dict:
@@ -251,6 +259,13 @@ def test_the_hybrids_recurrent_state_is_cut_back_on_each_ranks_shard(launched, n
     report = _report(launched[0][name])
     assert report["rollback"] == strategy
     assert report["rollbacks"].get(strategy, 0) > 0, report["rollbacks"]  # partial accepts happened
+
+
+def test_a_sharded_schema_run_answers_valid_json(launched):
+    report = _report(launched[0]["tp_qwen35_schema"])
+    assert report["finish_reason"] == "eos"
+    answer = json.loads(report["text"])
+    assert set(answer) == {"a", "b"} and isinstance(answer["b"], bool), answer
 
 
 def test_every_rank_but_rank_0_writes_nothing(launched):

@@ -377,9 +377,11 @@ GENERATE_OPTIONS = [
     "--prefill-step-size", "--prompt", "--system-prompt", "--chat-template-config", "--prefill-response",
     "--drafter", "--block-size", "--num-draft-tokens", "--draft-p-min", "--ngram-max", "--ngram-min",
     "--rollback", "--max-tokens", "--temp", "--top-p", "--top-k", "--min-p", "--seed", "--extra-eos-token",
+    "--repetition-penalty", "--repetition-context-size", "--json-schema",
 ]
 SWEEP_OPTIONS = [o for o in GENERATE_OPTIONS if o not in {
-    "--num-draft-tokens", "--temp", "--top-p", "--top-k", "--min-p", "--seed", "--block-size"}] + [
+    "--num-draft-tokens", "--temp", "--top-p", "--top-k", "--min-p", "--seed", "--block-size",
+    "--repetition-penalty", "--repetition-context-size", "--json-schema"}] + [
     "--block-sizes", "--repeats", "--warmup"]
 
 
@@ -420,6 +422,8 @@ def test_fuzzed_options_exit_1_or_2_in_at_most_3_lines(tmp_path, command, option
     (["--draft-p-min", "3"], "range 0.0<=x<=1.0"),
     (["--prefill-step-size", "0"], "range 1<=x<="),
     (["--kv-bits", "7"], "is not one of 2, 3, 4, 5, 6, 8"),
+    (["--repetition-penalty", "-1"], "range x>=0.0"),
+    (["--repetition-context-size", "0"], "range 1<=x<="),
     (["--temp", "nan"], "'--temp'"),
     (["--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "--ngram-min (5) <= --ngram-max (3)"),
 ])

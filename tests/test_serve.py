@@ -239,12 +239,37 @@ BAD = [
      {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
     ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ("logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("an image", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[0]"),
-    ("penalty", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("penalty out of range", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("logit_bias key not a token id", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("logit_bias over 100", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("an unknown response_format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ("a json_schema without its schema", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema.schema"),
+    ("a schema the grammar cannot compile", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, 400, "response_format"),
+    ("tool_choice required without tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ("a grammar with ignore_eos", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},
+      "ignore_eos": True}, 400, "ignore_eos"),
+    ("two repetition penalties", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.2, "repeat_penalty": 1.1}, 400,
+     "repeat_penalty"),
     ("unknown model", "/v1/chat/completions",
      {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
@@ -259,8 +284,7 @@ BAD = [
     ("a lone surrogate in a prompt", "/v1/completions", '{"prompt": "\\udfff"}', 400, None),
     # 5: controls other servers honour are refused by name, never ignored.
     *[(name, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], name: value}, 400, name)
-      for name, value in (("repetition_penalty", 1.2), ("repeat_penalty", 1.1), ("num_ctx", 4096),
-                          ("mirostat", 2), ("typical_p", 0.9))],
+      for name, value in (("num_ctx", 4096), ("mirostat", 2), ("typical_p", 0.9), ("dry_multiplier", 0.8))],
     # 6: what is wrong, said plainly.
     *[(f"temperature {v}", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
        f'"temperature": {v}}}', 400, "temperature") for v in ("NaN", "Infinity", "1e400")],
@@ -274,7 +298,8 @@ BAD = [
 # What each of those answers says, where the wording is the point (issue 33, 6 and 7).
 SAYS = {"temperature NaN": "finite", "temperature 1e400": "finite", "a text part without text": "needs its text",
         "seed -1": "[0, 2^64 - 1]", "a lone surrogate": "unpaired UTF-16 surrogate",
-        "repeat_penalty": "drop repeat_penalty", "num_ctx": "drop num_ctx"}
+        "mirostat": "drop mirostat", "num_ctx": "drop num_ctx", "a schema the grammar cannot compile": "grammar",
+        "two repetition penalties": "give one of them"}
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])

@@ -27,11 +27,15 @@ class Draft:
         logprobs: The drafter's log q for each token, [m, V]; None when the
             drafter is deterministic (q is one-hot at each token).
         syncs: Host syncs the drafter needed (early stopping reads probabilities).
+        host: The same tokens as Python ints, when the drafter made them on the
+            host (prompt lookup): a logits processor that reads drafts (a
+            grammar) then costs no host sync.
     """
 
     tokens: mx.array
     logprobs: Optional[mx.array] = None
     syncs: int = 0
+    host: Optional[tuple[int, ...]] = None
 
     @property
     def size(self) -> int:

@@ -86,7 +86,7 @@ class NgramDrafter:
         self._proposed = self.lookup(k) if k > 0 else []
         if not self._proposed:
             return no_draft()
-        return Draft(mx.array(self._proposed, dtype=mx.uint32))
+        return Draft(mx.array(self._proposed, dtype=mx.uint32), host=tuple(self._proposed))
 
     def accept(self, n: int, hidden=None) -> None:
         """Commit the first ``n`` proposals to the history."""

@@ -233,7 +233,7 @@ class SuffixDrafter:
             if guess:
                 self._guess = (self.match, guess[0])
             return no_draft()
-        return Draft(mx.array(self._proposed, dtype=mx.uint32))
+        return Draft(mx.array(self._proposed, dtype=mx.uint32), host=tuple(self._proposed))
 
     def accept(self, n: int, hidden=None) -> None:
         """Commit the first ``n`` proposals to the text."""

@@ -5,10 +5,10 @@ pydantic models here; :func:`to_chat` turns one into the internal
 :class:`~.protocol.ChatRequest` (system and content blocks to chat messages,
 ``tool_use`` / ``tool_result`` blocks to OpenAI tool calls and ``tool``
 messages, Anthropic tools to function tools), refusing with a 400 naming the
-field what this server cannot honour (images, documents, server tools, a
-forced tool call, prefill). :class:`MessageShape` turns what the generation
-thread hands back into Anthropic's answer: a ``message`` object, or its
-stream of events. Errors leave in Anthropic's shape (:func:`error_body`);
+field what this server cannot honour (images, documents, server tools,
+prefill); a forced tool call (``tool_choice`` any or tool) is a grammar.
+:class:`MessageShape` turns what the generation thread hands back into
+Anthropic's answer: a ``message`` object, or its stream of events. Errors leave in Anthropic's shape (:func:`error_body`);
 the HTTP layer converts the OpenAI-shaped ones the rest of the server makes
 with :func:`from_openai_error`.
 """
@@ -30,7 +30,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
                529: "overloaded_error"}
 # Fields of ours (not Anthropic's) a request may add, passed on to the chat request as they are.
-EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "chat_template_kwargs")
+EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "chat_template_kwargs", "logit_bias", "presence_penalty",
+              "frequency_penalty", "repetition_penalty", "repetition_context_size", "presence_context_size",
+              "frequency_context_size", "repeat_penalty", "repeat_last_n")
 
 
 def error_body(status: int, message: str) -> dict:
@@ -224,10 +226,15 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
     Raises:
         ApiError: A 400 naming the field this server cannot honour.
     """
-    choice = req.tool_choice.type if req.tool_choice is not None else None
-    if choice in ("any", "tool"):
-        raise _refuse("tool_choice", f"{choice!r} forces a tool call, which is not supported yet: use auto "
-                      "(the model decides) or none")
+    choice: Any = req.tool_choice.type if req.tool_choice is not None else None
+    # A forced call (any tool, or the named one) is a grammar over the model's tool-call format.
+    if choice == "any":
+        choice = "required"
+    elif choice == "tool":
+        if not req.tool_choice.name:
+            raise ApiError(400, "tool_choice: a tool_choice of type tool needs the tool's name", "tool_choice.name",
+                           "invalid_value")
+        choice = {"type": "function", "function": {"name": req.tool_choice.name}}
     if (req.output_config or {}).get("format") is not None:
         raise _refuse("output_config.format", "structured output is not supported (plain text only)")
     if req.mcp_servers:
@@ -236,6 +243,8 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
         raise _refuse("container", "this server runs no containers")
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
                             "tool_choice": choice}
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        body["parallel_tool_calls"] = False
     kwargs: dict[str, Any] = {}
     if req.thinking is not None and req.thinking.type in ("enabled", "disabled", "adaptive"):
         kwargs["enable_thinking"] = req.thinking.type != "disabled"

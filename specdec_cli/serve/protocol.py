@@ -1,9 +1,10 @@
 """The OpenAI API's shapes as the server speaks them: requests, responses, errors. No MLX, no HTTP.
 
 Requests are pydantic models (strict types, OpenAI's ranges). Fields of the
-OpenAI API this server cannot honour exactly (``n`` > 1, ``logprobs``,
-penalties, images, ...) are refused by name with a 400, never ignored; fields
-it does not know are ignored (clients send their own extensions).
+OpenAI API this server cannot honour exactly (``n`` > 1, images, ...) are
+refused by name with a 400, never ignored; fields it does not know are ignored
+(clients send their own extensions). :func:`controls` reads the logits
+processors and log-probabilities a request asks for.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class _Strict(BaseModel):
 
 # OpenAI's seed is a 64-bit integer; draws are keyed by all 64 bits (see specdec_cli.sampling).
 SEED_MAX = 2**64 - 1
+# OpenAI's most alternatives per token (specdec_cli.processors.MAX_TOP_LOGPROBS).
+MAX_TOP_LOGPROBS = 20
+# OpenAI's logit_bias range.
+BIAS_MAX = 100.0
 
 
 def _unpaired_surrogate(value: Any, path: str) -> Optional[str]:
@@ -135,13 +140,22 @@ class _Common(_Strict):
     num_draft_tokens: Optional[int] = Field(default=None, ge=0)
     # llama.cpp's and vLLM's extension: generate past end-of-sequence tokens (benchmarks).
     ignore_eos: bool = False
-    # Accepted where they change nothing (their default values); refused otherwise (see unsupported).
+    # Accepted where it changes nothing (1); refused otherwise (see unsupported).
     n: Optional[int] = Field(default=None, ge=1)
+    # Chat: a boolean (top_logprobs says how many alternatives); completions: the number of alternatives.
     logprobs: Union[bool, int, None] = None
-    top_logprobs: Optional[int] = None
-    frequency_penalty: Optional[float] = _finite()
-    presence_penalty: Optional[float] = _finite()
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Logits processors, mlx-lm's (mlx_lm.sample_utils.make_logits_processors), lossless under speculation.
+    frequency_penalty: Optional[float] = _finite(ge=-2, le=2)
+    presence_penalty: Optional[float] = _finite(ge=-2, le=2)
     logit_bias: Optional[dict[str, Any]] = None
+    repetition_penalty: Optional[float] = _finite(ge=0)
+    repetition_context_size: Optional[int] = Field(default=None, ge=1)
+    presence_context_size: Optional[int] = Field(default=None, ge=1)
+    frequency_context_size: Optional[int] = Field(default=None, ge=1)
+    # Ollama's and llama.cpp's names (Open WebUI sends them): the same penalty as repetition_penalty.
+    repeat_penalty: Optional[float] = _finite(ge=0)
+    repeat_last_n: Optional[int] = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -185,11 +199,9 @@ class CompletionRequest(_Common):
     best_of: Optional[int] = None
 
 
-# Sampling controls of other servers (mlx-lm, llama.cpp, Ollama, Open WebUI) that no OpenAI field
+# Sampling controls of other servers (llama.cpp, Ollama, Open WebUI) that no processor here
 # covers: each would change the distribution, so any value but a neutral one is refused by name.
 _NEUTRAL = {
-    "repetition_penalty": ((None, 0, 1), "mlx-lm's repetition penalty"),
-    "repeat_penalty": ((None, 1), "llama.cpp's and Ollama's repetition penalty"),
     "mirostat": ((None, 0), "Mirostat sampling"),
     "mirostat_tau": ((None,), "Mirostat sampling"),
     "mirostat_eta": ((None,), "Mirostat sampling"),
@@ -213,22 +225,18 @@ def unsupported(req: _Common) -> Optional[ApiError]:
     checks += [
         ("num_ctx", "num_ctx" in extra, "the context is the model's own, set when the server starts: drop num_ctx"),
         ("n", (req.n or 1) != 1, "only one choice per request is generated: drop n or set it to 1"),
-        ("logprobs", bool(req.logprobs), "log-probabilities are not returned: drop logprobs"),
-        ("top_logprobs", req.top_logprobs not in (None, 0), "log-probabilities are not returned: drop top_logprobs"),
-        ("frequency_penalty", bool(req.frequency_penalty), "penalties would change the model's distribution, "
-         "which speculative decoding reproduces exactly: drop frequency_penalty"),
-        ("presence_penalty", bool(req.presence_penalty), "penalties would change the model's distribution, "
-         "which speculative decoding reproduces exactly: drop presence_penalty"),
-        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported: drop it"),
+        ("repeat_penalty", req.repeat_penalty not in (None, 0, 1) and req.repetition_penalty not in (None, 0, 1)
+         and req.repeat_penalty != req.repetition_penalty,
+         "repeat_penalty and repetition_penalty are the same penalty: give one of them"),
     ]
     if isinstance(req, ChatRequest):
-        fmt = (req.response_format or {}).get("type", "text")
         checks += [
-            ("response_format", fmt != "text", f"response_format {fmt!r} is not supported (plain text only)"),
             ("modalities", any(m != "text" for m in req.modalities or []), "only text output is generated"),
             ("audio", req.audio is not None, "audio output is not supported: drop audio"),
-            ("tool_choice", not _tool_choice_ok(req.tool_choice),
-             "tool_choice can be 'auto' or 'none': the model decides when to call a tool"),
+            ("top_logprobs", req.top_logprobs not in (None, 0) and req.logprobs is not True,
+             "top_logprobs needs logprobs: true"),
+            ("logprobs", req.logprobs is not None and not isinstance(req.logprobs, bool),
+             "logprobs is true or false on chat completions (top_logprobs says how many alternatives)"),
         ]
         for i, m in enumerate(req.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
@@ -246,6 +254,9 @@ def unsupported(req: _Common) -> Optional[ApiError]:
             ("prompt", isinstance(req.prompt, list) and len(req.prompt) > 0 and isinstance(req.prompt[0], str)
              and len(req.prompt) != 1, "one prompt per request: send a string"),
             ("prompt", isinstance(req.prompt, (str, list)) and len(req.prompt) == 0, "the prompt is empty"),
+            ("logprobs", isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
+             and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs on completions is the number of alternatives per token, 0 to {MAX_TOP_LOGPROBS}"),
         ]
     for param, bad, why in checks:
         if bad:
@@ -253,8 +264,107 @@ def unsupported(req: _Common) -> Optional[ApiError]:
     return None
 
 
-def _tool_choice_ok(choice) -> bool:
-    return choice is None or choice in ("auto", "none")
+def controls(req: _Common) -> dict:
+    """The logits processors and log-probabilities a checked request asks for, as
+    :class:`~specdec_cli.session.Request` fields (``constraint`` comes apart: :func:`constraint`).
+
+    Raises:
+        ApiError: A 400 naming the field at fault.
+    """
+    out: dict[str, Any] = {}
+    if req.logit_bias:
+        bias = []
+        for key, value in req.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if token < 0 or str(token) != key.strip():
+                raise ApiError(400, f"logit_bias keys are token ids (got {key!r})", "logit_bias", "invalid_value")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -BIAS_MAX <= value <= BIAS_MAX:
+                raise ApiError(400, f"logit_bias values are numbers within [-100, 100] (got {value!r} for {key})",
+                               "logit_bias", "invalid_value")
+            bias.append((token, float(value)))
+        out["logit_bias"] = tuple(bias)
+    penalty, size = req.repetition_penalty, req.repetition_context_size
+    if penalty in (None, 0, 1) and req.repeat_penalty not in (None, 0, 1):
+        penalty = req.repeat_penalty
+        if size is None and req.repeat_last_n:
+            size = req.repeat_last_n
+        if req.repeat_last_n == 0:
+            penalty = None  # llama.cpp's and Ollama's 0: no tokens looked at
+    if penalty not in (None, 0, 1):
+        out["repetition_penalty"] = float(penalty)
+    for name, value in (("repetition_context_size", size), ("presence_context_size", req.presence_context_size),
+                        ("frequency_context_size", req.frequency_context_size)):
+        if value is not None:
+            out[name] = value
+    if req.presence_penalty:
+        out["presence_penalty"] = float(req.presence_penalty)
+    if req.frequency_penalty:
+        out["frequency_penalty"] = float(req.frequency_penalty)
+    if isinstance(req, ChatRequest):
+        if req.logprobs is True:
+            out["logprobs"] = req.top_logprobs or 0
+    elif req.logprobs is not None and req.logprobs is not False:
+        out["logprobs"] = 0 if req.logprobs is True else int(req.logprobs)
+    return out
+
+
+def constraint(req: ChatRequest) -> Optional[tuple]:
+    """What the answer must be, from ``response_format`` and ``tool_choice``:
+    ``("json_object",)``, ``("json_schema", schema)``, ``("tool_call", tools, parallel)`` or None.
+
+    Raises:
+        ApiError: A 400 naming the field at fault.
+    """
+    fmt = req.response_format or {}
+    kind = fmt.get("type", "text")
+    out: Optional[tuple] = None
+    if kind == "json_object":
+        out = ("json_object",)
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                           "response_format.json_schema.schema", "invalid_value")
+        out = ("json_schema", schema)
+    elif kind != "text":
+        raise ApiError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                       "response_format.type", "invalid_value")
+    choice = req.tool_choice
+    forced = None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise ApiError(400, "tool_choice names a function as {\"type\": \"function\", \"function\": {\"name\": "
+                           "...}}", "tool_choice", "invalid_value")
+        tools = [t for t in req.tools or [] if (t.get("function") or {}).get("name") == name]
+        if not tools:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice",
+                           "invalid_value")
+        forced = tools
+    elif choice == "required":
+        if not req.tools:
+            raise ApiError(400, "tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+        forced = list(req.tools)
+    elif choice not in (None, "auto", "none"):
+        raise ApiError(400, "tool_choice is 'auto', 'none', 'required' or a named function", "tool_choice",
+                       "invalid_value")
+    if forced is not None:
+        if out is not None:
+            raise ApiError(400, "a forced tool call and a response_format cannot both constrain the answer: drop one",
+                           "response_format", "unsupported_parameter")
+        for i, t in enumerate(forced):
+            if not isinstance(t, dict) or not isinstance((t.get("function") or {}).get("name"), str):
+                raise ApiError(400, "tools are {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}",
+                               "tools", "invalid_value")
+        out = ("tool_call", forced, req.parallel_tool_calls is not False)
+    if out is not None and req.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be used with a constrained answer (the grammar ends it): drop it",
+                       "ignore_eos", "unsupported_parameter")
+    return out
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:

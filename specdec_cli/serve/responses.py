@@ -24,8 +24,13 @@ from ..session.reply import Piece
 from . import protocol
 from .protocol import ApiError, ChatRequest
 
-# Fields of ours (not OpenAI's) a request may add, passed on to the chat request as they are.
-EXTENSIONS = ("seed", "top_k", "min_p", "num_draft_tokens", "chat_template_kwargs")
+# Fields of ours (not OpenAI's) a request may add, passed on to the chat request as they are:
+# sampling extensions and the chat API's logits processors.
+EXTENSIONS = ("seed", "top_k", "min_p", "num_draft_tokens", "chat_template_kwargs", "logit_bias",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "repetition_context_size",
+              "presence_context_size", "frequency_context_size", "repeat_penalty", "repeat_last_n")
+# include item that asks for the output text's log-probabilities.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -85,7 +90,7 @@ class ResponsesRequest(_Model):
     background: Optional[bool] = None
     prompt: Optional[dict[str, Any]] = None
     text: Optional[dict[str, Any]] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=protocol.MAX_TOP_LOGPROBS)
     max_tool_calls: Optional[int] = None
     truncation: Optional[str] = None
 
@@ -114,7 +119,6 @@ def _text(content: Union[str, list[Part], None], where: str) -> str:
 
 def _stateless(req: ResponsesRequest) -> None:
     """Refuse what needs stored state or what cannot be honoured."""
-    fmt = ((req.text or {}).get("format") or {}).get("type", "text")
     checks = [
         ("previous_response_id", req.previous_response_id is not None,
          "this server keeps no state: send the whole conversation in input instead of previous_response_id"),
@@ -123,15 +127,9 @@ def _stateless(req: ResponsesRequest) -> None:
          "this server keeps no state: send the whole conversation in input instead of a conversation"),
         ("background", bool(req.background), "background responses need stored state, which this server keeps none of"),
         ("prompt", req.prompt is not None, "stored prompt templates are not supported: send instructions"),
-        ("text.format", fmt != "text", f"text.format {fmt!r} is not supported (plain text only)"),
-        ("top_logprobs", bool(req.top_logprobs), "log-probabilities are not returned: drop top_logprobs"),
-        ("include", "message.output_text.logprobs" in (req.include or []),
-         "log-probabilities are not returned: drop message.output_text.logprobs from include"),
         ("max_tool_calls", req.max_tool_calls is not None, "max_tool_calls is not supported: drop it"),
         ("truncation", req.truncation not in (None, "disabled"),
          "truncation 'auto' is not supported: a prompt over the context is refused"),
-        ("tool_choice", req.tool_choice not in (None, "auto", "none"),
-         "tool_choice can be 'auto' or 'none': forcing a tool call is not supported yet"),
     ]
     for param, bad, why in checks:
         if bad:
@@ -199,6 +197,29 @@ def _tools(req: ResponsesRequest) -> Optional[list[dict]]:
     return out
 
 
+def _format(req: ResponsesRequest) -> Optional[dict]:
+    """``text.format`` as chat's ``response_format``."""
+    fmt = (req.text or {}).get("format") or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
+                                                       "strict": fmt.get("strict")}}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    raise ApiError(400, f"text.format type {kind!r} is not one of text, json_object, json_schema",
+                   "text.format.type", "invalid_value")
+
+
+def _tool_choice(choice):
+    """The Responses API's tool_choice as chat's: a named function is ``{"type": "function", "name"}`` here."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") not in ("function", None):
+        raise _refuse("tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported: 'auto', "
+                      "'none', 'required' or a function are")
+    return choice
+
+
 def to_chat(req: ResponsesRequest) -> ChatRequest:
     """The chat request a Responses request amounts to.
 
@@ -207,8 +228,12 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
     """
     _stateless(req)
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
-                            "tool_choice": req.tool_choice, "max_tokens": req.max_output_tokens,
-                            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream}
+                            "tool_choice": _tool_choice(req.tool_choice), "max_tokens": req.max_output_tokens,
+                            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+                            "response_format": _format(req),
+                            "parallel_tool_calls": req.parallel_tool_calls}
+    if LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs:
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     extra = req.model_extra or {}
     body.update({k: extra[k] for k in EXTENSIONS if k in extra})
     try:
@@ -248,8 +273,11 @@ class ResponseShape:
         timings: The ``timings`` object of a finished reply.
     """
 
-    def __init__(self, req: ResponsesRequest, model: str, timings: Callable[[Any], dict]):
+    def __init__(self, req: ResponsesRequest, model: str, timings: Callable[[Any], dict],
+                 logprobs: Optional[Callable[[list], list]] = None):
         self.req = req
+        # Formats a piece's log-probabilities (chat's content items), when the request asked for them.
+        self.logprobs = logprobs if (LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs) else None
         self.id = _id("resp")
         self.created_at = protocol.now()
         self.model = model
@@ -271,9 +299,10 @@ class ResponseShape:
             "max_output_tokens": req.max_output_tokens, "model": self.model, "output": list(self.output),
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": req.temperature, "text": {"format": {"type": "text"}},
+            "temperature": req.temperature, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "top_p": req.top_p,
+            "top_logprobs": req.top_logprobs or 0,
             "truncation": "disabled", "usage": None, "metadata": req.metadata or {},
         }
         if status == "incomplete":
@@ -300,7 +329,7 @@ class ResponseShape:
         part = item["content"][0]
         if item["type"] == "message":
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=part["text"], logprobs=[])]
+                                  content_index=0, text=part["text"], logprobs=list(part.get("logprobs", [])))]
         else:
             events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                   content_index=0, text=part["text"])]
@@ -308,7 +337,7 @@ class ResponseShape:
                                      content_index=0, part=dict(part)),
                          self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
-    def _add(self, kind: str, text: str) -> list[dict]:
+    def _add(self, kind: str, text: str, logprobs: Optional[list] = None) -> list[dict]:
         """Answer text (``message``) or reasoning: into the open item of that kind, or a new one."""
         events = []
         if not (self._open and self.output[-1]["type"] == kind):
@@ -330,17 +359,19 @@ class ResponseShape:
         item, index = self.output[-1], len(self.output) - 1
         item["content"][0]["text"] += text
         if kind == "message":
+            item["content"][0]["logprobs"] += logprobs or []
             return events + [self._event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                         content_index=0, delta=text, logprobs=[])]
+                                         content_index=0, delta=text, logprobs=logprobs or [])]
         return events + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
                                      content_index=0, delta=text)]
 
     def piece(self, piece: Piece) -> list[dict]:
         events = []
+        logprobs = self.logprobs(piece.logprobs) if self.logprobs is not None and piece.logprobs else []
         if piece.reasoning:
             events += self._add("reasoning", piece.reasoning)
-        if piece.content:
-            events += self._add("message", piece.content)
+        if piece.content or (logprobs and not piece.reasoning and not piece.tool_calls):
+            events += self._add("message", piece.content, logprobs)
         for call in piece.tool_calls:
             events += self._close()
             fn = call["function"]

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import OptionError
+from ..processors import Constraint, ConstraintError, check_constraint
 from ..prompts import Rendered, encode_text, render_messages
 from ..sampling import SamplingParams
 from ..session import Request, RunOptions, Session
-from ..session.reply import Piece, Reply, TextStream
+from ..session.reply import Piece, Reply, TextStream, token_bytes
 from ..session.setup import MemoryLimitError, PromptTooLongError
 from . import protocol
 from .protocol import ApiError, ChatRequest, CompletionRequest
@@ -48,6 +49,8 @@ class Prepared:
     created: int = field(default_factory=protocol.now)
     # Tool calls streamed so far (each streamed call carries its index).
     calls: int = 0
+    # Completions' logprobs: characters of the tokens already reported (their text_offset).
+    offset: int = 0
 
 
 class Service:
@@ -149,7 +152,29 @@ class Service:
         # Streamed, the first token comes from a one-row forward: a long first verify would hold it back.
         first = FIRST_DRAFT_STREAMED if req.stream else None
         return Request(ids, most, self._sampling(req), req.seed, block, boundaries, ignore_eos=req.ignore_eos,
-                       first_draft=first)
+                       first_draft=first, **self._controls(req))
+
+    def _controls(self, req) -> dict:
+        """The request's logits processors and log-probabilities, checked against the model (a 400 otherwise)."""
+        fields = protocol.controls(req)
+        vocab = len(self.tokenizer)
+        for token, _ in fields.get("logit_bias", ()):
+            if token >= vocab:
+                raise ApiError(400, f"logit_bias names token {token}; this model's tokens are 0 to {vocab - 1}",
+                               "logit_bias", "invalid_value")
+        spec = protocol.constraint(req) if isinstance(req, ChatRequest) else None
+        if spec is not None:
+            kind = spec[0]
+            made = (Constraint("json_object") if kind == "json_object" else Constraint.json_schema(spec[1])
+                    if kind == "json_schema" else Constraint.tool_call(spec[1], spec[2]))
+            param = "tool_choice" if kind == "tool_call" else "response_format"
+            try:
+                check_constraint(made, self.tokenizer)
+            except ConstraintError as e:
+                what = "the forced tool call" if kind == "tool_call" else f"response_format {kind}"
+                raise ApiError(400, f"{what} cannot be used: {e}", param, "invalid_value") from None
+            fields["constraint"] = made
+        return fields
 
     def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
         """Check a chat request and make its job.
@@ -248,11 +273,11 @@ class Service:
                 message["tool_calls"] = calls
             body.update(object="chat.completion",
                         choices=[{"index": 0, "message": message, "finish_reason": reply.finish_reason,
-                                  "logprobs": None}])
+                                  "logprobs": self._logprobs(prepared, pieces)}])
         else:
             body.update(object="text_completion",
                         choices=[{"index": 0, "text": content, "finish_reason": reply.finish_reason,
-                                  "logprobs": None}])
+                                  "logprobs": self._logprobs(prepared, pieces)}])
         body["usage"] = protocol.usage(reply.stats)
         body["timings"] = self.timings(prepared, reply)
         return body
@@ -275,12 +300,43 @@ class Service:
                                            for i, c in enumerate(piece.tool_calls, start=prepared.calls)]
                     prepared.calls += len(piece.tool_calls)
             body.update(object="chat.completion.chunk",
-                        choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+                        choices=[{"index": 0, "delta": delta, "finish_reason": finish,
+                                  "logprobs": self._logprobs(prepared, [piece] if piece else [], chunk=True)}])
         else:
             body.update(object="text_completion",
                         choices=[{"index": 0, "text": piece.content if piece else "", "finish_reason": finish,
-                                  "logprobs": None}])
+                                  "logprobs": self._logprobs(prepared, [piece] if piece else [], chunk=True)}])
         return body
+
+    # --- log-probabilities ---------------------------------------------------------
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        raw = token_bytes(self.tokenizer, token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def chat_logprobs(self, entries: list[tuple]) -> list[dict]:
+        """OpenAI's ``logprobs.content`` items: ``token``, ``logprob``, ``bytes``, ``top_logprobs``."""
+        return [{**self._entry(t, lp), "top_logprobs": [self._entry(a, alp) for a, alp in top]}
+                for t, lp, top in entries]
+
+    def _logprobs(self, prepared: Prepared, pieces: list, chunk: bool = False) -> Optional[dict]:
+        """A choice's ``logprobs`` for these pieces' tokens (None when the request did not ask for them)."""
+        if prepared.request.logprobs is None:
+            return None
+        entries = [e for p in pieces for e in p.logprobs]
+        if chunk and not entries:
+            return None
+        if prepared.kind == "chat":
+            return {"content": self.chat_logprobs(entries), "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for t, lp, top in entries:
+            text = self._entry(t, lp)["token"]
+            tokens.append(text)
+            offsets.append(prepared.offset)
+            prepared.offset += len(text)
+            tops.append({self._entry(a, 0.0)["token"]: alp for a, alp in top})
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": tops if prepared.request.logprobs else None, "text_offset": offsets}
 
     def final_chunk(self, prepared: Prepared, reply: Reply) -> dict:
         body = self.chunk(prepared, finish=reply.finish_reason)

@@ -19,6 +19,7 @@ from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
 from ..engine import Row
 from ..hooks import Hidden, HiddenTap
+from ..processors import Constraint, make_processors
 from ..rollback import RollbackChoice
 from ..rollback import choose as choose_rollback
 from ..runner import Finished, Prefilled, Step, Warmed, run
@@ -50,6 +51,11 @@ class Request:
         ignore_eos: Generate past end-of-sequence tokens (to ``max_tokens``).
         first_draft: Most drafts in the first block (None: the policy's):
             a streamed reply's first token comes sooner after a short verify.
+        logit_bias, repetition_penalty, repetition_context_size, presence_penalty,
+            presence_context_size, frequency_penalty, frequency_context_size:
+            mlx-lm's logits processors (``make_logits_processors``; None or 0: off).
+        constraint: The output must be JSON (of a schema) or tool calls (a grammar).
+        logprobs: None: off; n >= 0: each token's log-probability and its n best alternatives.
     """
 
     prompt_ids: Sequence[int]
@@ -61,6 +67,15 @@ class Request:
     timed: bool = False
     ignore_eos: bool = False
     first_draft: Optional[int] = None
+    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None
+    frequency_context_size: int = 20
+    constraint: Optional[Constraint] = None
+    logprobs: Optional[int] = None
 
 
 class _HiddenLog:
@@ -134,6 +149,8 @@ class Session:
         """
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
+        # The request's own processors, fresh for this run (before any cache is taken): nothing it sets outlives it.
+        processors = make_processors(request, setup.tokenizer, ids)
         block = min(request.block_size or self.block_size, self.block_size)
         ranks = setup.ranks
         seed = request.seed
@@ -162,7 +179,7 @@ class Session:
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
             timed=request.timed, seed=seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
-            sync=ranks,
+            sync=ranks, processors=processors, logprobs=request.logprobs,
         )
         try:
             for event in events:
@@ -291,7 +308,8 @@ class Opening:
             seed = request.seed if request.seed is not None else random.getrandbits(64)
             sampling = replace(sampling, seed=seed)
         self.row = Row(self.ids[-1], self.drafter, policy, sampling,
-                       frozenset(() if request.ignore_eos else setup.eos_ids), request.max_tokens, tag=request)
+                       frozenset(() if request.ignore_eos else setup.eos_ids), request.max_tokens, tag=request,
+                       processors=make_processors(request, setup.tokenizer, self.ids), logprobs=request.logprobs)
         self.parts: list = []
         self.prefilled: Optional[Prefilled] = None
         self._start = time.perf_counter()

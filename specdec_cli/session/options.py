@@ -6,6 +6,7 @@ message that names the fix.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -69,6 +70,9 @@ class RunOptions(ModelOptions):
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    json_schema: Optional[str] = None  # a file holding a JSON schema
 
     @property
     def asked_block_size(self) -> bool:
@@ -202,6 +206,49 @@ def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare
         raise OptionError("--compare-ar at --temp > 0 needs --seed: unseeded draws differ from run to run, seeded "
                           "ones are plain decoding's with the same seed (or use --temp 0)")
     return params
+
+
+def processor_fields(opts: RunOptions) -> dict:
+    """The :class:`~specdec_cli.session.Request` fields of ``--repetition-penalty``,
+    ``--repetition-context-size`` and ``--json-schema``, checked before anything is loaded.
+
+    Raises:
+        OptionError: A bad value, or a schema file that cannot be read or is not JSON.
+    """
+    from ..processors import Constraint
+
+    fields: dict = {}
+    penalty = opts.repetition_penalty
+    if penalty is not None:
+        if not penalty >= 0:
+            raise OptionError("--repetition-penalty must be >= 0 (mlx-lm's: 1 and 0 change nothing; 1.1-1.3 are "
+                              "usual)")
+        fields["repetition_penalty"] = penalty
+    if opts.repetition_context_size < 1:
+        raise OptionError("--repetition-context-size must be >= 1 (mlx-lm's default is 20)")
+    fields["repetition_context_size"] = opts.repetition_context_size
+    if opts.json_schema is not None:
+        path = opts.json_schema
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise OptionError(f"cannot read --json-schema {path} ({e.strerror}): give a file holding a JSON "
+                              "schema") from None
+        except UnicodeDecodeError:
+            raise OptionError(f"--json-schema {path} is not UTF-8 text: give a file holding a JSON schema") from None
+        except ValueError:  # a name the file system cannot take (a lone surrogate, a NUL)
+            raise OptionError(f"cannot read --json-schema {path!r}: give the path of a file holding a JSON "
+                              "schema") from None
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise OptionError(f"--json-schema {path} is not valid JSON ({e}): fix the file") from None
+        if not isinstance(schema, (dict, bool)):
+            raise OptionError(f"--json-schema {path} holds a {type(schema).__name__}, not a JSON schema (an "
+                              "object): fix the file")
+        fields["constraint"] = Constraint.json_schema(schema)
+    return fields
 
 
 def make_policy(adaptive: bool, block_size: int, kind: str = "model"):

@@ -10,6 +10,7 @@ through it; ``chat`` and ``serve`` both read replies this way.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from ..runner import Step
 from ..stats import Stats
@@ -33,14 +35,17 @@ class Piece:
         content: The answer's text.
         reasoning: Text inside the model's thinking markers.
         tool_calls: Tool calls completed in this piece, OpenAI-shaped.
+        logprobs: With log-probabilities asked for: ``(token, logprob, ((token, logprob), ...))``
+            for each token generated since the last piece (its text may still be held back).
     """
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[tuple] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+        return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
 
 
 def _held(text: str, stops: Sequence[str]) -> int:
@@ -165,6 +170,51 @@ class TextStream:
         return self._calls > 0
 
 
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes a token stands for (OpenAI's ``bytes`` of a log-probability entry).
+
+    Byte-level BPE pieces map back through GPT-2's byte alphabet, SentencePiece
+    byte tokens (``<0x0A>``) are their byte and ``\u2581`` a space; other
+    tokens (special ones included) are their decoded text.
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    piece = hf.convert_ids_to_tokens(int(token))
+    detok = getattr(tokenizer, "_detokenizer", None)
+    if isinstance(piece, str) and piece and not _is_special(hf, int(token)):
+        if isinstance(detok, BPEStreamingDetokenizer):
+            table = _byte_table()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif isinstance(detok, SPMStreamingDetokenizer):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            return piece.replace("\u2581", " ").encode("utf-8")
+    return tokenizer.decode([int(token)]).encode("utf-8")
+
+
+def _is_special(hf, token: int) -> bool:
+    return token in set(getattr(hf, "all_special_ids", ()) or ()) or \
+        token in getattr(hf, "added_tokens_decoder", {})
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_table() -> dict[str, int]:
+    """GPT-2's printable-unicode character -> byte table (byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
 def _tool_call(call: dict) -> dict:
     """One parsed call in OpenAI's shape (arguments as a JSON string)."""
     arguments = call.get("arguments", {})
@@ -225,7 +275,10 @@ class Reply:
             return Piece()
         self.tokens += event.block.tokens
         self.stats.add(event.block, event.seconds)
-        return self.stream.add(event.block.tokens)
+        piece = self.stream.add(event.block.tokens)
+        if event.block.logprobs:
+            piece.logprobs = [(t, lp, top) for t, (lp, top) in zip(event.block.tokens, event.block.logprobs)]
+        return piece
 
     def end(self) -> Piece:
         """The generation ended: the text held back until now, and the finish reason set."""
