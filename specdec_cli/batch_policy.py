@@ -10,8 +10,9 @@ row's own policy has drafted, the block's width ``W`` is chosen to maximise
 where ``E_row(j)`` is the tokens the row is expected to commit with ``j``
 drafts (its policy's estimate: by match length for prompt lookup, by the
 run's acceptance otherwise), and drafts past ``W - 1`` are cut (a prefix of a
-draft is a draft). ``cost`` is measured when the server starts (a forward of
-each row count by each width, on the model itself) and follows what the
+draft is a draft). ``cost`` is measured the first time rows share a block
+(a forward of each row count by each width, on the model itself, within a
+time budget: wide forwards past it are extrapolated) and follows what the
 blocks take while running. When nothing is accepted every ``E`` falls to 1
 and the widest worthwhile block is ``W = 1``: plain batched decoding.
 """
@@ -28,9 +29,13 @@ from .batch_cache import BatchCache
 from .caches import ModelCache
 from .drafters import Draft
 
-# Widths measured at start-up (up to the block size), and how many timed forwards each.
+# Widths measured (up to the block size), and how many timed forwards each.
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 _REPEATS = 2
+# Measuring stops widening a row count once one forward takes this long, and stops altogether
+# past the budget: what is not measured is extrapolated (a server's first batch waits for it).
+_SLOW_FORWARD_S = 0.25
+MEASURE_BUDGET_S = 3.0
 # How much one block's time moves a cell of the table.
 _LEARN = 0.2
 
@@ -45,15 +50,18 @@ class CostTable:
     def __init__(self, cells: dict[tuple[int, int], float]):
         self.cells = dict(cells)
         self.rows = sorted({b for b, _ in cells})
-        self.widths = sorted({w for _, w in cells})
 
     @classmethod
     def measure(cls, model: Any, fresh: Callable[[], ModelCache], rows: Sequence[int],
-                widths: Sequence[int] = WIDTHS, context: int = 64, repeats: int = _REPEATS) -> "CostTable":
+                widths: Sequence[int] = WIDTHS, context: int = 64, repeats: int = _REPEATS,
+                budget: float = MEASURE_BUDGET_S) -> "CostTable":
         """Time the model's forward for each row count and width over ``context`` tokens of cache.
 
-        The caches are throwaway; nothing else is touched.
+        Widths grow while a forward stays under ``_SLOW_FORWARD_S`` and the
+        whole measurement under ``budget`` seconds; each row count's first
+        (narrowest) width is always measured. The caches are throwaway.
         """
+        start = time.perf_counter()
         base = fresh()
         base.prefill([(7 * i) % 97 + 1 for i in range(context)])
         cells = {}
@@ -66,28 +74,31 @@ class CostTable:
             for w in sorted(set(widths)):
                 x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)
                 times = []
-                for i in range(repeats + 1):
+                # On GPUs a shape's first run compiles kernels: not timed. MLX's CPU backend compiles none.
+                for i in range(repeats + (0 if mx.default_device() == mx.cpu else 1)):
                     snap = cache.snapshot()
                     t0 = time.perf_counter()
                     mx.eval(cache.feed(x))
-                    if i:  # the first run of a shape is not timed
-                        times.append(time.perf_counter() - t0)
+                    times.append(time.perf_counter() - t0)
                     cache.restore(snap)
-                cells[(b, w)] = min(times)
+                cells[(b, w)] = min(times[-repeats:])
+                if cells[(b, w)] > _SLOW_FORWARD_S or time.perf_counter() - start > budget:
+                    break
         return cls(cells)
 
     def cost(self, rows: int, width: int) -> float:
-        """Seconds of a forward of ``rows`` x ``width`` (bilinear between measured points, linear beyond)."""
+        """Seconds of a forward of ``rows`` x ``width``: measured, else interpolated (linear beyond the ends)."""
         cell = self.cells.get((rows, width))
         if cell is not None:
             return cell
         b0, b1, fb = _bracket(self.rows, rows)
-        w0, w1, fw = _bracket(self.widths, width)
+        return max(1e-6, self._at(b0, width) + fb * (self._at(b1, width) - self._at(b0, width)))
 
-        def at(b: int) -> float:
-            return self.cells[(b, w0)] + fw * (self.cells[(b, w1)] - self.cells[(b, w0)])
-
-        return max(1e-6, at(b0) + fb * (at(b1) - at(b0)))
+    def _at(self, rows: int, width: int) -> float:
+        """A measured row count's cost at ``width``, along its own measured widths."""
+        measured = sorted(w for b, w in self.cells if b == rows)
+        w0, w1, fw = _bracket(measured, width)
+        return self.cells[(rows, w0)] + fw * (self.cells[(rows, w1)] - self.cells[(rows, w0)])
 
     def learn(self, rows: int, width: int, seconds: float) -> None:
         """A block of ``rows`` x ``width`` took ``seconds``: measured cells move towards it."""
@@ -108,19 +119,22 @@ class BatchPlanner:
     """Cuts a batch's drafts to the width worth its forward (see the module docstring).
 
     Args:
-        costs: The model's forward costs.
+        measure: Returns the model's :class:`CostTable`; called the first time rows share a block.
     """
 
-    def __init__(self, costs: CostTable):
-        self.costs = costs
+    def __init__(self, measure: Callable[[], CostTable]):
+        self._measure = measure
+        self.costs: Optional[CostTable] = None
 
     def trim(self, pending: Sequence[Any]) -> int:
         """Cut each row's draft (``pending[i].draft``) to the chosen width - 1; returns the width."""
+        if self.costs is None:
+            self.costs = self._measure()
         rows = len(pending)
         ks = [p.draft.size for p in pending]
         curves = [[_expected(p.row, j) for j in range(k + 1)] for p, k in zip(pending, ks)]
         best_w, best = 1, rows / self.costs.cost(rows, 1)
-        for w in sorted({k + 1 for k in ks if k}):
+        for w in range(2, max(ks, default=0) + 2):
             value = sum(c[min(k, w - 1)] for c, k in zip(curves, ks)) / self.costs.cost(rows, w)
             if value > best:
                 best_w, best = w, value
@@ -130,7 +144,8 @@ class BatchPlanner:
         return best_w
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        self.costs.learn(rows, width, seconds)
+        if self.costs is not None:
+            self.costs.learn(rows, width, seconds)
 
 
 def _expected(row: Any, k: int) -> float:

@@ -35,7 +35,10 @@ STOP_TIMEOUT_S = 30
 
 def env(**extra: str) -> dict:
     out = dict(os.environ)
-    out.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **extra})
+    # MLX's bundled BLAS, as in the tests' own process: a T-row forward then gives the bits of T one-row
+    # ones, so served text and log-probabilities are held to plain decoding's bit for bit (with OpenBLAS,
+    # which the CLI preloads, float32 matmuls round by row count).
+    out.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "SPECDEC_NO_REEXEC": "1", **extra})
     return out
 
 

@@ -198,3 +198,76 @@ def test_rows_merged_and_taken_out_equal_their_own_caches(family):
     for b, (p, c, k) in enumerate(zip(prompts, conts, keeps)):
         direct = fed(model, p + c[: k - 1], prompt_len=len(p) - 1)
         assert max_cache_diff(batch.row(b), direct) == 0.0
+
+
+# --- the batch's draft width (specdec_cli/batch_policy.py) ---------------------------------------------
+
+from specdec_cli.batch_policy import BatchPlanner, CostTable  # noqa: E402
+from specdec_cli.drafters import Draft  # noqa: E402
+
+
+class _Policy:
+    def __init__(self, rate):
+        self.rate = rate
+
+    def expected(self, k):
+        return sum(self.rate ** i for i in range(k + 1))
+
+
+class _Pending:
+    def __init__(self, k, rate):
+        self.row = Row(0, None, _Policy(rate))
+        self.draft = Draft(mx.arange(k, dtype=mx.uint32), None, 0, tuple(range(k)))
+
+
+# A CPU-like curve: 4 rows x 8 positions cost 2.1x 4 rows x 1 (ANCHORS.md's measured table, in ms).
+COSTS = {(1, 1): 58, (1, 2): 67, (1, 4): 90, (1, 8): 92, (1, 16): 114,
+         (4, 1): 83, (4, 2): 89, (4, 4): 116, (4, 8): 176, (4, 16): 285}
+
+
+def test_the_cost_table_interpolates_between_and_beyond_what_it_measured():
+    table = CostTable(COSTS)
+    assert table.cost(4, 8) == 176
+    assert table.cost(2, 1) == pytest.approx(58 + (83 - 58) / 3)  # between row counts
+    assert table.cost(4, 6) == pytest.approx((116 + 176) / 2)  # between widths
+    assert table.cost(4, 32) == pytest.approx(285 + (285 - 176) * 2)  # beyond the widest: linear
+    assert table.cost(8, 1) > table.cost(4, 1)
+    table.learn(4, 8, 276)
+    assert 176 < table.cost(4, 8) < 276  # a block's time moves its cell
+
+
+def test_the_planner_drafts_nothing_when_nothing_is_accepted_and_wide_when_all_is():
+    planner = BatchPlanner(lambda: CostTable(COSTS))
+    cold = [_Pending(8, 0.0) for _ in range(4)]
+    assert planner.trim(cold) == 1 and all(p.draft.size == 0 for p in cold)
+    hot = [_Pending(8, 0.95) for _ in range(4)]
+    assert planner.trim(hot) == 9 and all(p.draft.size == 8 for p in hot)
+    # One row whose drafts are often right, three that draft nothing: a short draft is worth its
+    # forward, a long one costs the other rows more than it gains.
+    mixed = [_Pending(16, 0.8)] + [_Pending(0, 0.0) for _ in range(3)]
+    width = planner.trim(mixed)
+    assert 1 < width < 17 and mixed[0].draft.size == width - 1 and mixed[0].draft.host == tuple(range(width - 1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_rows_equal_their_prompts_alone_with_the_planner_cutting_drafts(family):
+    model = target(family, "float32")
+    table = CostTable.measure(model, lambda: ModelCache(model), [1, 2, 4], [1, 2, 4, 8])
+    engine = Engine(model, rollback="capture", planner=BatchPlanner(lambda: table))
+    rows = []
+    for p in PROMPTS:
+        policy = MatchLength(k_max=15)
+        drafter = SuffixDrafter(policy.size)
+        drafter.prefill(p[:-1])
+        rows.append(engine.admit(Row(p[-1], drafter, policy, max_tokens=GEN, tag=p), prefilled(model, p)))
+    out = {id(r): [] for r in rows}
+    widths = set()
+    while engine.rows:
+        for row, block in engine.step():
+            out[id(row)] += block.tokens
+            widths.add(block.verify_len)
+        for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+            engine.remove(row)
+    for r in rows:
+        assert out[id(r)] == plain_tokens(model, r.tag)[0]
+    assert len(widths) > 1  # the width changed from block to block

@@ -182,17 +182,21 @@ class Scheduler:
                 self._tap.close()
 
     def _planner(self) -> Optional[BatchPlanner]:
-        """Rows x width forward costs, measured on the model before the first request (batches only)."""
+        """Weighs a batch's drafts against its forward's cost, measured when rows first share a block."""
         session = self.session
         if self.max_rows < 2 or session.plain or session.block_size < 2:
             return None
-        start = time.perf_counter()
-        rows = sorted({1, 2, self.max_rows})
-        widths = [w for w in WIDTHS if w <= session.block_size] + [session.block_size]
-        costs = CostTable.measure(session.model, session.fresh_cache, rows, widths)
-        log.info("measured the model's forward for %s rows x %s tokens in %.1f s", rows, sorted(set(widths)),
-                 time.perf_counter() - start)
-        return BatchPlanner(costs)
+
+        def measure() -> CostTable:
+            start = time.perf_counter()
+            rows = sorted({1, 2, self.max_rows})
+            widths = sorted({w for w in WIDTHS if w <= session.block_size} | {session.block_size})
+            costs = CostTable.measure(session.model, session.fresh_cache, rows, widths)
+            log.info("measured the model's forward for %d cells of %s rows x %s tokens in %.1f s",
+                     len(costs.cells), rows, widths, time.perf_counter() - start)
+            return costs
+
+        return BatchPlanner(measure)
 
     def _take_jobs(self) -> bool:
         """Start waiting jobs while rows are free; wait for one when nothing runs. False: stop."""
