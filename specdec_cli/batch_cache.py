@@ -26,7 +26,7 @@ batch), and a row that leaves gets its window-sized cache back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -187,9 +187,10 @@ def _rows_leaf(leaf: Any) -> Any:
         return RowsKVCache(leaf.window, leaf._span)
     if type(leaf) is ArraysCache:
         return ArraysCache(len(leaf.cache))
-    raise UnsupportedModelError(
-        f"a {type(leaf).__name__} layer cache cannot hold several rows yet: this model serves one request at a time"
-    )
+    if "Quantized" in type(leaf).__name__:
+        raise UnsupportedModelError("a quantized KV cache (--kv-bits) cannot hold several rows yet: drop --kv-bits "
+                                    "to decode requests together")
+    raise UnsupportedModelError(f"its {type(leaf).__name__} layer caches cannot hold several rows yet")
 
 
 def _add_arrays(batch: ArraysCache, leaf: ArraysCache, rows: int) -> None:
@@ -362,3 +363,39 @@ class BatchCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state_arrays())
+
+
+def batch_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional[str]:
+    """Why ``model`` cannot decode several rows together here (None: it can), found before any request.
+
+    Its caches must have a batch layout, and its own forward must honour
+    per-row positions and masks (a model that reads ``cache.offset`` as an
+    int would not): two rows of different lengths are verified together and
+    each held against its forward alone. Rounding may differ (batched
+    kernels); a wrong position or mask would not be close.
+
+    Args:
+        model: The target.
+        fresh: Empty target caches in the engine's layout (``--kv-bits`` applied).
+    """
+    try:
+        rows = []
+        for n in (5, 2):
+            cache = fresh()
+            cache.prefill([(3 * i) % 11 + 1 for i in range(n)])
+            rows.append(cache)
+        batch = BatchCache(model, rows[0])
+        batch.add(rows[1])
+        x = mx.array([[1, 2, 3], [4, 5, 0]], dtype=mx.uint32)
+        together = batch.feed(x, record="capture" if batch.recurrent and batch.can_record else None)
+        for b, (cache, t) in enumerate(zip(rows, (3, 2))):
+            alone = cache.feed(x[b, :t])
+            want, got = alone.astype(mx.float32), together[b, :t].astype(mx.float32)
+            scale = mx.abs(want).max().item() + 1e-6
+            if mx.abs(got - want).max().item() > 1e-2 * scale:
+                return "its forward gives a row in a batch other numbers than the same row alone"
+    except UnsupportedModelError as e:
+        return str(e)
+    except Exception as e:  # the model's own code, meeting per-row positions or masks
+        return f"its forward fails on rows of different lengths ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    return None

@@ -271,3 +271,34 @@ def test_rows_equal_their_prompts_alone_with_the_planner_cutting_drafts(family):
     for r in rows:
         assert out[id(r)] == plain_tokens(model, r.tag)[0]
     assert len(widths) > 1  # the width changed from block to block
+
+
+# --- drafters that read the target's hidden states, in a batch ------------------------------------------
+
+def test_mtp_heads_draft_each_row_from_its_own_hidden_states():
+    """Each row's MTP head reads its own rows of the batched verify's hidden states: each text is plain's."""
+    from mtp_fixtures import fitted_head
+    from mtp_fixtures import target as mtp_target
+
+    from specdec_cli.drafters.mtp import MTPDrafter
+    from specdec_cli.hooks import Hidden, HiddenTap, target_parts
+
+    model = mtp_target("qwen3_5")
+    parts, head = target_parts(model), fitted_head("qwen3_5")
+    drafters = [MTPDrafter(head, parts) for _ in PROMPTS]
+    with HiddenTap(model, drafters[0].taps) as tap:
+        engine = Engine(model, rollback="capture", tap=tap)
+        rows = []
+        for p, d in zip(PROMPTS, drafters):
+            cache = ModelCache(model)
+            d.prefill(p[:-1], 16, Hidden.concat(cache.prefill(p[:-1], 16, tap)))
+            rows.append(engine.admit(Row(p[-1], d, FixedLength(3), max_tokens=GEN, tag=p), cache))
+        out = {id(r): [] for r in rows}
+        while engine.rows:
+            for row, block in engine.step():
+                out[id(row)] += block.tokens
+            for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+                engine.remove(row)
+    assert sum(r.accepted for r in rows) > 0
+    for r in rows:
+        assert out[id(r)] == plain_tokens(model, r.tag)[0]

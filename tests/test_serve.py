@@ -211,21 +211,38 @@ def test_a_client_that_goes_away_mid_stream_is_cancelled_and_the_next_request_se
     assert cancelled and cancelled[-1] < LONG["max_tokens"]
 
 
-def test_concurrent_clients_each_get_their_own_exact_text(servers):
-    client = servers["llama"].client()
-    questions = [f"Question {i}: where does the fox {w}?" for i, w in enumerate(["run", "sleep", "eat", "hide"])]
-    alone = [chat_text(client, [{"role": "user", "content": q}])[0] for q in questions]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_concurrent_clients_each_get_their_own_exact_text(servers, family):
+    """Four openai clients at once: rows of one batch, each answer what the same request gets alone."""
+    server = servers[family]
+    client = server.client()
+    requests = [
+        {"messages": [{"role": "user", "content": QUESTION}]},  # a copy: drafts accepted
+        {"messages": [{"role": "user", "content": "Question 1: where does the fox sleep?"}], "max_tokens": 17},
+        {"messages": [{"role": "user", "content": "Question 2: where does the fox eat?"}], "stream": True},
+        {"messages": [{"role": "user", "content": "Question 3: where does the fox hide?"}], "temperature": 0.8,
+         "seed": 7},
+    ]
+
+    def answer(body: dict) -> str:
+        body = {"model": "default_model", "max_tokens": N, **body}
+        if body.get("stream"):
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body)
+                           if c.choices)
+        return client.chat.completions.create(**body).choices[0].message.content
+
+    alone = [answer(r) for r in requests]
+    before = server.log.count("measured the model's forward")
     together: dict[int, str] = {}
-
-    def ask(i: int) -> None:
-        together[i] = chat_text(client, [{"role": "user", "content": questions[i]}])[0]
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, answer(requests[i])))
+               for i in range(len(requests))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert [together[i] for i in range(len(questions))] == alone
+    assert [together.get(i) for i in range(len(requests))] == alone
+    # The rows shared blocks: the batch's forward costs were measured then (once per server).
+    assert before or server.log.count("measured the model's forward") == 1, server.log
 
 
 BAD = [

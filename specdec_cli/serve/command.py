@@ -14,6 +14,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import bundled
+from ..batch_cache import batch_problem
 from ..display import print_stderr
 from ..errors import OptionError
 from ..session import (
@@ -110,6 +111,12 @@ def serve_command(opts: ServeOptions) -> int:
     setup = load_setup(opts, kind)
     setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
     block_size = setup.run_block_size(block_size)
+    batching = None
+    if opts.decode_concurrency > 1:
+        problem = batch_problem(setup.target.model, Session(setup, block_size).fresh_cache)
+        if problem:
+            batching = f"note: requests are decoded one at a time: {problem}"
+            opts.decode_concurrency = 1
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if opts.prompt_cache_size else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
     # The id clients send back: what --model named, or the bundled model's own name.
@@ -118,7 +125,7 @@ def serve_command(opts: ServeOptions) -> int:
     app = create_app(service, api_key=opts.api_key)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []))
+    print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []) + ([batching] if batching else []))
     cached = f"prompt cache {opts.prompt_cache_size} entries" if cache is not None else "no prompt cache"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
                   f"{block_size}; {cached}; up to {opts.decode_concurrency} requests decoded together",
