@@ -36,7 +36,6 @@ from .session import (
     Request,
     Session,
     Setup,
-    check_block_size,
     check_model_options,
     load_setup,
     processor_fields,
@@ -79,11 +78,9 @@ def check_batch_options(opts, sharded: bool) -> None:
         raise OptionError("--decode-concurrency must be >= 1")
 
 
-def _encode(setup: Setup, prompt: FilePrompt, name: str) -> list[int]:
+def _encode(setup: Setup, prompt: FilePrompt, name: str, system: Optional[str], prefill: Optional[str]) -> list[int]:
     """A line's prompt as token ids, as ``generate`` encodes ``-p`` (a ``messages`` line through the template)."""
     opts = setup.options
-    system = clean(opts.system_prompt, "--system-prompt")
-    prefill = clean(opts.prefill_response, "--prefill-response")
     try:
         if prompt.messages is not None:
             return encode_messages(setup.tokenizer, prompt.messages, system, opts.ignore_chat_template,
@@ -114,8 +111,10 @@ def generate_batch(opts) -> int:
     except ConstraintError as e:
         raise OptionError(f"--json-schema {opts.json_schema}: {e}") from None
     rows = []
+    system = clean(opts.system_prompt, "--system-prompt")
+    prefill = clean(opts.prefill_response, "--prefill-response")
     for prompt in prompts:
-        ids = _encode(setup, prompt, name)
+        ids = _encode(setup, prompt, name, system, prefill)
         asked = prompt.max_tokens or opts.max_tokens
         try:
             max_tokens, _ = setup.fit_context(len(ids), asked)
@@ -286,8 +285,6 @@ def parse_concurrency(text: str) -> list[int]:
 def sweep_concurrency(opts, setup: Setup, ids: list[int], sizes: list[int], levels: list[int],
                       max_tokens: int) -> int:
     """The ``sweep --concurrency`` run and report, once the sweep's options are checked and the models loaded."""
-    for size in sizes:
-        check_block_size(size, setup.kind, "--block-sizes")
     if max(levels) > 1:
         problem = batch_refusal(Session(setup, max(sizes), adaptive=False))
         if problem is not None:
@@ -308,7 +305,7 @@ def sweep_concurrency(opts, setup: Setup, ids: list[int], sizes: list[int], leve
                                      "max_tokens": max_tokens, **result.to_dict()}) + "\n")
     else:
         print_stderr([setup.model_line])
-        print_concurrency(result, setup.drafter_name, max_tokens)
+        print_concurrency(result, setup.drafter_name)
     if any(c.verdict == "diverged" for c in result.cells):
         print_stderr(["error: a row diverged from plain decoding of its prompt alone (see the 'same' column)"])
         return EXIT_DIVERGED

@@ -495,17 +495,18 @@ def batch_lines(batch: BatchStats, *, peak_gb: float) -> list[str]:
     ]
     if batch.verdicts:
         v = batch.verdicts
-        lines.append(f"Compare: {v['identical']} identical, {v['rounding tie']} rounding ties, {v['diverged']} diverged")
-        if batch.speedup is None:
-            words = "no speedup measurable"
-        else:
-            words = f"speedup {batch.speedup:.2f}x"
+        lines.append(f"Compare: {v['identical']} identical, {v['rounding tie']} rounding ties, "
+                     f"{v['diverged']} diverged")
+        words = "no speedup measurable" if batch.speedup is None else f"speedup {batch.speedup:.2f}x"
         lines.append(f"Plain decoding, one prompt after another: {batch.plain_generated} tokens, "
                      f"{batch.plain_aggregate_tps:.3f} tokens-per-sec aggregate; {words}")
     return lines
 
 
-def print_concurrency(result: ConcurrencyResult, drafter: str, tokens: int, console: Optional[Console] = None) -> None:
+_VERDICT_ORDER = {"identical": 0, "rounding tie": 1, "diverged": 2}
+
+
+def print_concurrency(result: ConcurrencyResult, drafter: str, console: Optional[Console] = None) -> None:
     """The ``sweep --concurrency`` table on stdout: aggregate tok/s by block size (rows) and concurrency (columns)."""
     if _MUTED:
         return
@@ -515,6 +516,8 @@ def print_concurrency(result: ConcurrencyResult, drafter: str, tokens: int, cons
             console = Console(highlight=False, width=160)
     worst = {b: max((c.verdict for c in result.cells if c.block_size == b), key=lambda v: _VERDICT_ORDER[v])
              for b in (None, *result.block_sizes)}
+    first = result.levels[0]
+    tokens = result.cell(None, first).tokens // first  # plain decoding's, the same in every row
     table = Table(title=f"specdec sweep · {drafter} · {tokens} tokens per row · aggregate tok/s by concurrency",
                   title_justify="left", caption="aggregate tok/s = all rows' tokens / the batch's decode seconds; "
                   "(speedup over plain at the same concurrency); * fastest block size at that concurrency",
@@ -532,9 +535,6 @@ def print_concurrency(result: ConcurrencyResult, drafter: str, tokens: int, cons
             cells.append(f"{c.aggregate_tps:.2f}{ratio}{mark}")
         table.add_row("plain" if b is None else str(b), *cells, _SAME[worst[b]])
     console.print(table)
-
-
-_VERDICT_ORDER = {"identical": 0, "rounding tie": 1, "diverged": 2}
 
 
 def speedup_words(specdec: Stats, plain: Stats) -> str:

@@ -32,7 +32,7 @@ from ..engine import Engine, Row
 from ..hooks import HiddenTap
 from ..measure import Progress
 from ..runner import Finished, Prefilled, Step, cache_bytes, collect, run
-from .generate import Request, Session
+from .generate import Opening, Request, Session
 from .setup import Setup
 
 RowEventKind = Union[Prefilled, Step, Finished]
@@ -92,7 +92,7 @@ def measure_costs(session: Session, max_rows: int) -> CostTable:
 class _Flight:
     index: int
     request: Request
-    opening: object
+    opening: Opening
     row: Optional[Row] = None
     tokens: list = field(default_factory=list)
 
