@@ -23,7 +23,7 @@ from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from . import __version__
-from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE,
+from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE,
                        MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
 from .errors import SpecdecError
 
@@ -422,6 +422,15 @@ ExtraEosOpt = Annotated[Optional[List[str]], _opt(
     "--extra-eos-token", help="Another token that ends generation (repeatable).",
     rich_help_panel=SAMPLING, **_default("none"))]
 
+PromptsFileOpt = Annotated[Optional[str], _opt(
+    "--prompts-file", metavar="FILE", help="Several prompts, decoded together as rows of one batch: one per "
+    "non-empty line, or JSONL lines with \"prompt\" or \"messages\" (and optionally \"max_tokens\", \"seed\"); "
+    "'-' reads stdin. Every other option applies to every prompt.", rich_help_panel=PROMPT, **_default("none"))]
+BatchConcurrencyOpt = Annotated[Optional[int], _opt(
+    "--decode-concurrency", min=1, max=256, help="With --prompts-file: the most prompts decoding together; "
+    "more wait and join as rows finish.", rich_help_panel=PROMPT,
+    **_default(f"every prompt, at most {DEFAULT_DECODE_CONCURRENCY}"))]
+
 JsonOpt = Annotated[bool, _opt(
     "--json", help="Print one JSON object on stdout, nothing else.", rich_help_panel=OUTPUT, **OFF)]
 LiveOpt = Annotated[bool, _opt(
@@ -467,6 +476,8 @@ def generate(
     prefill_step_size: PrefillOpt = 2048,
     pipeline: PipelineOpt = False,
     prompt: PromptOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    decode_concurrency: BatchConcurrencyOpt = None,
     system_prompt: SystemOpt = None,
     ignore_chat_template: NoTemplateOpt = False,
     chat_template_config: TemplateConfigOpt = None,
@@ -545,6 +556,10 @@ def sweep(
         rich_help_panel=DIAGNOSTICS)] = 1,
     warmup: Annotated[int, typer.Option(
         "--warmup", min=0, max=100, help="Untimed warm-up runs first.", rich_help_panel=DIAGNOSTICS)] = 1,
+    concurrency: Annotated[str, typer.Option(
+        "--concurrency", help="Comma-separated batch sizes: that many copies of the prompt decode together, and "
+        "one table gives aggregate tok/s by block size and batch size (1 alone: the per-block-size table).",
+        rich_help_panel=DRAFTING)] = "1",
     json_output: JsonOpt = False,
     memory_check: MemoryCheckOpt = True,
     debug: DebugOpt = False,

@@ -17,6 +17,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import doctor
+from .batch_command import check_batch_options, generate_batch, parse_concurrency, sweep_concurrency
 from .compare import DIVERGED, compare_with_plain
 
 # Block-size and n-gram limits live in a module without heavy imports: the CLI
@@ -80,6 +81,8 @@ class GenerateOptions(RunOptions):
     json_output: bool = False
     live: bool = True
     verbose: bool = False
+    prompts_file: Optional[str] = None  # several prompts, decoded as rows of one batch
+    decode_concurrency: Optional[int] = None  # None: every prompt, up to DEFAULT_DECODE_CONCURRENCY
 
 
 @dataclass
@@ -91,6 +94,7 @@ class SweepOptions(ModelOptions):
     repeats: int = 1
     warmup: int = 1
     json_output: bool = False
+    concurrency: str = "1"  # rows decoded together, a table by concurrency unless just 1
 
 
 def prompt_ids(setup: Setup, text: str) -> list[int]:
@@ -117,6 +121,9 @@ def join(opts: ModelOptions):
 
 def _generate(opts: GenerateOptions) -> int:
     ranks = join(opts)
+    if opts.prompts_file is not None or opts.decode_concurrency is not None:
+        check_batch_options(opts, ranks is not None)
+        return generate_batch(opts)
     kind = check_model_options(opts)
     check_distributed_options(opts, kind, ranks is not None)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
@@ -329,6 +336,9 @@ def sweep_command(opts: SweepOptions) -> int:
 def _sweep(opts: SweepOptions) -> int:
     ranks = join(opts)
     sizes = parse_block_sizes(opts.block_sizes)
+    levels = parse_concurrency(opts.concurrency)
+    if levels != [1] and ranks is not None:
+        raise OptionError("--concurrency decodes rows together in one process; under mlx.launch drop it (or give 1)")
     if opts.repeats < 1 or opts.warmup < 0:
         raise OptionError("--repeats must be >= 1 and --warmup >= 0")
     kind = check_model_options(opts)
@@ -343,6 +353,8 @@ def _sweep(opts: SweepOptions) -> int:
     for size in sizes:
         setup.block_size(size, size, "--block-sizes")
     max_tokens, _ = setup.fit_context(len(ids), opts.max_tokens)
+    if levels != [1]:
+        return sweep_concurrency(opts, setup, ids, sizes, levels, max_tokens)
     setup.check_memory(len(ids) + max_tokens)
     events = sweep(
         setup.target.model, ids, setup.make_drafter, sizes, max_tokens=max_tokens,

@@ -15,9 +15,12 @@ DEFAULT_KV_GROUP_SIZE = 64
 MAX_ANY_BLOCK_SIZE = max(MAX_BLOCK_SIZE.values())
 MAX_NGRAM = MAX_ANY_BLOCK_SIZE
 
+# generate --prompts-file: rows decoded together when --decode-concurrency is not given (fewer prompts: all).
+DEFAULT_DECODE_CONCURRENCY = 8
+
 # specdec distill's defaults (the CLI, the command's options and the trainer read them here).
 DISTILL = {"data_tokens": 40_000, "steps": 400, "batch_size": 8, "seq_len": 128, "lr": 1e-3, "depth": 3,
            "draft_vocab": 8192, "seed": 0}
 
-__all__ = ["DISTILL", "DEFAULT_BLOCK_SIZE", "DEFAULT_KV_GROUP_SIZE", "DRAFTER_KINDS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_NGRAM",
+__all__ = ["DISTILL", "DEFAULT_BLOCK_SIZE", "DEFAULT_DECODE_CONCURRENCY", "DEFAULT_KV_GROUP_SIZE", "DRAFTER_KINDS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_NGRAM",
            "NGRAM_MAX", "NGRAM_MIN"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import sys
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TextIO
 
 from rich.console import Console as RichConsole, Group
 from rich.live import Live
@@ -22,7 +22,10 @@ from rich.text import Text
 
 from .compare import Comparison
 from .measure import Progress, SweepResult
-from .stats import Stats
+from .stats import BatchStats, Stats
+
+if TYPE_CHECKING:
+    from .session.batch import ConcurrencyResult
 
 # Set on ranks other than 0 under mlx.launch: rank 0 alone shows the run.
 _MUTED = False
@@ -46,15 +49,19 @@ class Console(RichConsole):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
 
-def stats_panel(stats: Stats, drafter: str, width: Optional[int] = None) -> Panel:
-    """The live panel: decode speed, acceptance, tokens so far."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_row(
+def _stats_cells(stats: Stats) -> tuple[str, ...]:
+    return (
         f"[bold]{stats.decode_tps:7.1f}[/] tok/s",
         f"acceptance [bold]{100 * stats.acceptance:5.1f}%[/]",
         f"accepted/block [bold]{stats.mean_accepted_per_block:4.2f}[/]",
         f"tokens [bold]{stats.generated}[/]",
     )
+
+
+def stats_panel(stats: Stats, drafter: str, width: Optional[int] = None) -> Panel:
+    """The live panel: decode speed, acceptance, tokens so far."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row(*_stats_cells(stats))
     return Panel(grid, title=f"specdec · {drafter}", title_align="left", border_style="dim", width=width)
 
 
@@ -159,6 +166,134 @@ def text_view(live: bool, drafter: str, json_output: bool):
     return PlainText(sys.stdout)
 
 
+class _RowTexts:
+    """Rows' texts on stdout in prompt order, each under its heading, as soon as every earlier row's is out."""
+
+    def __init__(self, headings: list[str]):
+        self.headings = headings
+        self.texts: dict[int, str] = {}
+        self.next = 0
+
+    def _print(self, heading: str, text: str) -> None:
+        raise NotImplementedError
+
+    def finished(self, index: int, text: str) -> None:
+        """Row ``index`` ended with ``text``."""
+        self.texts[index] = text
+        while self.next in self.texts:
+            self._print(self.headings[self.next], self.texts.pop(self.next))
+            self.next += 1
+
+    def flush(self, texts: dict[int, str]) -> None:
+        """The batch ended (or was stopped): every row still unprinted that has ``texts``, in order."""
+        for index in range(self.next, len(self.headings)):
+            text = self.texts.get(index, texts.get(index))
+            if text is not None:
+                self._print(self.headings[index], text)
+        self.next = len(self.headings)
+
+
+class PlainBatch(_RowTexts):
+    """``--prompts-file`` on a pipe (or ``--no-live``): each row's text under its heading, in order."""
+
+    def __init__(self, headings: list[str], out: TextIO):
+        super().__init__(headings)
+        self.out = out
+        self.wrote = False
+
+    def _print(self, heading: str, text: str) -> None:
+        self.out.write(("\n" if self.wrote else "") + f"{heading}\n{text}\n")
+        self.out.flush()
+        self.wrote = True
+
+    def joined(self, index: int) -> None:
+        pass
+
+    def update(self, index: int, stats: Stats) -> None:
+        pass
+
+    def close(self, texts: dict[int, str]) -> None:
+        self.flush(texts)
+
+
+class LiveBatch(_RowTexts):
+    """``--prompts-file`` on a terminal: texts in prompt order above a live panel of the rows decoding.
+
+    The panel has one line per row in flight (the single-prompt panel's
+    figures) and is transient: once the batch ends stdout holds only text.
+    """
+
+    def __init__(self, headings: list[str], console: Console, drafter: str):
+        super().__init__(headings)
+        self.console = console
+        self.drafter = drafter
+        self.stats: dict[int, Stats] = {}
+        self.ended = 0
+        self.wrote = False
+        self.live = Live(self._render(), console=console, transient=True, auto_refresh=False)
+        self.live.start()
+
+    def _render(self) -> Panel:
+        grid = Table.grid(padding=(0, 2))
+        for index, stats in sorted(self.stats.items()):
+            grid.add_row(Text(f"[{index + 1}/{len(self.headings)}]"), *_stats_cells(stats))
+        waiting = len(self.headings) - self.ended - len(self.stats)
+        title = f"specdec · {self.drafter} · {self.ended} done, {len(self.stats)} decoding, {waiting} waiting"
+        # Narrower than the terminal, as LiveText's panel (a Ctrl-C echo must not wrap the last column).
+        return Panel(grid, title=title, title_align="left", border_style="dim", width=max(20, self.console.width - 4))
+
+    def _print(self, heading: str, text: str) -> None:
+        if self.wrote:
+            self.live.console.print()
+        self.live.console.print(Text(heading, style="bold"), soft_wrap=True)
+        self.live.console.print(Text(text), soft_wrap=True)
+        self.wrote = True
+
+    def joined(self, index: int) -> None:
+        self.stats[index] = Stats()
+        self.live.update(self._render(), refresh=True)
+
+    def update(self, index: int, stats: Stats) -> None:
+        self.stats[index] = stats
+        self.live.update(self._render(), refresh=True)
+
+    def finished(self, index: int, text: str) -> None:
+        self.stats.pop(index, None)
+        self.ended += 1
+        super().finished(index, text)
+        self.live.update(self._render(), refresh=True)
+
+    def close(self, texts: dict[int, str]) -> None:
+        self.live.stop()
+        self.stats.clear()
+        self.flush(texts)
+
+
+class NoBatchText:
+    """``--json``: nothing is shown while the batch runs."""
+
+    def joined(self, index: int) -> None:
+        pass
+
+    def update(self, index: int, stats: Stats) -> None:
+        pass
+
+    def finished(self, index: int, text: str) -> None:
+        pass
+
+    def close(self, texts: dict[int, str]) -> None:
+        pass
+
+
+def batch_view(headings: list[str], live: bool, drafter: str, json_output: bool):
+    """Pick the batch's view: a live panel on a terminal, texts in order otherwise, nothing for JSON."""
+    if json_output or _MUTED:
+        return NoBatchText()
+    if live and sys.stdout.isatty():
+        return LiveBatch(headings, Console(file=sys.stdout), drafter)
+    return PlainBatch(headings, sys.stdout)
+
+
 def _histogram(stats: Stats) -> str:
     return "  ".join(f"{k}:{v}" for k, v in sorted(stats.histogram.items())) or "-"
 
@@ -177,18 +312,17 @@ def _by_position(stats: Stats) -> str:
     return " ".join(parts)
 
 
-def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float,
-                  verbose: bool = False) -> list[str]:
-    """mlx-lm's three stats lines, then the speculative ones."""
+def speed_lines(stats: Stats) -> list[str]:
+    """mlx-lm's ``Prompt:`` and ``Generation:`` lines."""
     prompt = f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec"
     if stats.prefill_s == 0 and not stats.blocks:
         prompt = f"Prompt: {stats.prompt_tokens} tokens, prefill not finished"
+    return [prompt, f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec"]
+
+
+def drafting_lines(stats: Stats) -> list[str]:
+    """What was drafted and accepted, block by block and by draft position."""
     lines = [
-        prompt,
-        f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec",
-        f"Peak memory: {peak_gb:.3f} GB",
-        warmup_line(stats),
-        f"Drafter: {drafter}, block size {block_size} ({block_size - 1} drafts)",
         f"Drafted: {stats.drafted}, accepted: {stats.accepted}, "
         f"acceptance: {100 * stats.acceptance:.1f}% (accepted / drafted)",
         f"Blocks: {stats.blocks}, mean accepted per block: {stats.mean_accepted_per_block:.2f}, "
@@ -197,11 +331,39 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
     ]
     if stats.position_drafted:
         lines.append(f"Acceptance by draft position: {_by_position(stats)}")
+    return lines
+
+
+def rollback_line(stats: Stats) -> str:
+    """How many blocks rolled back, and how (with its time when measured)."""
     counts = ", ".join(f"{v} {k}" for k, v in sorted(stats.rollbacks.items())) or "none"
     if stats.timed_blocks:
-        lines.append(f"Rollback: {counts}; {1000 * stats.rollback_s:.1f} ms in total")
-    else:
-        lines.append(f"Rollback: {counts}; time not measured (--verbose times each phase)")
+        return f"Rollback: {counts}; {1000 * stats.rollback_s:.1f} ms in total"
+    return f"Rollback: {counts}; time not measured (--verbose times each phase)"
+
+
+def phase_lines(stats: Stats) -> list[str]:
+    """Each phase's mean time per block (``--verbose``), when measured."""
+    if not stats.phase_ms:
+        return []
+    ms = stats.phase_ms
+    return [f"Per block: draft {ms['draft_ms']:.2f} ms, verify {ms['verify_ms']:.2f} ms, "
+            f"rollback {ms['rollback_ms']:.2f} ms; host syncs {stats.syncs / max(stats.blocks, 1):.2f}"]
+
+
+def drafter_line(drafter: str, block_size: int) -> str:
+    return f"Drafter: {drafter}, block size {block_size} ({block_size - 1} drafts)"
+
+
+def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float,
+                  verbose: bool = False) -> list[str]:
+    """mlx-lm's three stats lines, then the speculative ones."""
+    lines = speed_lines(stats) + [
+        f"Peak memory: {peak_gb:.3f} GB",
+        warmup_line(stats),
+        drafter_line(drafter, block_size),
+    ] + drafting_lines(stats)
+    lines.append(rollback_line(stats))
     choice = stats.rollback_choice
     if choice and choice["strategy"] != "trim":
         how = "as asked" if choice["reason"] == "as asked" else f"{choice['requested']}: {choice['reason']}"
@@ -212,12 +374,8 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
         lines.append(f"Rollback strategy: {choice['strategy']} ({how}){extra}")
     if stats.cache_bytes:
         lines.append("Cache: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in stats.cache_bytes.items()))
-    if verbose and stats.phase_ms:
-        ms = stats.phase_ms
-        lines.append(
-            f"Per block: draft {ms['draft_ms']:.2f} ms, verify {ms['verify_ms']:.2f} ms, "
-            f"rollback {ms['rollback_ms']:.2f} ms; host syncs {stats.syncs / max(stats.blocks, 1):.2f}"
-        )
+    if verbose:
+        lines += phase_lines(stats)
     return lines
 
 
@@ -306,6 +464,77 @@ def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
             )
     lines.append(f"Plain decoding: {cmp.plain.decode_tps:.3f} tokens-per-sec; {speedup_words(specdec, cmp.plain)}")
     return lines
+
+
+def row_lines(heading: str, stats: Stats, *, latency: Optional[float], finish: Optional[str],
+              verbose: bool = False) -> list[str]:
+    """One row of a batch: its heading, then the single prompt's stats lines that are the row's own (indented).
+
+    ``--verbose`` adds the histogram, acceptance by position, rollbacks and phase times.
+    """
+    lines = speed_lines(stats) + (drafting_lines(stats) if verbose else drafting_lines(stats)[:2])
+    if verbose:
+        lines += [rollback_line(stats)] + phase_lines(stats)
+    lines.append(f"Latency: {'-' if latency is None else f'{latency:.3f} s'}; finish reason: {finish}")
+    return [heading] + ["  " + line for line in lines]
+
+
+def batch_lines(batch: BatchStats, *, peak_gb: float) -> list[str]:
+    """The batch's summary: rows, tokens, aggregate speed, latency, time, and plain decoding's aggregate."""
+    mean, worst = batch.mean_latency_s, batch.worst_latency_s
+    latency = "no row finished" if mean is None else f"mean {mean:.3f} s, worst {worst:.3f} s"
+    planner = f"; the planner's forward costs measured first in {batch.planner_s:.2f} s" if batch.planner_s else ""
+    lines = [
+        f"Batch: {batch.rows} prompts, at most {batch.concurrency} decoding together (--decode-concurrency), "
+        f"{batch.blocks} blocks",
+        f"Generation: {batch.generated} tokens in all, {batch.aggregate_tps:.3f} tokens-per-sec aggregate "
+        f"({batch.decode_s:.3f} s decoding)",
+        f"Latency: {latency} (start to a row's last token)",
+        f"Wall: {batch.wall_s:.3f} s (prefill {batch.prefill_s:.3f} s, decode {batch.decode_s:.3f} s){planner}",
+        f"Peak memory: {peak_gb:.3f} GB",
+    ]
+    if batch.verdicts:
+        v = batch.verdicts
+        lines.append(f"Compare: {v['identical']} identical, {v['rounding tie']} rounding ties, "
+                     f"{v['diverged']} diverged")
+        words = "no speedup measurable" if batch.speedup is None else f"speedup {batch.speedup:.2f}x"
+        lines.append(f"Plain decoding, one prompt after another: {batch.plain_generated} tokens, "
+                     f"{batch.plain_aggregate_tps:.3f} tokens-per-sec aggregate; {words}")
+    return lines
+
+
+_VERDICT_ORDER = {"identical": 0, "rounding tie": 1, "diverged": 2}
+
+
+def print_concurrency(result: ConcurrencyResult, drafter: str, console: Optional[Console] = None) -> None:
+    """The ``sweep --concurrency`` table on stdout: aggregate tok/s by block size (rows) and concurrency (columns)."""
+    if _MUTED:
+        return
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console = Console(highlight=False, width=160)
+    worst = {b: max((c.verdict for c in result.cells if c.block_size == b), key=lambda v: _VERDICT_ORDER[v])
+             for b in (None, *result.block_sizes)}
+    first = result.levels[0]
+    tokens = result.cell(None, first).tokens // first  # plain decoding's, the same in every row
+    table = Table(title=f"specdec sweep · {drafter} · {tokens} tokens per row · aggregate tok/s by concurrency",
+                  title_justify="left", caption="aggregate tok/s = all rows' tokens / the batch's decode seconds; "
+                  "(speedup over plain at the same concurrency); * fastest block size at that concurrency",
+                  caption_justify="left")
+    table.add_column("block", justify="right", no_wrap=True)
+    for level in result.levels:
+        table.add_column(f"x{level}", justify="right", no_wrap=True)
+    table.add_column("same", justify="right", no_wrap=True)
+    for b in (None, *result.block_sizes):
+        cells = []
+        for level in result.levels:
+            c = result.cell(b, level)
+            mark = "*" if b is not None and b == result.best(level) else " "
+            ratio = "" if b is None else f" ({c.speedup:.2f}x)"
+            cells.append(f"{c.aggregate_tps:.2f}{ratio}{mark}")
+        table.add_row("plain" if b is None else str(b), *cells, _SAME[worst[b]])
+    console.print(table)
 
 
 def speedup_words(specdec: Stats, plain: Stats) -> str:

@@ -8,6 +8,7 @@ template call, so the same messages give the same ids whichever face asked.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from contextlib import contextmanager
@@ -92,6 +93,110 @@ def read_prompt(prompt_arg: Optional[str], prompt: Optional[str]) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
+# What a JSONL line of --prompts-file may hold (anything else is refused: a typo must not be ignored).
+PROMPT_FIELDS = ("prompt", "messages", "max_tokens", "seed")
+
+
+@dataclass(frozen=True)
+class FilePrompt:
+    """One prompt of ``--prompts-file``, as read (not yet encoded).
+
+    Attributes:
+        line: Its line number in the file (1-based), for errors.
+        text: A prompt, rendered through the chat template as ``-p`` is (None: ``messages``).
+        messages: A chat conversation (JSONL ``"messages"``), or None.
+        max_tokens: The line's own ``--max-tokens`` (None: the option's).
+        seed: The line's own ``--seed`` (None: the option's).
+    """
+
+    line: int
+    text: Optional[str] = None
+    messages: Optional[tuple] = None
+    max_tokens: Optional[int] = None
+    seed: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """The prompt's start on one line (for headings)."""
+        text = self.text if self.text is not None else str(self.messages[-1].get("content") or "")
+        flat = " ".join(text.split())
+        return flat if len(flat) <= 60 else flat[:57] + "..."
+
+
+def read_prompts_file(path: str) -> list[FilePrompt]:
+    """The prompts of ``--prompts-file``: one per non-empty line, or JSONL (``-`` reads stdin).
+
+    The file is JSONL when its first non-empty line starts with ``{``: then
+    every non-empty line is a JSON object with ``"prompt"`` (a string) or
+    ``"messages"`` (a chat list), and optionally ``"max_tokens"`` and ``"seed"``.
+    Otherwise each non-empty line is a prompt, as it stands.
+
+    Raises:
+        OptionError: The file cannot be read, holds no prompt, or a line is bad
+            (naming the file, the line and what is wrong).
+    """
+    name = "stdin" if path == "-" else path
+    if path == "-":
+        data = _stdin_bytes()
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise OptionError(f"cannot read --prompts-file {path} ({e.strerror}): give a file with one prompt "
+                              "per line, or JSONL lines with \"prompt\"") from None
+        except ValueError:  # a name the file system cannot take (a NUL)
+            raise OptionError(f"cannot read --prompts-file {path!r}: give the path of a file with one prompt "
+                              "per line") from None
+    lines = [(n, line) for n, line in enumerate(_decode(data, f"--prompts-file {name}").splitlines(), 1)
+             if line.strip()]
+    if not lines:
+        raise OptionError(f"--prompts-file {name} holds no prompt: write one prompt per line, or JSONL lines with "
+                          "\"prompt\" or \"messages\"")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [FilePrompt(n, text=line) for n, line in lines]
+    return [_jsonl_prompt(name, n, line) for n, line in lines]
+
+
+def _jsonl_prompt(name: str, n: int, line: str) -> FilePrompt:
+    def bad(what: str) -> OptionError:
+        return OptionError(f"--prompts-file {name} line {n}: {what}")
+
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise bad(f"not valid JSON ({e}); a file whose first line starts with {{ is read as JSONL, one "
+                  "object per line") from None
+    if not isinstance(obj, dict):
+        raise bad(f"a JSON {type(obj).__name__}, not an object like {{\"prompt\": \"...\"}}")
+    unknown = sorted(set(obj) - set(PROMPT_FIELDS))
+    if unknown:
+        raise bad(f"unknown field {', '.join(map(repr, unknown))}: a line may hold {', '.join(PROMPT_FIELDS)}")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise bad("give \"prompt\" (a string) or \"messages\" (a chat list), one of them")
+    text = obj.get("prompt")
+    if "prompt" in obj and not (isinstance(text, str) and text.strip()):
+        raise bad("\"prompt\" must be a non-empty string")
+    messages = obj.get("messages")
+    if "messages" in obj:
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise bad("\"messages\" must be a non-empty list of {\"role\": ..., \"content\": \"...\"} objects")
+        messages = tuple(messages)
+    limits = {"max_tokens": (1, None), "seed": (0, (1 << 32) - 1)}
+    values = {}
+    for key, (lo, hi) in limits.items():
+        value = obj.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+            span = f">= {lo}" if hi is None else f"within [{lo}, {hi}]"
+            raise bad(f"\"{key}\" must be an integer {span} (got {json.dumps(value)})")
+        values[key] = value
+    return FilePrompt(n, text, messages, values.get("max_tokens"), values.get("seed"))
+
+
 @contextmanager
 def _no_length_warning():
     # transformers warns when a text is longer than the tokenizer's
@@ -141,6 +246,30 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], ignore_cha
         return encode_text(tokenizer, text)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": text})
+    prefill = prefill_response is not None
+    if prefill:
+        messages.append({"role": "assistant", "content": prefill_response})
+    return _template(tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                     template_kwargs=template_kwargs)
+
+
+def encode_messages(tokenizer, messages: Sequence[dict], system_prompt: Optional[str], ignore_chat_template: bool,
+                    template_kwargs: Optional[dict] = None, prefill_response: Optional[str] = None) -> list[int]:
+    """Token ids of a chat list through the chat template, with ``--system-prompt`` before it and
+    ``--prefill-response`` after it (as :func:`encode_prompt` treats one prompt).
+
+    Raises:
+        OptionError: There is no chat template to render messages with, or the
+            system prompt would be a second one.
+    """
+    if ignore_chat_template or not tokenizer.has_chat_template:
+        why = "--ignore-chat-template is set" if ignore_chat_template else "the tokenizer has no chat template"
+        raise OptionError(f"\"messages\" need the chat template, but {why}: give \"prompt\" instead")
+    messages = list(messages)
+    if system_prompt is not None:
+        if messages and messages[0].get("role") == "system":
+            raise OptionError("--system-prompt adds a system message, and the line has its own: drop one")
+        messages.insert(0, {"role": "system", "content": system_prompt})
     prefill = prefill_response is not None
     if prefill:
         messages.append({"role": "assistant", "content": prefill_response})

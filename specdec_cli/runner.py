@@ -223,19 +223,24 @@ def run(
                 break
             yield Step(block, time.perf_counter() - start)
         gen.close()  # the engine's exit (a carry flushed) happens before the caches are measured
-        sizes = {"target": cache.nbytes}
-        held = getattr(drafter, "cache", None)
-        if isinstance(held, ModelCache):
-            sizes["drafter"] = held.nbytes
-        elif isinstance(held, list) and held and all(hasattr(c, "nbytes") for c in held):
-            sizes["drafter"] = sum(c.nbytes for c in held)  # a head's own KV caches (MTP)
-        yield Finished(sizes)
+        yield Finished(cache_bytes(cache, drafter))
     finally:
         if gen is not None:
             gen.close()
         if tap is not None:
             tap.close()
         watch.close()
+
+
+def cache_bytes(cache: ModelCache, drafter: Optional[Drafter]) -> dict:
+    """Bytes held by the layer caches: ``target``, and ``drafter`` for drafters that hold caches."""
+    sizes = {"target": cache.nbytes}
+    held = getattr(drafter, "cache", None)
+    if isinstance(held, ModelCache):
+        sizes["drafter"] = held.nbytes
+    elif isinstance(held, list) and held and all(hasattr(c, "nbytes") for c in held):
+        sizes["drafter"] = sum(c.nbytes for c in held)  # a head's own KV caches (MTP)
+    return sizes
 
 
 def _max_draft(policy: Optional[DraftPolicy], num_draft_tokens: int) -> int:

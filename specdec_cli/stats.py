@@ -188,3 +188,86 @@ class Stats:
             "syncs_per_block": self.syncs / self.blocks if self.blocks else 0.0,
             "finish_reason": self.finish_reason,
         }
+
+
+@dataclass
+class BatchStats:
+    """A batch of rows decoded together (``generate --prompts-file``), each number with one definition.
+
+    - aggregate tok/s = every row's generated tokens / decode seconds, the time
+      inside engine blocks (a block counts once, however many rows it decoded);
+    - a row's latency = seconds from the batch's start to the row's last token
+      (waiting for a free row, its prefill and every block before included);
+    - wall = seconds from the batch's start to the last row's end: prefill, decode
+      and the bookkeeping between them (display not counted);
+    - plain aggregate tok/s (``--compare-ar``) = plain decoding's tokens / its
+      decode seconds, each prompt alone, one after another.
+    """
+
+    rows: int = 0
+    concurrency: int = 0
+    most_rows: int = 0
+    blocks: int = 0
+    generated: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    planner_s: float = 0.0
+    # Each finished row's latency, in the order the rows finished.
+    latencies: list = field(default_factory=list)
+    # --compare-ar: each row's verdict counted, and plain decoding's totals.
+    verdicts: Counter = field(default_factory=Counter)
+    plain_generated: int = 0
+    plain_decode_s: float = 0.0
+
+    @property
+    def aggregate_tps(self) -> float:
+        return self.generated / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_latency_s(self) -> Optional[float]:
+        return sum(self.latencies) / len(self.latencies) if self.latencies else None
+
+    @property
+    def worst_latency_s(self) -> Optional[float]:
+        return max(self.latencies) if self.latencies else None
+
+    @property
+    def plain_aggregate_tps(self) -> float:
+        return self.plain_generated / self.plain_decode_s if self.plain_decode_s > 0 else 0.0
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Aggregate tok/s over plain decoding's, one prompt after another (None: nothing to measure)."""
+        if not (self.generated and self.plain_generated and self.aggregate_tps and self.plain_aggregate_tps):
+            return None
+        return self.aggregate_tps / self.plain_aggregate_tps
+
+    def to_dict(self) -> dict:
+        """The numbers as plain JSON-ready values."""
+        compare = None
+        if self.verdicts:
+            compare = {
+                "identical": self.verdicts["identical"],
+                "rounding_tie": self.verdicts["rounding tie"],
+                "diverged": self.verdicts["diverged"],
+                "ar_generated_tokens": self.plain_generated,
+                "ar_decode_s": self.plain_decode_s,
+                "ar_aggregate_tps": self.plain_aggregate_tps,
+                "speedup": self.speedup,
+            }
+        return {
+            "rows": self.rows,
+            "decode_concurrency": self.concurrency,
+            "most_rows_together": self.most_rows,
+            "blocks": self.blocks,
+            "generated_tokens": self.generated,
+            "decode_s": self.decode_s,
+            "aggregate_tps": self.aggregate_tps,
+            "prefill_s": self.prefill_s,
+            "wall_s": self.wall_s,
+            "planner_s": self.planner_s,
+            "mean_latency_s": self.mean_latency_s,
+            "worst_latency_s": self.worst_latency_s,
+            "compare": compare,
+        }

@@ -1,0 +1,333 @@
+"""Several requests decoded together as rows of one engine, for a face that has them all at once.
+
+:func:`run_batch` is the loop behind ``specdec generate --prompts-file``: it
+opens requests while fewer than ``max_rows`` decode, prefills each prompt
+whole, admits it to the :class:`~specdec_cli.engine.Engine`, runs one block
+for every row, and takes out the rows that ended; waiting requests join as
+rows leave. It yields typed events and never prints. :func:`concurrency_sweep`
+runs it over copies of one prompt for ``specdec sweep --concurrency``.
+
+Unlike the server's scheduler (which prefills one chunk between blocks, so
+rows already answering never stall), a prompt here is prefilled whole before
+the next block: every prompt is known at the start, and what counts is the
+batch's total time, not one row's time to its next token.
+
+Time is counted on a clock that stops while the consumer holds an event
+(printing text, redrawing a panel), so display never reads as decode time
+or latency.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence, Union
+
+from ..batch_cache import batch_problem
+from ..batch_policy import WIDTHS, BatchPlanner, CostTable
+from ..compare import IDENTICAL, explain
+from ..engine import Engine, Row
+from ..hooks import HiddenTap
+from ..measure import Progress
+from ..runner import Finished, Prefilled, Step, cache_bytes, collect, run
+from .generate import Opening, Request, Session
+from .setup import Setup
+
+RowEventKind = Union[Prefilled, Step, Finished]
+
+
+@dataclass(frozen=True)
+class RowEvent:
+    """Something that happened to one row.
+
+    Attributes:
+        index: The request's position in the list :func:`run_batch` was given.
+        event: The row's ``Prefilled`` (it joined the batch), one ``Step`` per
+            block it took part in (``seconds``: the whole block's, shared by
+            every row in it), then ``Finished`` (it left).
+        at: Seconds since the batch started (display time not counted).
+    """
+
+    index: int
+    event: RowEventKind
+    at: float
+
+
+@dataclass(frozen=True)
+class BatchEnd:
+    """Every row finished.
+
+    Attributes:
+        decode_s: Seconds inside engine blocks (each block once, whatever its rows).
+        prefill_s: Seconds prefilling prompts (between blocks).
+        wall_s: Seconds from the start to the last row's end (display time not counted).
+        blocks: Engine blocks run.
+        most_rows: The most rows one block decoded.
+        planner_s: Seconds measuring the planner's forward costs before the start (not in ``wall_s``).
+    """
+
+    decode_s: float
+    prefill_s: float
+    wall_s: float
+    blocks: int
+    most_rows: int
+    planner_s: float = 0.0
+
+
+def batch_refusal(session: Session) -> Optional[str]:
+    """Why this model's rows cannot share a batch (a layer cache with no row form: ``--kv-bits``), or None."""
+    return batch_problem(session.fresh_cache())
+
+
+def measure_costs(session: Session, max_rows: int) -> CostTable:
+    """The target's verify forward cost by rows x width, for a :class:`~specdec_cli.batch_policy.BatchPlanner`."""
+    rows = sorted({1, 2, max_rows})
+    widths = sorted({w for w in WIDTHS if w <= session.block_size} | {session.block_size})
+    return CostTable.measure(session.model, session.fresh_cache, rows, widths)
+
+
+@dataclass
+class _Flight:
+    index: int
+    request: Request
+    opening: Opening
+    row: Optional[Row] = None
+    tokens: list = field(default_factory=list)
+
+
+def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, planner: bool = True,
+              timed: bool = False) -> Iterator[Union[RowEvent, BatchEnd]]:
+    """Decode ``requests`` together, at most ``max_rows`` at a time; yields each row's events, then :class:`BatchEnd`.
+
+    Each row's text is what its request gives alone: greedy, or sampled with
+    draws keyed by (seed, position) (see :meth:`Session.open`). Closing the
+    generator stops every row at the block boundary.
+
+    Args:
+        session: The loaded session (its drafter kind, block size and adaptive policy apply to every row).
+        requests: What to generate, in order; they start in this order.
+        max_rows: The most rows decoding together; more wait and join as rows leave.
+        planner: Cut a batch's drafts to the width worth its forward
+            (:mod:`specdec_cli.batch_policy`); its costs are measured before the clock starts.
+        timed: Time each block's phases (adds host syncs).
+    """
+    if max_rows < 1:
+        raise ValueError("max_rows must be >= 1")
+    planner_s = 0.0
+    plan = None
+    rows_ever = min(max_rows, len(requests))
+    if planner and rows_ever > 1 and not session.plain and session.block_size > 1:
+        t = time.perf_counter()
+        costs = measure_costs(session, rows_ever)
+        plan = BatchPlanner(lambda: costs)
+        planner_s = time.perf_counter() - t
+    spec = session.tap_spec()
+    tap = HiddenTap(session.model, spec) if spec is not None else None
+    engine = Engine(session.model, timed=timed, tap=tap, planner=plan)
+    waiting = deque(enumerate(requests))
+    flights: list[_Flight] = []
+    opening = None  # one being prefilled
+    start = time.perf_counter()
+    paused = 0.0  # seconds the consumer held an event
+
+    def now() -> float:
+        return time.perf_counter() - start - paused
+
+    decode_s = prefill_s = 0.0
+    blocks = most = 0
+    try:
+        while waiting or engine.rows:
+            while waiting and len(engine.rows) < max_rows:
+                index, request = waiting.popleft()
+                t = time.perf_counter()
+                opening = session.open(request, tap)
+                while not opening.step():
+                    pass
+                flight = _Flight(index, request, opening)
+                flight.row = engine.admit(opening.row, opening.cache)
+                flights.append(flight)
+                opening = None
+                prefill_s += time.perf_counter() - t
+                t = time.perf_counter()
+                yield RowEvent(index, flight.opening.prefilled, now())
+                paused += time.perf_counter() - t
+            t = time.perf_counter()
+            out = engine.step()
+            seconds = time.perf_counter() - t
+            decode_s += seconds
+            blocks += 1
+            most = max(most, len(out))
+            at = now()
+            ended = []
+            for row, block in out:
+                flight = next(f for f in flights if f.row is row)
+                flight.tokens += block.tokens
+                if row.finish is not None or row.room <= 0:
+                    ended.append(flight)
+                t = time.perf_counter()
+                yield RowEvent(flight.index, Step(block, seconds), at)
+                paused += time.perf_counter() - t
+            for flight in ended:
+                cache = engine.remove(flight.row)
+                flights.remove(flight)
+                session.close(flight.opening, cache, flight.tokens)
+                t = time.perf_counter()
+                yield RowEvent(flight.index, Finished(cache_bytes(cache, flight.opening.drafter)), at)
+                paused += time.perf_counter() - t
+        yield BatchEnd(decode_s, prefill_s, now(), blocks, most, planner_s)
+    finally:
+        if opening is not None:
+            opening.close()
+        for flight in flights:
+            if flight.row in engine.rows:
+                engine.remove(flight.row)
+        engine.close()
+        if tap is not None:
+            tap.close()
+
+
+# -- specdec sweep --concurrency ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConcurrencyCell:
+    """One block size (None: plain decoding) at one concurrency, measured against plain at the same concurrency.
+
+    Attributes:
+        block_size: Tokens verified per forward (None: plain decoding, no drafter).
+        concurrency: Copies of the prompt decoded together.
+        aggregate_tps: Every row's generated tokens / the batch's decode seconds (median of repeats).
+        speedup: Over plain decoding at the same concurrency (median of the per-repeat ratios); plain: 1.
+        acceptance: Accepted / drafted over every row (the first repeat).
+        tokens: Tokens generated by all rows together (the first repeat).
+        verdict: Every row against plain decoding of the prompt alone: ``identical``,
+            ``rounding tie`` or ``diverged`` (the worst row's).
+    """
+
+    block_size: Optional[int]
+    concurrency: int
+    aggregate_tps: float
+    speedup: float
+    acceptance: float
+    tokens: int
+    verdict: str = IDENTICAL
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class ConcurrencyResult:
+    """Every cell, by block size and concurrency."""
+
+    levels: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    cells: tuple[ConcurrencyCell, ...]
+
+    def cell(self, block_size: Optional[int], level: int) -> ConcurrencyCell:
+        return next(c for c in self.cells if c.block_size == block_size and c.concurrency == level)
+
+    def best(self, level: int) -> Optional[int]:
+        """The block size with the highest aggregate tok/s at ``level`` (None: no block sizes)."""
+        cells = [c for c in self.cells if c.concurrency == level and c.block_size is not None]
+        return max(cells, key=lambda c: c.aggregate_tps).block_size if cells else None
+
+    def to_dict(self) -> dict:
+        return {
+            "concurrency": list(self.levels),
+            "block_sizes": list(self.block_sizes),
+            "best_block_size": {str(level): self.best(level) for level in self.levels},
+            "cells": [c.to_dict() for c in self.cells],
+        }
+
+
+_WORSE = {IDENTICAL: 0, "rounding tie": 1, "diverged": 2}
+
+
+def concurrency_sweep(setup: Setup, prompt_ids: Sequence[int], block_sizes: Sequence[int],
+                      levels: Sequence[int], *, max_tokens: int, repeats: int = 1,
+                      warmup: int = 1) -> Iterator[Union[Progress, ConcurrencyResult]]:
+    """Aggregate decode speed of each block size at each concurrency: ``level`` copies of the prompt together.
+
+    Every cell runs through :func:`run_batch` (level 1 too, so the columns
+    compare like with like), greedy, with a fixed draft length (no adaptive
+    policy) and without the batch planner: each cell is its block size as
+    such. Within a level the runs interleave (plain, B1, B2, ..., plain, ...);
+    each row's text is checked against plain decoding of the prompt alone.
+
+    Args:
+        setup: The loaded models and drafter kind.
+        prompt_ids: The prompt, copied into every row.
+        block_sizes: Block sizes to measure.
+        levels: Concurrencies to measure.
+        max_tokens: Tokens per row.
+        repeats: Timed runs per cell (median).
+        warmup: Untimed runs of plain and the first block size at each level first.
+    """
+    opts = setup.options
+    kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group)
+    # The reference every row is held to: plain decoding of the prompt alone.
+    _, reference = collect(run(setup.target.model, prompt_ids, max_tokens=max_tokens,
+                                         eos_ids=setup.eos_ids, prefill_step_size=opts.prefill_step_size, **kv))
+    sessions: dict[Optional[int], Session] = {None: Session(setup, 1, adaptive=False, plain=True)}
+    for b in block_sizes:
+        sessions[b] = Session(setup, b, adaptive=False)
+    request = Request(list(prompt_ids), max_tokens)
+    total = len(levels) * (2 * warmup + repeats * (1 + len(block_sizes)))
+    done = 0
+    verdict: dict[tuple, str] = {}
+
+    def once(b: Optional[int], level: int) -> tuple[float, float, int]:
+        """One batch: aggregate tok/s, acceptance, tokens; each row's text judged."""
+        out: dict[int, list[int]] = {i: [] for i in range(level)}
+        trace: dict[int, list] = {i: [] for i in range(level)}
+        chunks: dict[int, tuple] = {}
+        drafted = accepted = 0
+        end = None
+        for ev in run_batch(sessions[b], [request] * level, max_rows=level, planner=False):
+            if isinstance(ev, BatchEnd):
+                end = ev
+            elif isinstance(ev.event, Step):
+                block = ev.event.block
+                out[ev.index] += block.tokens
+                trace[ev.index].append(block)
+                drafted, accepted = drafted + block.drafted, accepted + block.accepted
+            elif isinstance(ev.event, Prefilled):
+                chunks[ev.index] = ev.event.chunks
+        tokens = sum(len(t) for t in out.values())
+        key = (b, level)
+        for i, toks in out.items():
+            if toks != reference and _WORSE[verdict.get(key, IDENTICAL)] < 2:
+                d = explain(setup.target.model, prompt_ids, toks, reference, trace[i], eos_ids=setup.eos_ids,
+                            prefill_step_size=opts.prefill_step_size, prefill_chunks=chunks[i], **kv)
+                if d is not None and _WORSE[d.verdict] > _WORSE[verdict.get(key, IDENTICAL)]:
+                    verdict[key] = d.verdict
+        tps = tokens / end.decode_s if end.decode_s > 0 else 0.0
+        return tps, accepted / drafted if drafted else 0.0, tokens
+
+    cells = []
+    for level in levels:
+        for _ in range(warmup):
+            for b in (None, block_sizes[0]):
+                once(b, level)
+                done += 1
+                yield Progress(done, total, f"x{level} warm-up: {'plain' if b is None else f'block {b}'}")
+        runs: dict[Optional[int], list[tuple[float, float, int]]] = {b: [] for b in sessions}
+        for _ in range(repeats):
+            for b in sessions:
+                runs[b].append(once(b, level))
+                done += 1
+                yield Progress(done, total, f"x{level}: {'plain' if b is None else f'block {b}'}")
+        plain_tps = [r[0] for r in runs[None]]
+        for b in sessions:
+            ratios = [r[0] / p for r, p in zip(runs[b], plain_tps) if p > 0]
+            cells.append(ConcurrencyCell(
+                block_size=b, concurrency=level,
+                aggregate_tps=statistics.median(r[0] for r in runs[b]),
+                speedup=statistics.median(ratios or [0.0]),
+                acceptance=runs[b][0][1], tokens=runs[b][0][2],
+                verdict=verdict.get((b, level), IDENTICAL),
+            ))
+    yield ConcurrencyResult(tuple(levels), tuple(block_sizes), tuple(cells))
