@@ -193,16 +193,6 @@ def _rows_leaf(leaf: Any) -> Any:
     raise UnsupportedModelError(f"its {type(leaf).__name__} layer caches cannot hold several rows yet")
 
 
-def batch_problem(cache: ModelCache) -> Optional[str]:
-    """Why rows with ``cache``'s layout cannot share a batch (a layer kind with no row form), or None."""
-    for leaf in _leaves(cache.layers):
-        try:
-            _rows_leaf(leaf)
-        except UnsupportedModelError:
-            return f"its {type(leaf).__name__} layers cannot hold several rows yet"
-    return None
-
-
 def _add_arrays(batch: ArraysCache, leaf: ArraysCache, rows: int) -> None:
     """Append ``leaf``'s row to a recurrent batch layer (zeros stand for a state not made yet)."""
     for i, (have, new) in enumerate(zip(batch.cache, leaf.cache)):

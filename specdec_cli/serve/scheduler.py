@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..batch_policy import WIDTHS, BatchPlanner, CostTable
+from ..batch_policy import BatchPlanner, CostTable
 from ..engine import Engine, Row
 from ..hooks import HiddenTap
 from ..runner import Step
 from ..session import Session
+from ..session.batch import measure_costs
 from ..session.generate import Opening
 from ..session.reply import Piece, Reply
 
@@ -189,11 +190,9 @@ class Scheduler:
 
         def measure() -> CostTable:
             start = time.perf_counter()
-            rows = sorted({1, 2, self.max_rows})
-            widths = sorted({w for w in WIDTHS if w <= session.block_size} | {session.block_size})
-            costs = CostTable.measure(session.model, session.fresh_cache, rows, widths)
-            log.info("measured the model's forward for %d cells of %s rows x %s tokens in %.1f s",
-                     len(costs.cells), rows, widths, time.perf_counter() - start)
+            costs = measure_costs(session, self.max_rows)
+            log.info("measured the model's forward for %d cells of rows x tokens in %.1f s", len(costs.cells),
+                     time.perf_counter() - start)
             return costs
 
         return BatchPlanner(measure)

@@ -78,7 +78,7 @@ class BatchEnd:
 
 def batch_refusal(session: Session) -> Optional[str]:
     """Why this model's rows cannot share a batch (a layer cache with no row form: ``--kv-bits``), or None."""
-    return batch_problem(session.fresh_cache())
+    return batch_problem(session.model, session.fresh_cache)
 
 
 def measure_costs(session: Session, max_rows: int) -> CostTable:
