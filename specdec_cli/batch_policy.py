@@ -64,26 +64,33 @@ class CostTable:
         start = time.perf_counter()
         base = fresh()
         base.prefill([(7 * i) % 97 + 1 for i in range(context)])
-        cells = {}
+        caches: dict[int, Any] = {}
         for b in sorted(set(rows)):
-            cache: Any = base
+            caches[b] = base
             if b > 1:
-                cache = BatchCache(model, base)
+                caches[b] = BatchCache(model, base)
                 for _ in range(b - 1):
-                    cache.add(base)
-            for w in sorted(set(widths)):
-                x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)
-                times = []
-                # On GPUs a shape's first run compiles kernels: not timed. MLX's CPU backend compiles none.
-                for i in range(repeats + (0 if mx.default_device() == mx.cpu else 1)):
-                    snap = cache.snapshot()
-                    t0 = time.perf_counter()
-                    mx.eval(cache.feed(x))
-                    times.append(time.perf_counter() - t0)
-                    cache.restore(snap)
-                cells[(b, w)] = min(times[-repeats:])
-                if cells[(b, w)] > _SLOW_FORWARD_S or time.perf_counter() - start > budget:
-                    break
+                    caches[b].add(base)
+        cells: dict[tuple[int, int], float] = {}
+        slow: set[int] = set()
+        # Narrow widths of every row count first (what blocks use most), then wider ones while time remains.
+        order = sorted(((b, w) for b in caches for w in set(widths)), key=lambda bw: (bw[1] > 8, bw[1], bw[0]))
+        for b, w in order:
+            if b in slow or (cells and time.perf_counter() - start > budget):
+                continue
+            cache = caches[b]
+            x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)
+            times = []
+            # On GPUs a shape's first run compiles kernels: not timed. MLX's CPU backend compiles none.
+            for _ in range(repeats + (0 if mx.default_device() == mx.cpu else 1)):
+                snap = cache.snapshot()
+                t0 = time.perf_counter()
+                mx.eval(cache.feed(x))
+                times.append(time.perf_counter() - t0)
+                cache.restore(snap)
+            cells[(b, w)] = min(times[-repeats:])
+            if cells[(b, w)] > _SLOW_FORWARD_S:
+                slow.add(b)  # wider forwards of this row count cost more still: extrapolated
         return cls(cells)
 
     def cost(self, rows: int, width: int) -> float:
@@ -95,9 +102,27 @@ class CostTable:
         return max(1e-6, self._at(b0, width) + fb * (self._at(b1, width) - self._at(b0, width)))
 
     def _at(self, rows: int, width: int) -> float:
-        """A measured row count's cost at ``width``, along its own measured widths."""
-        measured = sorted(w for b, w in self.cells if b == rows)
-        w0, w1, fw = _bracket(measured, width)
+        """A measured row count's cost at ``width``.
+
+        Along its own measured widths; past its widest, grown as the row count
+        measured furthest grows from there (no reference: as costly as
+        separate forwards).
+        """
+        last = self._widths(rows)[-1]
+        if width > last:
+            ref = max(self.rows, key=lambda b: (self._widths(b)[-1], -abs(b - rows)))
+            if self._widths(ref)[-1] > last:
+                return self.cells[(rows, last)] * self._along(ref, width) / self._along(ref, last)
+            if len(self._widths(rows)) == 1:
+                return self.cells[(rows, last)] * width
+        return self._along(rows, width)
+
+    def _widths(self, rows: int) -> list[int]:
+        return sorted(w for b, w in self.cells if b == rows)
+
+    def _along(self, rows: int, width: int) -> float:
+        """Linear between a row count's measured widths, and beyond them."""
+        w0, w1, fw = _bracket(self._widths(rows), width)
         return self.cells[(rows, w0)] + fw * (self.cells[(rows, w1)] - self.cells[(rows, w0)])
 
     def learn(self, rows: int, width: int, seconds: float) -> None:

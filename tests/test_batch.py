@@ -302,3 +302,12 @@ def test_mtp_heads_draft_each_row_from_its_own_hidden_states():
     assert sum(r.accepted for r in rows) > 0
     for r in rows:
         assert out[id(r)] == plain_tokens(model, r.tag)[0]
+
+
+def test_a_row_count_measured_narrow_only_grows_as_its_neighbours_do():
+    # The budget ran out after 4 rows x 1: wider 4-row forwards scale as 1 row's do from width 1.
+    table = CostTable({(1, 1): 60, (1, 8): 90, (1, 16): 120, (4, 1): 80})
+    assert table.cost(4, 8) == pytest.approx(80 * 90 / 60)
+    assert table.cost(4, 16) == pytest.approx(80 * 120 / 60)
+    alone = CostTable({(4, 1): 80})
+    assert alone.cost(4, 8) == 80 * 8  # nothing to scale by: priced as separate forwards
