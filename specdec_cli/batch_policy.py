@@ -9,8 +9,9 @@ row's own policy has drafted, the block's width ``W`` is chosen to maximise
 
 where ``E_row(j)`` is the tokens the row is expected to commit with ``j``
 drafts (its policy's estimate: by match length for prompt lookup, by the
-run's acceptance otherwise), and drafts past ``W - 1`` are cut (a prefix of a
-draft is a draft). ``cost`` is measured the first time rows share a block
+run's acceptance otherwise; the drafts it expects accepted are scaled by how
+many of the row's earlier expected accepts came true), and drafts past
+``W - 1`` are cut (a prefix of a draft is a draft). ``cost`` is measured the first time rows share a block
 (a forward of each row count by each width, on the model itself, within a
 time budget: wide forwards past it are extrapolated) and follows what the
 blocks take while running. When nothing is accepted every ``E`` falls to 1
@@ -20,6 +21,7 @@ and the widest worthwhile block is ``W = 1``: plain batched decoding.
 from __future__ import annotations
 
 import time
+import weakref
 from bisect import bisect_left
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,7 +33,7 @@ from .drafters import Draft
 
 # Widths measured (up to the block size), and how many timed forwards each.
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-_REPEATS = 2
+_REPEATS = 3
 # Measuring stops widening a row count once one forward takes this long, and stops altogether
 # past the budget: what is not measured is extrapolated (a server's first batch waits for it).
 _SLOW_FORWARD_S = 0.25
@@ -50,6 +52,14 @@ class CostTable:
     def __init__(self, cells: dict[tuple[int, int], float]):
         self.cells = dict(cells)
         self.rows = sorted({b for b, _ in cells})
+        self._monotone()
+
+    def _monotone(self) -> None:
+        """More rows or a wider forward never cost less: a timing that says so is noise (a busy machine)."""
+        for (b, w) in sorted(self.cells):
+            below = [v for (bb, ww), v in self.cells.items() if bb <= b and ww <= w and (bb, ww) != (b, w)]
+            if below:
+                self.cells[(b, w)] = max(self.cells[(b, w)], max(below))
 
     @classmethod
     def measure(cls, model: Any, fresh: Callable[[], ModelCache], rows: Sequence[int],
@@ -129,6 +139,7 @@ class CostTable:
         """A block of ``rows`` x ``width`` took ``seconds``: measured cells move towards it."""
         if (rows, width) in self.cells:
             self.cells[(rows, width)] += _LEARN * (seconds - self.cells[(rows, width)])
+            self._monotone()
 
 
 def _bracket(points: list[int], x: int) -> tuple[int, int, float]:
@@ -150,6 +161,9 @@ class BatchPlanner:
     def __init__(self, measure: Callable[[], CostTable]):
         self._measure = measure
         self.costs: Optional[CostTable] = None
+        # Per row: drafts its estimates expected accepted in the blocks it drafted, and drafts that were.
+        self._record: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def trim(self, pending: Sequence[Any]) -> int:
         """Cut each row's draft (``pending[i].draft``) to the chosen width - 1; returns the width."""
@@ -157,20 +171,33 @@ class BatchPlanner:
             self.costs = self._measure()
         rows = len(pending)
         ks = [p.draft.size for p in pending]
-        curves = [[_expected(p.row, j) for j in range(k + 1)] for p, k in zip(pending, ks)]
+        raw = [[_expected(p.row, j) for j in range(k + 1)] for p, k in zip(pending, ks)]
+        trust = [self._trust(p.row) for p in pending]
+        curves = [[1.0 + t * (e - 1.0) for e in c] for c, t in zip(raw, trust)]
         best_w, best = 1, rows / self.costs.cost(rows, 1)
         for w in range(2, max(ks, default=0) + 2):
             value = sum(c[min(k, w - 1)] for c, k in zip(curves, ks)) / self.costs.cost(rows, w)
             if value > best:
                 best_w, best = w, value
-        for p, k in zip(pending, ks):
+        for p, k, c in zip(pending, ks, raw):
             if k > best_w - 1:
                 p.draft = _cut(p.draft, best_w - 1)
+            self._planned[p.row] = c[min(k, best_w - 1)] - 1.0
         return best_w
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
+    def _trust(self, row: Any) -> float:
+        """How many of a row's expected accepts came true so far (a smoothed ratio, at most 2)."""
+        expected, accepted = self._record.get(row, (0.0, 0))
+        return min(2.0, (accepted + 1.0) / (expected + 1.0))
+
+    def observe(self, blocks: Sequence[tuple[Any, int, int]], width: int, seconds: float) -> None:
+        """A block ran: ``(row, drafted, accepted)`` for each row, its width and its seconds."""
         if self.costs is not None:
-            self.costs.learn(rows, width, seconds)
+            self.costs.learn(len(blocks), width, seconds)
+        for row, drafted, accepted in blocks:
+            if drafted:
+                expected, got = self._record.get(row, (0.0, 0))
+                self._record[row] = (expected + self._planned.get(row, 0.0), got + accepted)
 
 
 def _expected(row: Any, k: int) -> float:

@@ -23,7 +23,7 @@ from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
 from .hooks import Hidden, HiddenTap
 from .processors import logprob_arrays, logprob_entries
-from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, log_probs
+from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, kept, log_probs
 
 if TYPE_CHECKING:
     from .distributed import Ranks
@@ -319,9 +319,14 @@ class Engine:
                 xs = mx.stack([mx.pad(p.x, (0, width - p.x.shape[0])) for p in pending])
                 logits = cache.feed(xs, record=record)
                 hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
+                # Greedy picks of every row in one pass over the vocabulary (a row's own picks are the same).
+                picks = greedy(logits) if any(_plain_greedy(p) for p in pending) else None
                 for b, p in enumerate(pending):
                     p.hidden = None if hidden is None else hidden[b]
-                    self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
+                    if _plain_greedy(p):
+                        p.n_acc, p.nxt = kept(picks[b, p.c : p.c + 1 + p.k], p.draft.tokens)
+                    else:
+                        self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
             else:
                 p = pending[0]
                 logits = cache.feed(p.x, record=record)[p.c:]
@@ -373,7 +378,8 @@ class Engine:
             blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.c + 1 + p.k, p.c,
                                         lps)))
         if batch and self.planner is not None:
-            self.planner.observe(len(pending), max(p.x.shape[0] for p in pending), seconds)
+            self.planner.observe([(p.row, b.drafted, b.accepted) for p, (_, b) in zip(pending, blocks)],
+                                 max(p.x.shape[0] for p in pending), seconds)
         return blocks
 
     @staticmethod
@@ -481,6 +487,11 @@ def _allowed(p: _Pending) -> int:
         if p.host is not None:
             p.host = p.host[:m]
     return syncs
+
+
+def _plain_greedy(p: _Pending) -> bool:
+    """A greedy row with nothing else to compute from its logits."""
+    return p.params.greedy and not p.row.processors and p.row.logprobs is None
 
 
 def _processed(p: _Pending, logits: mx.array) -> mx.array:

@@ -213,7 +213,7 @@ def accept_keyed(logits: mx.array, drafts: mx.array, params: SamplingParams) -> 
     was drafted. Returns lazy scalars: accepted count n, and the token after
     the kept prefix.
     """
-    return _kept(choose(logits, params), drafts)
+    return kept(choose(logits, params), drafts)
 
 
 def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
@@ -226,10 +226,10 @@ def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.arra
     Returns:
         Lazy scalars: accepted count n, and the target's token after the kept prefix.
     """
-    return _kept(greedy(logits), drafts)
+    return kept(greedy(logits), drafts)
 
 
-def _kept(picks: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+def kept(picks: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     """Drafts kept while they equal the target's picks: their count n, and the pick after them (lazy)."""
     k = drafts.shape[0]
     n = mx.cumprod((drafts == picks[:k]).astype(mx.int32)).sum() if k else mx.array(0)

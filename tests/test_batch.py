@@ -311,3 +311,10 @@ def test_a_row_count_measured_narrow_only_grows_as_its_neighbours_do():
     assert table.cost(4, 16) == pytest.approx(80 * 120 / 60)
     alone = CostTable({(4, 1): 80})
     assert alone.cost(4, 8) == 80 * 8  # nothing to scale by: priced as separate forwards
+
+
+def test_noise_never_makes_a_wider_or_fuller_forward_look_cheaper():
+    table = CostTable({(1, 1): 60, (1, 2): 55, (4, 1): 83, (4, 2): 75})
+    assert table.cost(1, 2) == 60 and table.cost(4, 1) == 83 and table.cost(4, 2) == 83
+    table.learn(4, 1, 200)
+    assert table.cost(4, 2) >= table.cost(4, 1)
