@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, _leaves
+from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, _leaves, rebuild
 from .errors import UnsupportedModelError
 from .hooks import StepRecord
 
@@ -206,17 +206,6 @@ def _add_arrays(batch: ArraysCache, leaf: ArraysCache, rows: int) -> None:
         batch.cache[i] = mx.concatenate([have, new])
 
 
-def _tree(structure: list, leaves: list) -> list:
-    it = iter(leaves)
-
-    def rebuild(c: Any) -> Any:
-        if isinstance(c, CacheList):
-            return CacheList(*[rebuild(x) for x in c.caches])
-        return next(it)
-
-    return [rebuild(c) for c in structure]
-
-
 @dataclass(frozen=True)
 class BatchSnapshot:
     """A batch's state at one point: each row's length, and the recurrent arrays (references)."""
@@ -237,7 +226,7 @@ class BatchCache:
         self.model = model
         self.structure = first.layers
         self._leaves = [_rows_leaf(c) for c in _leaves(first.layers)]
-        self.layers = _tree(self.structure, self._leaves)
+        self.layers = rebuild(self.structure, self._leaves)
         self._attention = [c for c in self._leaves if isinstance(c, RowsKVCache)]
         self._recurrent = [c for c in self._leaves if isinstance(c, ArraysCache)]
         self.steps = first.steps
@@ -282,7 +271,7 @@ class BatchCache:
                 out = ArraysCache(len(leaf.cache))
                 out.cache = [None if a is None else mx.array(a[b : b + 1]) for a in leaf.cache]
                 leaves.append(out)
-        cache = ModelCache(self.model, _tree(self.structure, leaves))
+        cache = ModelCache(self.model, rebuild(self.structure, leaves))
         cache.length = self.lengths[b]
         return cache
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .compare import Comparison, compare_with_plain
+from .compare import Comparison, compare_with_plain, comparison_dict
 from .defaults import DEFAULT_DECODE_CONCURRENCY
 from .display import (
     batch_lines,
@@ -196,7 +196,6 @@ def generate_batch(opts) -> int:
 
     tokenizer = setup.tokenizer
     if opts.json_output:
-        from .commands import _comparison_dict  # (commands imports this module)
 
         report = {
             "model": setup.target.name,
@@ -216,7 +215,7 @@ def generate_batch(opts) -> int:
                      "text": _text(setup, row.tokens), "seed": row.request.seed, **row.stats.to_dict(),
                      "finish_reason": finish(row), "latency_s": row.latency}
             if row.comparison is not None:
-                entry["compare"] = _comparison_dict(row.comparison, row.stats, tokenizer)
+                entry["compare"] = comparison_dict(row.comparison, row.stats, tokenizer)
             elif opts.compare_ar:
                 entry["compare"] = None
             report["rows"].append(entry)

@@ -136,10 +136,13 @@ class CostTable:
         return self.cells[(rows, w0)] + fw * (self.cells[(rows, w1)] - self.cells[(rows, w0)])
 
     def learn(self, rows: int, width: int, seconds: float) -> None:
-        """A block of ``rows`` x ``width`` took ``seconds``: measured cells move towards it."""
-        if (rows, width) in self.cells:
-            self.cells[(rows, width)] += _LEARN * (seconds - self.cells[(rows, width)])
-            self._monotone()
+        """A block of ``rows`` x ``width`` took ``seconds``: its cell moves towards it (or is set, if it was
+        only estimated: an estimate that priced a block too cheap is corrected by the block itself)."""
+        cell = self.cells.get((rows, width))
+        self.cells[(rows, width)] = seconds if cell is None else cell + _LEARN * (seconds - cell)
+        if cell is None and rows not in self.rows:
+            self.rows = sorted({*self.rows, rows})
+        self._monotone()
 
 
 def _bracket(points: list[int], x: int) -> tuple[int, int, float]:

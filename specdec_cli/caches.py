@@ -274,6 +274,18 @@ def check_kv_quantization(model: nn.Module, bits: int, group_size: int) -> None:
         ) from None
 
 
+def rebuild(structure: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
+    """``structure``'s layer list (its ``CacheList`` nesting) with its leaves replaced, in order, by ``leaves``."""
+    it = iter(leaves)
+
+    def one(c: Any) -> Any:
+        if isinstance(c, CacheList):
+            return CacheList(*[one(x) for x in c.caches])
+        return next(it)
+
+    return [one(c) for c in structure]
+
+
 def _leaves(caches: Sequence[Any]) -> list[Any]:
     out = []
     for c in caches:

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from . import doctor
 from .batch_command import check_batch_options, generate_batch, parse_concurrency, sweep_concurrency
-from .compare import DIVERGED, compare_with_plain
+from .compare import DIVERGED, compare_with_plain, comparison_dict
 
 # Block-size and n-gram limits live in a module without heavy imports: the CLI
 # declares its option ranges with them before MLX is loaded.
@@ -236,7 +236,7 @@ def _generate(opts: GenerateOptions) -> int:
             "interrupted": interrupted or compare_interrupted,
         }
         if comparison is not None:
-            report["compare"] = _comparison_dict(comparison, stats, tokenizer)
+            report["compare"] = comparison_dict(comparison, stats, tokenizer)
         elif compare_interrupted:
             report["compare"] = None
         sys.stdout.write(json.dumps(report) + "\n")
@@ -277,41 +277,6 @@ def finish_reason(stats: Stats, interrupted: bool, capped: bool) -> Optional[str
     if stats.finish_reason == "length" and capped:
         return "context"
     return stats.finish_reason
-
-
-def _comparison_dict(cmp, stats: Stats, tokenizer) -> dict:
-    divergence = None
-    if cmp.divergence is not None:
-        d = cmp.divergence
-
-        def token(t):
-            return None if t is None else {"id": t, "text": tokenizer.decode([t])}
-
-        divergence = {
-            "index": d.index,
-            "specdec_token": token(d.specdec_token),
-            "plain_token": token(d.plain_token),
-            "top2_margin": d.top2_margin,
-            "verify_rows": d.rows,
-            "verify_row": d.row,
-            "verify_token": token(d.verify_token),
-            "reproduced": d.reproduced,
-            "replay_mismatch": d.mismatch,
-        }
-    ar_tps = cmp.plain.decode_tps
-    # null where the text line says "no speedup measurable": a side generated nothing or took no time.
-    measurable = stats.generated and cmp.plain.generated and stats.decode_tps and ar_tps
-    return {
-        "identical": cmp.identical,
-        "verdict": cmp.verdict,
-        # Log-probability units, as greedy selection compares them.
-        "margin": cmp.divergence.margin if cmp.divergence else None,
-        "difference": cmp.divergence.difference if cmp.divergence else None,
-        "tokens": cmp.tokens,
-        "first_divergence": divergence,
-        "ar_decode_tps": ar_tps,
-        "speedup": stats.decode_tps / ar_tps if measurable else None,
-    }
 
 
 def parse_block_sizes(text: str) -> list[int]:

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .caches import ModelCache, make_cache
-from .engine import Block
+from .blocks import Block
 from .runner import collect, run
 from .sampling import GREEDY, SamplingParams, greedy, keyed_pick, log_probs, position_noise
 from .stats import Stats
@@ -427,3 +427,39 @@ def compare_with_plain(
                          prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync,
                          processors=processors, **kv)
     return Comparison(divergence is None, len(plain), divergence, stats)
+
+
+def comparison_dict(cmp: "Comparison", stats: Stats, tokenizer) -> dict:
+    """A comparison as ``--json`` reports it: the verdict, the first divergence (tokens as id and text), the speedup."""
+    divergence = None
+    if cmp.divergence is not None:
+        d = cmp.divergence
+
+        def token(t):
+            return None if t is None else {"id": t, "text": tokenizer.decode([t])}
+
+        divergence = {
+            "index": d.index,
+            "specdec_token": token(d.specdec_token),
+            "plain_token": token(d.plain_token),
+            "top2_margin": d.top2_margin,
+            "verify_rows": d.rows,
+            "verify_row": d.row,
+            "verify_token": token(d.verify_token),
+            "reproduced": d.reproduced,
+            "replay_mismatch": d.mismatch,
+        }
+    ar_tps = cmp.plain.decode_tps
+    # null where the text line says "no speedup measurable": a side generated nothing or took no time.
+    measurable = stats.generated and cmp.plain.generated and stats.decode_tps and ar_tps
+    return {
+        "identical": cmp.identical,
+        "verdict": cmp.verdict,
+        # Log-probability units, as greedy selection compares them.
+        "margin": cmp.divergence.margin if cmp.divergence else None,
+        "difference": cmp.divergence.difference if cmp.divergence else None,
+        "tokens": cmp.tokens,
+        "first_divergence": divergence,
+        "ar_decode_tps": ar_tps,
+        "speedup": stats.decode_tps / ar_tps if measurable else None,
+    }

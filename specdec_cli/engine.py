@@ -1,8 +1,9 @@
-"""The draft -> verify -> accept loop, and plain decoding with the same interface.
+"""The draft -> verify -> accept loop over rows (:class:`Engine`), and one sequence as a generator.
 
-Both are generators that yield one :class:`Block` per target forward. They
-never print or time display; the caller owns the caches (prefilled with all
-but the last prompt token) and passes the last prompt token in.
+:func:`speculative_generate_step` yields one :class:`~specdec_cli.blocks.Block`
+per target forward, as plain decoding (:mod:`specdec_cli.plain`) does. Neither
+prints or times display; the caller owns the caches (prefilled with all but
+the last prompt token) and passes the last prompt token in.
 
 Invariant between blocks, and after the generator ends for any reason: each
 cache holds the prompt and every committed token except the last one, exactly
@@ -19,76 +20,15 @@ import mlx.core as mx
 
 from .adaptive import DraftPolicy, FixedLength
 from .batch_cache import BatchCache
+from .blocks import Block, PhaseTimes, cut_committed
 from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
 from .hooks import Hidden, HiddenTap
 from .processors import logprob_arrays, logprob_entries
-from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, choose, greedy, kept, log_probs
+from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
 
 if TYPE_CHECKING:
     from .distributed import Ranks
-
-
-@dataclass(frozen=True)
-class PhaseTimes:
-    """Wall seconds of one block's phases, each closed by its own sync."""
-
-    draft_s: float
-    verify_s: float
-    rollback_s: float
-
-
-@dataclass(frozen=True)
-class Block:
-    """What one target forward produced.
-
-    Attributes:
-        tokens: Tokens committed and emitted by this block (an EOS is not emitted).
-        drafted: Draft tokens the target verified.
-        accepted: Drafts that matched the target (``accepted <= drafted``).
-        rollback: ``none`` (full accept), ``trim`` (O(1) offset move),
-            ``reforward`` (recurrent state restored and the kept tokens re-fed),
-            ``carry`` (restored; the kept tokens lead the next verify),
-            ``capture`` (the per-token state kept during the verify selected)
-            or ``tape`` (the recurrence alone replayed over the kept tokens).
-        syncs: Host syncs the block waited on.
-        finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
-        times: Phase timings, only when the generator was asked for them.
-        verify_len: Rows of the target forward (carried tokens + last + drafts).
-        carry: Carried tokens leading it; the row predicting this block's
-            i-th token is ``carry + i``. Both let ``--compare-ar`` recompute a
-            position exactly as the verify computed it.
-        logprobs: With a row's ``logprobs`` on, one entry per emitted token:
-            ``(logprob, ((token, logprob), ...))``, the target's (processed)
-            log-probability of the token and its best alternatives, from the
-            forward that verified it; None otherwise.
-    """
-
-    tokens: tuple[int, ...]
-    drafted: int
-    accepted: int
-    rollback: str
-    syncs: int
-    finish_reason: Optional[str] = None
-    times: Optional[PhaseTimes] = None
-    verify_len: int = 1
-    carry: int = 0
-    logprobs: Optional[tuple] = None
-
-    @property
-    def block_size(self) -> int:
-        """Tokens the target's forward verified (drafts + the bonus position)."""
-        return self.drafted + 1
-
-
-def _cut(committed: list[int], eos_ids: frozenset[int], room: int) -> tuple[int, Optional[str]]:
-    """How many committed tokens to keep, and why generation stops (if it does)."""
-    for i, tok in enumerate(committed[:room]):
-        if tok in eos_ids:
-            return i + 1, "stop"
-    if len(committed) >= room:
-        return room, "length"
-    return len(committed), None
 
 
 ROLLBACKS = ("reforward", "carry", "capture", "tape")
@@ -412,7 +352,7 @@ class Engine:
             else:
                 n, last_token = self.sync.settle(table)
             committed = p.draft.tokens.tolist()[:n] + [last_token]
-            n_keep, finish = _cut(committed, r.eos, r.room)
+            n_keep, finish = cut_committed(committed, r.eos, r.room)
             # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
             carry = r.carry[:0]
             if batch:
@@ -584,168 +524,8 @@ def speculative_generate_step(
         engine.close()
 
 
-@dataclass(frozen=True)
-class Warmup:
-    """What :func:`warm_up` ran.
-
-    Attributes:
-        target_rows: Row counts the target ran on throwaway tokens.
-        drafter_rows: Row counts the drafter ran.
-        free: Nothing was run: MLX's CPU backend compiles no kernels per shape.
-    """
-
-    target_rows: tuple[int, ...] = ()
-    drafter_rows: tuple[int, ...] = ()
-    free: bool = False
-
-
 def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry") -> list[int]:
     """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets."""
     # Without drafts every block is a full accept: nothing is ever carried.
     extra = MAX_CARRY if recurrent and rollback == "carry" and max_draft > 0 else 0
     return list(range(1, max_draft + 2 + extra))
-
-
-def compiles_per_shape() -> bool:
-    """Whether MLX's default device compiles kernels per shape (GPUs), unlike its CPU backend.
-
-    Measured on the CPU (SmolLM2-135M, float32, OpenBLAS; a Qwen3.5-style
-    hybrid): a row count's first forward in a process is as fast as its
-    second (48 / 48 ms at 2 rows, 74 / 73 ms at 4), so a warm-up there would
-    only add forwards.
-    """
-    return mx.default_device() != mx.cpu
-
-
-def warm_up(
-    cache: ModelCache,
-    drafter: Optional[Drafter] = None,
-    *,
-    max_draft: int = 0,
-    sampling: SamplingParams = GREEDY,
-    rollback: str = "carry",
-    tap: Optional[HiddenTap] = None,
-    force: bool = False,
-) -> Warmup:
-    """Run every shape the coming generation can use once, leaving all state as it was.
-
-    A shape's first run in a process compiles its kernels (on GPUs); doing it
-    here keeps that out of tok/s, the adaptive policy's measurements and
-    ``--compare-ar``'s ratio. Target and drafter caches are restored exactly;
-    no random numbers are drawn. On MLX's CPU backend nothing is run (see
-    :func:`compiles_per_shape`) unless ``force``.
-
-    Args:
-        cache: The target's prefilled caches.
-        drafter: A prefilled drafter (warms its own shapes through ``warm_up``
-            when it has one), or None for plain decoding.
-        max_draft: Most drafts per block (0 for plain decoding).
-        sampling: The token selection that follows each forward.
-        rollback: Recurrent rollback strategy (carry lengthens verifies).
-        tap: The target's hidden-state tap; cleared after.
-        force: Run the shapes on any backend (tests).
-    """
-    if not (force or compiles_per_shape()):
-        return Warmup(free=True)
-    head = greedy if sampling.greedy else (lambda logits: log_probs(logits, sampling))
-    try:
-        rows = cache.warm(verify_rows(max_draft, cache.recurrent, rollback), head)
-    finally:
-        if tap is not None:
-            tap.clear()
-    drafted: tuple[int, ...] = ()
-    hook = getattr(drafter, "warm_up", None)
-    if hook is not None and max_draft > 0:
-        drafted = tuple(hook(max_draft, sampling) or ())
-    return Warmup(rows, drafted)
-
-
-def plain_generate_step(
-    last: int,
-    cache: ModelCache,
-    *,
-    max_tokens: int,
-    eos_ids: Sequence[int] = (),
-    sampling: SamplingParams = GREEDY,
-    sync: Optional[Ranks] = None,
-    processors: tuple = (),
-    logprobs: Optional[int] = None,
-) -> Iterator[Block]:
-    """Plain decoding, one token per :class:`Block`: the exactness oracle and the baseline.
-
-    The next step is queued before the current token is yielded (as mlx-lm's
-    ``generate_step`` does) so the host overlaps the device; the queued step
-    is undone when generation ends early. A processor that reads tokens on the
-    host (a grammar) needs each token before the next step: then nothing is
-    queued ahead.
-
-    Args:
-        last: The last prompt token (not yet fed).
-        cache: The target's prefilled caches.
-        max_tokens: Stop after this many emitted tokens.
-        eos_ids: Token ids that end generation (not emitted).
-        sampling: Greedy (default) or sampling options.
-        sync: The ranks of a sharded target: each token is rank 0's, agreed
-            in a small collective inside the queued step (no extra sync).
-        processors: Logits processors, fresh for this run (as the speculative loop takes them).
-        logprobs: None, or how many alternatives each token's log-probability comes with.
-    """
-    eos = frozenset(eos_ids)
-    ahead = all(getattr(p, "lazy", False) for p in processors)
-
-    def step(token: mx.array, position: int, pending: bool) -> tuple[mx.array, Optional[mx.array], Optional[tuple]]:
-        # pending: ``token`` is not committed to the processors yet (queued ahead): it is their one draft.
-        fed_at = cache.length
-        logits = cache.feed(token)[-1:]
-        if processors:
-            rows = mx.concatenate([logits, logits]) if pending else logits
-            for proc in processors:
-                rows = proc.apply(rows, token if pending else ())
-            logits = rows[-1:]
-        y = choose(logits, sampling.at(position))
-        table = None
-        if sync is not None:
-            table = sync.propose(y, token, fed_at)
-            # The token every rank feeds next is rank 0's, still lazy.
-            y = table[0, :1].astype(mx.uint32)
-        lp = logprob_arrays(logits, y, logprobs) if logprobs is not None else None
-        return y, table, lp
-
-    def queue(out: tuple) -> None:
-        y, table, lp = out
-        mx.async_eval(y, *([] if table is None else [table]), *[a for a in lp or () if a is not None])
-
-    def read(y: mx.array, table: Optional[mx.array]) -> int:
-        return y.item() if table is None else sync.settle(table)[0]
-
-    # The state that matches what has been emitted: every committed token but
-    # the last one fed. Restored on exit, which drops a queued step.
-    safe = cache.snapshot()
-    try:
-        cur = step(mx.array([last], dtype=mx.uint32), 0, False)
-        queue(cur)
-        for i in range(max_tokens):
-            y, table, lp = cur
-            snap = cache.snapshot()
-            nxt = None
-            if ahead and i + 1 < max_tokens:
-                nxt = step(y, i + 1, bool(processors))
-                queue(nxt)
-            tok = read(y, table)
-            safe = snap
-            for proc in processors:
-                proc.commit([tok])
-            entry = logprob_entries(lp, 1) if lp is not None else None
-            if tok in eos:
-                yield Block((), 0, 0, "none", 1, "stop", logprobs=() if lp is not None else None)
-                return
-            if i + 1 == max_tokens:
-                yield Block((tok,), 0, 0, "none", 1, "length", logprobs=entry)
-                return
-            yield Block((tok,), 0, 0, "none", 1, logprobs=entry)
-            if nxt is None:
-                nxt = step(mx.array([tok], dtype=mx.uint32), i + 1, False)
-                queue(nxt)
-            cur = nxt
-    finally:
-        cache.restore(safe)

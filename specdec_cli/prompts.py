@@ -9,6 +9,7 @@ template call, so the same messages give the same ids whichever face asked.
 from __future__ import annotations
 
 import json
+import functools
 import logging
 import sys
 from contextlib import contextmanager
@@ -16,6 +17,27 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .errors import OptionError
+
+
+@functools.lru_cache(maxsize=1)
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode table (how byte-level BPE vocabularies write bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@functools.lru_cache(maxsize=1)
+def byte_level_bytes() -> dict[str, int]:
+    """The inverse of :func:`byte_level_chars`: a vocabulary's character -> the byte it writes."""
+    return {c: b for b, c in byte_level_chars().items()}
 
 
 def longest_token_chars(tokenizer) -> Optional[int]:

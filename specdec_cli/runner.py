@@ -18,7 +18,9 @@ import mlx.nn as nn
 from .adaptive import DraftPolicy
 from .caches import Checkpoint, ModelCache, make_cache
 from .drafters import Drafter
-from .engine import Block, Warmup, plain_generate_step, speculative_generate_step, verify_rows, warm_up
+from .blocks import Block
+from .engine import speculative_generate_step, verify_rows
+from .plain import Warmup, plain_generate_step, warm_up
 from .hooks import Hidden, HiddenTap
 from .errors import OptionError
 from .rollback import RollbackChoice, choose
@@ -133,7 +135,7 @@ def run(
         kv_group_size: Group size of the KV quantization.
         timed: Ask the engine for per-phase timings (adds syncs).
         warmup: Run every shape once before decoding (see
-            :func:`~specdec_cli.engine.warm_up`), timed apart.
+            :func:`~specdec_cli.plain.warm_up`), timed apart.
         seed: At temperature > 0, key every draw by (seed, position): the
             text is then the same whatever the draft lengths, and equal to
             plain decoding's with the same seed (see :mod:`specdec_cli.sampling`).

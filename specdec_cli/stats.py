@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .engine import Block
+from .blocks import Block
 
 
 @dataclass

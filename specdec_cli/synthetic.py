@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .loading import cast
+from .prompts import byte_level_chars
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # 256 byte tokens, then the special tokens.
@@ -170,7 +171,7 @@ def write_tokenizer(path: Path) -> None:
 
     alphabet = ByteLevel.alphabet()
     # Map byte values to the GPT-2 byte-level unicode alphabet in byte order.
-    byte_chars = _bytes_to_unicode()
+    byte_chars = byte_level_chars()
     assert set(byte_chars.values()) == set(alphabet)
     vocab = {byte_chars[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -190,20 +191,6 @@ def write_tokenizer(path: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's reversible byte -> printable-unicode table.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def save_model_dir(path: Path, model: nn.Module, config: dict[str, Any], tokenizer: bool = True) -> Path:

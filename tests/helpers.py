@@ -8,7 +8,9 @@ import mlx.core as mx
 
 from specdec_cli.caches import ModelCache, WindowKVCache
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.engine import Block, plain_generate_step, speculative_generate_step
+from specdec_cli.blocks import Block
+from specdec_cli.engine import speculative_generate_step
+from specdec_cli.plain import plain_generate_step
 from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"]

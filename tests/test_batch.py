@@ -18,7 +18,8 @@ from specdec_cli.adaptive import FixedLength, MatchLength
 from specdec_cli.batch_cache import BatchCache
 from specdec_cli.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specdec_cli.engine import Engine, Row, plain_generate_step
+from specdec_cli.engine import Engine, Row
+from specdec_cli.plain import plain_generate_step
 from specdec_cli.sampling import SamplingParams
 
 FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
@@ -234,6 +235,9 @@ def test_the_cost_table_interpolates_between_and_beyond_what_it_measured():
     assert table.cost(8, 1) > table.cost(4, 1)
     table.learn(4, 8, 276)
     assert 176 < table.cost(4, 8) < 276  # a block's time moves its cell
+    guess = table.cost(4, 32)
+    table.learn(4, 32, guess * 3)
+    assert table.cost(4, 32) == guess * 3  # an estimate is replaced by what a block of that shape took
 
 
 def test_the_planner_drafts_nothing_when_nothing_is_accepted_and_wide_when_all_is():

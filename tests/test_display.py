@@ -8,7 +8,7 @@ import re
 from rich.console import Console
 
 from specdec_cli.display import LiveText, summary_lines, take_lines
-from specdec_cli.engine import Block
+from specdec_cli.blocks import Block
 from specdec_cli.stats import Stats
 
 

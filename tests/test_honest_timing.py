@@ -34,12 +34,13 @@ from helpers import (
 from typer.testing import CliRunner
 
 import specdec_cli.session.setup as session_setup
-import specdec_cli.engine as engine_module
+import specdec_cli.plain as plain_module
 import specdec_cli.runner as runner_module
 from specdec_cli.cli import app
 from specdec_cli.compare import DIVERGED, IDENTICAL, TIE, explain, recompute
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.engine import speculative_generate_step, verify_rows, warm_up
+from specdec_cli.engine import speculative_generate_step, verify_rows
+from specdec_cli.plain import warm_up
 from specdec_cli.measure import sweep
 from specdec_cli.runner import collect, run
 from specdec_cli.sampling import SamplingParams
@@ -92,7 +93,7 @@ def test_runner_reports_the_warm_up_apart_and_output_is_unchanged(monkeypatch):
     cpu = collect(run(model, PROMPT, drafter=ModelDrafter(draft), num_draft_tokens=3, max_tokens=GEN))[0]
     assert cpu.warmup_free == (mx.default_device() == mx.cpu)
     # As on a GPU: every shape runs first, timed apart, and nothing else changes.
-    monkeypatch.setattr(engine_module, "compiles_per_shape", lambda: True)
+    monkeypatch.setattr(plain_module, "compiles_per_shape", lambda: True)
     model, draft = fresh("qwen3_5", "float32"), fresh("qwen3_5", "float32", noise=0.05)
     events = list(run(model, PROMPT, drafter=ModelDrafter(draft), num_draft_tokens=3, max_tokens=GEN,
                       rollback="carry"))

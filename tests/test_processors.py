@@ -28,7 +28,8 @@ from test_sampling import POSITIONS, SAMPLES, VOCAB, chi_square, models
 from specdec_cli.adaptive import FixedLength, MatchLength
 from specdec_cli.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specdec_cli.engine import Engine, Row, plain_generate_step, speculative_generate_step
+from specdec_cli.engine import Engine, Row, speculative_generate_step
+from specdec_cli.plain import plain_generate_step
 from specdec_cli.processors import Constraint, Grammar, Penalties, grammar_text, make_processors
 from specdec_cli.sampling import SamplingParams, log_probs
 from specdec_cli.session import Request

@@ -591,15 +591,15 @@ def test_a_run_of_no_tokens_has_no_speedup_in_json(models):
     assert report["generated_tokens"] == 0 and report["compare"]["identical"]
     assert report["compare"]["speedup"] is None  # the text line says "no speedup measurable"
     # Whichever side generated nothing (a divergence can leave one side empty), or took no time: null, not 0.0.
-    from specdec_cli.compare import Comparison
+    from specdec_cli.compare import Comparison, comparison_dict
     from specdec_cli.stats import Stats
 
     some = Stats(generated=5, decode_s=0.5)
     for specdec, plain in ((Stats(generated=0, decode_s=0.5), some), (some, Stats(generated=0, decode_s=0.5)),
                            (Stats(generated=5, decode_s=0.0), some)):
         cmp = Comparison(identical=True, tokens=plain.generated, divergence=None, plain=plain)
-        assert commands._comparison_dict(cmp, specdec, loaded.tokenizer)["speedup"] is None
-    assert commands._comparison_dict(Comparison(True, 5, None, some), some, loaded.tokenizer)["speedup"] == 1.0
+        assert comparison_dict(cmp, specdec, loaded.tokenizer)["speedup"] is None
+    assert comparison_dict(Comparison(True, 5, None, some), some, loaded.tokenizer)["speedup"] == 1.0
 
 
 def test_chat_template_config_and_prefill_response(models, tmp_path):

@@ -24,7 +24,8 @@ import pytest
 import specdec_cli.engine as engine
 from specdec_cli.caches import ModelCache
 from specdec_cli.drafters import LookupDrafter, ModelDrafter
-from specdec_cli.engine import plain_generate_step, speculative_generate_step
+from specdec_cli.engine import speculative_generate_step
+from specdec_cli.plain import plain_generate_step
 from specdec_cli.sampling import SamplingParams, log_probs
 from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
 

@@ -1,6 +1,6 @@
 """Every number has one definition."""
 
-from specdec_cli.engine import Block, PhaseTimes
+from specdec_cli.blocks import Block, PhaseTimes
 from specdec_cli.stats import Stats
 
 

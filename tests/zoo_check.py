@@ -111,7 +111,8 @@ def check_one(name: str, max_tokens: int) -> dict:
 
     from specdec_cli.caches import ModelCache
     from specdec_cli.drafters import ModelDrafter
-    from specdec_cli.engine import plain_generate_step, speculative_generate_step
+    from specdec_cli.engine import speculative_generate_step
+    from specdec_cli.plain import plain_generate_step
     from specdec_cli.errors import UnsupportedModelError
     from specdec_cli.synthetic import build_model, perturb
     from zoo_configs import ZOO

@@ -19,10 +19,10 @@ import json
 import uuid
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from ..session.reply import Piece
-from .protocol import ApiError, ChatRequest
+from .protocol import ApiError, ChatRequest, StrictModel
 
 # Anthropic's error type for each HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -56,12 +56,7 @@ def from_openai_error(status: int, body: bytes) -> bytes:
 # --- requests ------------------------------------------------------------------------
 
 
-class _Model(BaseModel):
-    # As protocol's models: strict types; fields this server does not know are kept (and ignored).
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class Block(_Model):
+class Block(StrictModel):
     """A content block: ``text``, ``tool_use``, ``tool_result``, ``thinking``, ... (read by ``type``)."""
 
     type: str
@@ -74,12 +69,12 @@ class Block(_Model):
     is_error: Optional[bool] = None
 
 
-class Message(_Model):
+class Message(StrictModel):
     role: Literal["user", "assistant", "system"]
     content: Union[str, list[Block]]
 
 
-class Tool(_Model):
+class Tool(StrictModel):
     """A client tool (``name``, ``description``, ``input_schema``); server tools carry a versioned ``type``."""
 
     name: str
@@ -88,18 +83,18 @@ class Tool(_Model):
     input_schema: Optional[dict[str, Any]] = None
 
 
-class ToolChoice(_Model):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class Thinking(_Model):
+class Thinking(StrictModel):
     type: str
     budget_tokens: Optional[int] = None
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(StrictModel):
     """``POST /v1/messages/count_tokens``: what the prompt is made of."""
 
     model: str

@@ -55,7 +55,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # Strict types (no "10" for 10, no true for 1); unknown fields are kept and looked at.
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -94,24 +94,24 @@ def _finite(default=None, **bounds):
     return Field(default=default, allow_inf_nan=False, **bounds)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: str
     text: Optional[str] = None
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     # OpenAI sends the arguments as a JSON string; some clients send the object itself.
     arguments: Union[str, dict[str, Any]] = "{}"
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     function: FunctionCall
     id: Optional[str] = None
     type: Optional[str] = "function"
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
@@ -119,11 +119,11 @@ class Message(_Strict):
     tool_call_id: Optional[str] = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     """Fields chat and text completions share."""
 
     model: Optional[str] = None

@@ -18,11 +18,11 @@ import json
 import uuid
 from typing import Any, Callable, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from ..session.reply import Piece
 from . import protocol
-from .protocol import ApiError, ChatRequest
+from .protocol import ApiError, ChatRequest, StrictModel
 
 # Fields of ours (not OpenAI's) a request may add, passed on to the chat request as they are:
 # sampling extensions and the chat API's logits processors.
@@ -34,12 +34,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class _Model(BaseModel):
-    # As protocol's models: strict types; fields this server does not know are kept (and ignored).
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class Part(_Model):
+class Part(StrictModel):
     """A content part: ``input_text``, ``output_text``, ``refusal``, ``input_image``, ..."""
 
     type: str
@@ -47,7 +42,7 @@ class Part(_Model):
     refusal: Optional[str] = None
 
 
-class Item(_Model):
+class Item(StrictModel):
     """An input item: a message (``role``, ``content``), ``function_call``, ``function_call_output``, ..."""
 
     type: Optional[str] = None
@@ -59,7 +54,7 @@ class Item(_Model):
     output: Union[str, list[Part], None] = None
 
 
-class Tool(_Model):
+class Tool(StrictModel):
     """A tool as the Responses API writes it: flat (``type``, ``name``, ``description``, ``parameters``)."""
 
     type: str
@@ -68,7 +63,7 @@ class Tool(_Model):
     parameters: Optional[dict[str, Any]] = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(StrictModel):
     model: Optional[str] = None
     input: Union[str, list[Item]]
     instructions: Optional[str] = None

@@ -10,7 +10,6 @@ through it; ``chat`` and ``serve`` both read replies this way.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import uuid
@@ -20,6 +19,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
+from ..prompts import byte_level_bytes
 from ..runner import Step
 from ..stats import Stats
 from .generate import Request, Session
@@ -182,7 +182,7 @@ def token_bytes(tokenizer, token: int) -> bytes:
     detok = getattr(tokenizer, "_detokenizer", None)
     if isinstance(piece, str) and piece and not _is_special(hf, int(token)):
         if isinstance(detok, BPEStreamingDetokenizer):
-            table = _byte_table()
+            table = byte_level_bytes()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
         elif isinstance(detok, SPMStreamingDetokenizer):
@@ -198,21 +198,6 @@ def token_bytes(tokenizer, token: int) -> bytes:
 def _is_special(hf, token: int) -> bool:
     return token in set(getattr(hf, "all_special_ids", ()) or ()) or \
         token in getattr(hf, "added_tokens_decoder", {})
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_table() -> dict[str, int]:
-    """GPT-2's printable-unicode character -> byte table (byte-level BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def _tool_call(call: dict) -> dict:

@@ -16,19 +16,7 @@ from typing import Any, Optional
 
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from ..caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position
-
-
-def _tree(layers: list, leaves: list) -> list:
-    """``layers``' structure (CacheList nesting) with its leaves replaced, in order, by ``leaves``."""
-    it = iter(leaves)
-
-    def rebuild(c: Any) -> Any:
-        if isinstance(c, CacheList):
-            return CacheList(*[rebuild(x) for x in c.caches])
-        return next(it)
-
-    return [rebuild(c) for c in layers]
+from ..caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position, rebuild
 
 
 def _holds_keys_for(leaf: Any, length: int) -> bool:
@@ -109,7 +97,7 @@ class SavedCache:
         kept = iter(self.checkpoints[length]) if length < self.length and length in self.checkpoints else None
         leaves = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
                   for c in _leaves(self.layers)]
-        cache = ModelCache(model, _tree(self.layers, leaves))
+        cache = ModelCache(model, rebuild(self.layers, leaves))
         cache.length = length
         return cache
 
