@@ -61,6 +61,7 @@ class Row:
         rollback: Its recurrent rollback while it decodes alone (None: the engine's).
         drafted: Drafts verified so far.
         accepted: Drafts accepted so far.
+        blocks: Blocks (target forwards) it was in.
         processors: The row's logits processors (see :mod:`specdec_cli.processors`),
             the row's own state: drafts are cut to what they allow, each verify
             row's logits go through them in order, and they see every commit.
@@ -81,6 +82,7 @@ class Row:
     rollback: Optional[str] = None
     drafted: int = 0
     accepted: int = 0
+    blocks: int = 0
     processors: tuple = ()
     logprobs: Optional[int] = None
 
@@ -192,6 +194,15 @@ class Engine:
         self.rows.pop(b)
         return cache
 
+    def prepare(self) -> None:
+        """Whatever a batch needs measured before its first block (the planner's forward costs).
+
+        :meth:`step` does it itself; a caller that times blocks calls it first, so the measurement
+        (seconds) is in no block's time.
+        """
+        if self.planner is not None and len(self.rows) > 1:
+            self.planner.prepare()
+
     def close(self) -> None:
         """Leave every row's caches as plain decoding would (carried tokens fed)."""
         if self._solo is not None and self.rows:
@@ -224,6 +235,8 @@ class Engine:
         if any(r.finish is not None or r.room <= 0 for r in live):
             raise ValueError("remove the rows that ended before the next step")
         batch = self._batch is not None
+        if batch:
+            self.prepare()  # never inside a timed block
         cache = self._batch if batch else self._solo
         # A batch rolls recurrent layers back by capture; without it, its rows decode plainly.
         record = ("capture" if cache.recurrent and cache.can_record else None) if batch else \
@@ -311,6 +324,7 @@ class Engine:
             r.emitted += len(tokens)
             r.drafted += p.k
             r.accepted += n
+            r.blocks += 1
             for proc in r.processors:
                 proc.commit(committed[:n_keep])
             r.policy.observe(p.k, n, len(tokens), seconds)

@@ -245,14 +245,19 @@ class Scheduler:
             self._fail([flight], e)
 
     def _step(self) -> None:
-        start = time.perf_counter()
         try:
+            self.engine.prepare()  # a batch's first block measures forward costs: not the requests' time
+            start = time.perf_counter()
             blocks = self.engine.step()
         except Exception as e:
             # The engine restored every row to its state before the block; the requests cannot go on.
             self._fail([f for f in self._flights if f.row is not None], e)
             return
         seconds = time.perf_counter() - start
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("block: %d rows x %d tokens in %.0f ms, %d committed", len(blocks),
+                      max(b.verify_len for _, b in blocks), 1000 * seconds,
+                      sum(len(b.tokens) for _, b in blocks))
         for row, block in blocks:
             flight = next(f for f in self._flights if f.row is row)
             piece = flight.reply.take(Step(block, seconds))

@@ -312,7 +312,8 @@ class Opening:
                        processors=make_processors(request, setup.tokenizer, self.ids), logprobs=request.logprobs)
         self.parts: list = []
         self.prefilled: Optional[Prefilled] = None
-        self._start = time.perf_counter()
+        # Seconds spent prefilling this request (not the blocks of other rows run between its chunks).
+        self._seconds = 0.0
         self._chunks = self.cache.prefill_chunks(
             self.ids[self.cached:-1], setup.options.prefill_step_size, tap if self.drafter is not None else None,
             self.parts, seconds=session.prefill_seconds, stops=[m - self.cached for m in
@@ -326,6 +327,13 @@ class Opening:
         """Prefill one more chunk; True once the row can be admitted (then nothing more to do)."""
         if self.prefilled is not None:
             return True
+        start = time.perf_counter()
+        try:
+            return self._step(start)
+        finally:
+            self._seconds += time.perf_counter() - start
+
+    def _step(self, start: float) -> bool:
         if next(self._chunks, None) is not None:
             return False
         setup, cache = self.session.setup, self.cache
@@ -347,8 +355,8 @@ class Opening:
                 choice = self.session._choices[k_max + 1] = choose_rollback(
                     opts.rollback, cache, k_max + 1, opts.rollback_memory_cap_bytes)
             self.row.rollback = "carry" if choice.strategy == "trim" else choice.strategy
-        self.prefilled = Prefilled(len(self.ids), time.perf_counter() - self._start, choice, tuple(cache.chunks),
-                                   self.cached, tuple(cache.marks))
+        self.prefilled = Prefilled(len(self.ids), self._seconds + time.perf_counter() - start, choice,
+                                   tuple(cache.chunks), self.cached, tuple(cache.marks))
         return True
 
     def close(self) -> None:
