@@ -28,6 +28,7 @@ from ..runner import Step
 from ..session import Session
 from ..session.batch import measure_costs
 from ..session.generate import Opening
+from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
 
 log = logging.getLogger("specdec.serve")
@@ -104,6 +105,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="specdec-generation", daemon=True)
         self._stopping = threading.Event()
         self._flights: list[_Flight] = []
+        # A request taken from the queue that waits for memory (rows to finish) before it is opened.
+        self._held: Optional[tuple[Job, Reply]] = None
         self.engine: Optional[Engine] = None
         self._tap: Optional[HiddenTap] = None
 
@@ -114,8 +117,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Requests queued, not yet started."""
-        return self._jobs.qsize()
+        """Requests queued, not yet started (one held for memory included)."""
+        return self._jobs.qsize() + (self._held is not None)
 
     @property
     def running(self) -> int:
@@ -143,6 +146,10 @@ class Scheduler:
     def stop(self, timeout: float = 1.5) -> None:
         """Cancel every job (each gets a :class:`Busy` failure) and end the thread (waits up to ``timeout`` s)."""
         self._stopping.set()
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].cancel()
+            held[0].send(Failed(Busy("the server is shutting down")))
         for flight in list(self._flights):
             flight.job.cancel()
             flight.job.send(Failed(Busy("the server is shutting down")))
@@ -198,23 +205,50 @@ class Scheduler:
         return BatchPlanner(measure)
 
     def _take_jobs(self) -> bool:
-        """Start waiting jobs while rows are free; wait for one when nothing runs. False: stop."""
+        """Start waiting jobs while rows and memory are free; wait for one when nothing runs. False: stop."""
         while len(self._flights) < self.max_rows:
-            try:
-                job = self._jobs.get(block=not self._flights)
-            except queue.Empty:
-                return True
-            if job is None or self._stopping.is_set():
-                return False
+            if self._held is not None:
+                job, reply = self._held
+                self._held = None
+            else:
+                try:
+                    job = self._jobs.get(block=not self._flights)
+                except queue.Empty:
+                    return True
+                if job is None or self._stopping.is_set():
+                    return False
+                reply = None
             if job.cancelled.is_set():
                 log.info("skipped a queued request whose client went away")
                 continue
-            self._open(job)
+            try:
+                reply = reply or job.make()
+            except Exception as e:  # the HTTP side decides what the client sees
+                job.send(Failed(e))
+                continue
+            if not self._fits(reply):
+                self._held = (job, reply)  # its turn comes when rows have finished
+                return True
+            self._open(job, reply)
         return True
 
-    def _open(self, job: Job) -> None:
+    def _fits(self, reply: Reply) -> bool:
+        """Whether the rows in flight and this one fit the device's memory (each alone was checked when it came).
+
+        A batch holds every row at the longest row's length, so the check is for that many tokens per row.
+        """
+        if not self._flights:
+            return True
+        requests = [f.reply.request for f in self._flights] + [reply.request]
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
         try:
-            reply = job.make()
+            self.session.setup.check_memory(longest * len(requests))
+        except MemoryLimitError:
+            return False
+        return True
+
+    def _open(self, job: Job, reply: Reply) -> None:
+        try:
             opening = self.session.open(reply.request, self._tap)
         except BaseException as e:  # the HTTP side decides what the client sees
             job.send(Failed(e))

@@ -1,0 +1,93 @@
+"""The server's scheduler in this process: requests decoded together, each answer its request's alone, and a
+request admitted only when the batch it joins fits the device's memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec_cli.serve.scheduler import Done, Failed, Job, Scheduler
+from specdec_cli.session import ModelOptions, Request, Session, load_setup
+from specdec_cli.session.reply import Reply, TextStream
+from specdec_cli.session.setup import MemoryLimitError
+from specdec_cli.synthetic import make_model_dir
+
+PROMPTS = [list(b"The quick brown fox jumps over the lazy dog, twice: the quick brown fox."),
+           list(b"abc abc abc abc abc abc"), list(b"Hello there, how are you?")]
+N = 30
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_model_dir(tmp_path_factory.mktemp("sched") / "llama", "llama", seed=0)
+    return load_setup(ModelOptions(model=str(path), dtype="float32"), "lookup")
+
+
+def alone(setup, prompt) -> list[int]:
+    reply = Reply(Session(setup, 8), Request(prompt, N), TextStream(setup.tokenizer, chat=False))
+    list(reply)
+    return reply.tokens
+
+
+def serve(scheduler: Scheduler, session: Session, prompts) -> list[tuple[list[int], list]]:
+    """Submit every prompt at once; returns each request's tokens and the order events came in."""
+    loop = asyncio.new_event_loop()
+    events: list = []
+
+    async def run() -> list:
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            def make(prompt=prompt):
+                return Reply(session, Request(prompt, N), TextStream(session.setup.tokenizer, chat=False))
+
+            job = Job(make, loop)
+            scheduler.submit(job)
+            jobs.append(job)
+
+        async def collect(i: int, job: Job) -> list[int]:
+            while True:
+                item = await asyncio.wait_for(job.out.get(), 120)
+                events.append((i, type(item).__name__))
+                if isinstance(item, Failed):
+                    raise item.error
+                if isinstance(item, Done):
+                    return item.reply.tokens
+
+        return await asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs)))
+
+    scheduler.start()
+    try:
+        return loop.run_until_complete(run()), events
+    finally:
+        scheduler.stop()
+        loop.close()
+
+
+def test_requests_decoded_together_each_get_their_own_answer(setup):
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=4)
+    got, events = serve(scheduler, session, PROMPTS)
+    assert got == [alone(setup, p) for p in PROMPTS]
+    # Interleaved: a request's text came before another one had finished.
+    done = [i for i, kind in events if kind == "Done"]
+    assert any(kind == "Piece" and i != done[0] for i, kind in events[: events.index((done[0], "Done"))])
+
+
+def test_a_request_waits_until_the_batch_it_would_join_fits_in_memory(setup, monkeypatch):
+    session = Session(setup, 8)
+    one = len(PROMPTS[0]) + N  # the longest request's tokens: one fits, two together do not
+    real = setup.check_memory
+
+    def check(tokens: int):
+        if tokens > one:
+            raise MemoryLimitError("too much")
+        return real(tokens)
+
+    monkeypatch.setattr(setup, "check_memory", check)
+    scheduler = Scheduler(session, max_rows=4)
+    got, events = serve(scheduler, session, PROMPTS[:2])
+    assert got == [alone(setup, p) for p in PROMPTS[:2]]
+    # The second request produced nothing before the first was done.
+    first_done = events.index((0, "Done"))
+    assert all(i == 0 for i, _ in events[:first_done])
