@@ -186,10 +186,12 @@ def workload(port: int, requests: list, clients: int) -> dict:
             "texts": [a["text"] for a in out]}
 
 
-def concurrency(ports: dict, levels: list[int]) -> dict:
+def concurrency(ports: dict, levels: list[int], workloads: list[str]) -> dict:
     """Each workload at each level, each server in turn; texts held against concurrency 1's."""
     results: dict = {}
     for name, requests in (("mixed", MIXED), ("open", OPENS)):
+        if name not in workloads:
+            continue
         alone: dict = {}
         for level in levels:
             row: dict = {}
@@ -223,6 +225,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--concurrency", default=None, help="e.g. 1,2,4,8: clients sending a workload at once")
+    ap.add_argument("--workloads", default="mixed,open", help="which workloads --concurrency sends")
     ap.add_argument("--decode-concurrency", type=int, default=8,
                     help="Both servers' --decode-concurrency in the --concurrency runs (mlx_lm.server's default "
                          "is 32; it only matters up to the number of clients)")
@@ -260,7 +263,7 @@ def main() -> None:
             ask(ports[name], [{"role": "user", "content": "Hello"}], 8)
         if levels:
             results["decode_concurrency"] = args.decode_concurrency
-            results["workloads"] = concurrency(ports, levels)
+            results["workloads"] = concurrency(ports, levels, args.workloads.split(","))
         else:
             single(ports, results, args.repeats)
     finally:

@@ -48,6 +48,9 @@ _SLOW_FORWARD_S = 0.25
 MEASURE_BUDGET_S = 3.0
 # How much one block's time moves a cell of the table.
 _LEARN = 0.2
+# A wider block must promise this much more than a plain one (W = 1) to be chosen: near the
+# boundary the estimates' noise decides, and plain batched decoding is the floor to keep.
+MARGIN = 0.05
 
 
 class CostTable:
@@ -190,7 +193,7 @@ class BatchPlanner:
         trust = [self._trust(p.row) for p in pending]
         curves = [[1.0 + t * (e - 1.0) for e in c] for c, t in zip(raw, trust)]
         curves = [[e / c[-1] for e in c] for c in curves]  # the share of the row's best progress
-        best_w, best = 1, sum(c[0] for c in curves) / self.costs.cost(rows, 1)
+        best_w, best = 1, (1.0 + MARGIN) * sum(c[0] for c in curves) / self.costs.cost(rows, 1)
         for w in range(2, max(ks, default=0) + 2):
             value = sum(c[min(k, w - 1)] for c, k in zip(curves, ks)) / self.costs.cost(rows, w)
             if value > best:

@@ -246,10 +246,12 @@ def test_the_planner_drafts_nothing_when_nothing_is_accepted_and_wide_when_all_i
     assert planner.trim(cold) == 1 and all(p.draft.size == 0 for p in cold)
     hot = [_Pending(8, 0.95) for _ in range(4)]
     assert planner.trim(hot) == 9 and all(p.draft.size == 8 for p in hot)
-    # Half the rows copy: a wider block is worth the share of their progress it gives them.
-    half = [_Pending(16, 0.9) for _ in range(2)] + [_Pending(0, 0.0) for _ in range(2)]
-    width = planner.trim(half)
-    assert 1 < width < 17 and half[0].draft.size == width - 1 and half[0].draft.host == tuple(range(width - 1))
+    # Half the rows copy: where wider forwards cost little (a GPU's flatter curve), a wider block is worth
+    # the share of their progress it gives them, until it costs the others more.
+    flat = BatchPlanner(lambda: CostTable({(b, w): b * (60 + 2 * w) for b in (1, 4) for w in (1, 2, 4, 8, 16, 32)}))
+    half = [_Pending(30, 0.9) for _ in range(2)] + [_Pending(0, 0.0) for _ in range(2)]
+    width = flat.trim(half)
+    assert 1 < width < 31 and half[0].draft.size == width - 1 and half[0].draft.host == tuple(range(width - 1))
     # One row that copies, three that draft nothing: the three would wait for every wider block.
     one = [_Pending(16, 0.8)] + [_Pending(0, 0.0) for _ in range(3)]
     assert planner.trim(one) == 1 and one[0].draft.size == 0
