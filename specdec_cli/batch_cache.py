@@ -206,6 +206,16 @@ def _add_arrays(batch: ArraysCache, leaf: ArraysCache, rows: int) -> None:
         batch.cache[i] = mx.concatenate([have, new])
 
 
+def _with_row(now: Optional[mx.array], then: Optional[mx.array], pick: mx.array) -> Optional[mx.array]:
+    """``now`` with the rows where ``pick`` is true taken from ``then`` (None stands for zeros)."""
+    if now is None and then is None:
+        return None
+    like = now if now is not None else then
+    now = mx.zeros_like(like) if now is None else now
+    then = mx.zeros_like(like) if then is None else then
+    return mx.where(pick.reshape(-1, *([1] * (like.ndim - 1))), then, now)
+
+
 @dataclass(frozen=True)
 class BatchSnapshot:
     """A batch's state at one point: each row's length, and the recurrent arrays (references)."""
@@ -343,6 +353,18 @@ class BatchCache:
         for leaf, arrays in zip(self._recurrent, snap.states):
             leaf.cache = list(arrays)
         self.lengths = list(snap.lengths)
+        self._recorded = None
+
+    def restore_row(self, b: int, snap: BatchSnapshot) -> None:
+        """Row ``b`` back to ``snap`` (taken since the rows last changed); the other rows stay as they are."""
+        self.lengths[b] = snap.lengths[b]
+        for leaf in self._attention:
+            leaf.set_lengths(self.lengths)
+        if self._recurrent:
+            pick = mx.arange(self.rows) == b
+            for leaf, arrays in zip(self._recurrent, snap.states):
+                # New arrays (never in place): other snapshots hold references to these.
+                leaf.cache = [_with_row(now, then, pick) for now, then in zip(leaf.cache, arrays)]
         self._recorded = None
 
     def state_arrays(self) -> list[mx.array]:

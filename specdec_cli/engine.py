@@ -23,6 +23,7 @@ from .batch_cache import BatchCache
 from .blocks import Block, PhaseTimes, cut_committed
 from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
+from .drafters.model_batch import DraftBatch
 from .hooks import Hidden, HiddenTap
 from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
@@ -148,6 +149,8 @@ class Engine:
         self.rows: list[Row] = []
         self._solo: Optional[ModelCache] = None
         self._batch: Optional[BatchCache] = None
+        # Draft models drafting for several rows at once, one per draft model (while rows share a batch).
+        self._drafting: dict[int, DraftBatch] = {}
 
     # -- rows in and out -------------------------------------------------------------------------
 
@@ -175,10 +178,24 @@ class Engine:
             if self._solo is not None:
                 self._flush(self.rows[0], self._solo)
                 self._batch, self._solo = BatchCache(self.model, self._solo), None
+                self._draft_together(self.rows[0])
             self._flush(row, cache)
             self._batch.add(cache)
+            self._draft_together(row)
         self.rows.append(row)
         return row
+
+    def _draft_together(self, row: Row) -> None:
+        if DraftBatch.fits(row.drafter):
+            model = row.drafter.cache.model
+            self._drafting.setdefault(id(model), DraftBatch(model)).join(row.drafter)
+
+    def _draft_alone(self, row: Row) -> None:
+        group = getattr(row.drafter, "batch", None)
+        if isinstance(group, DraftBatch):
+            group.leave(row.drafter)
+            if not group.members:
+                del self._drafting[id(group.model)]
 
     def remove(self, row: Row) -> ModelCache:
         """Take a row out; returns its target caches as a single row's (the engine's invariant holds)."""
@@ -189,8 +206,10 @@ class Engine:
         else:
             cache = self._batch.row(b)
             self._batch.keep_rows([i for i in range(len(self.rows)) if i != b])
+            self._draft_alone(row)
             if len(self.rows) == 2:
                 self._solo, self._batch = self._batch.row(0), None
+                self._draft_alone(self.rows[1 - b])
         self.rows.pop(b)
         return cache
 
@@ -248,14 +267,26 @@ class Engine:
         extra_syncs = 0
         try:
             t0 = time.perf_counter()
+            asks: dict[int, list] = {}
             for r in live:
                 # With a seed, draws are keyed by the generated position: row i of this block is token emitted + i.
                 params = r.sampling.at(r.emitted)
                 k = min(r.policy.next_k(), r.room - 1) if speculate and r.drafter is not None else 0
-                draft = r.drafter.propose(r.last, k, params) if r.drafter is not None else no_draft()
+                group = getattr(r.drafter, "batch", None)
+                if isinstance(group, DraftBatch):
+                    asks.setdefault(id(group), [group]).append((r.drafter, r.last, k, params))
+                    draft = None  # drafted below, with the other rows of its draft model
+                else:
+                    draft = r.drafter.propose(r.last, k, params) if r.drafter is not None else no_draft()
                 pending.append(_Pending(r, draft, params, mx.array([], dtype=mx.uint32), r.carry.shape[0]))
-                if r.processors:
-                    extra_syncs += _allowed(pending[-1])
+            for group, *group_asks in asks.values():
+                drafts = iter(group.propose(group_asks))
+                for p in pending:
+                    if p.draft is None and p.row.drafter.batch is group:
+                        p.draft = next(drafts)
+            for p in pending:
+                if p.row.processors:
+                    extra_syncs += _allowed(p)
             if batch and self.planner is not None:
                 self.planner.trim(pending)
             syncs = sum(p.draft.syncs for p in pending) + extra_syncs

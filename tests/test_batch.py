@@ -51,7 +51,7 @@ def drafter_for(kind: str, family: str, dtype: str, prompt):
     return d
 
 
-def run_batch(model, rows: list[dict], join_at: dict[int, int] = (), leave_at: dict[int, int] = ()):
+def run_batch(model, rows: list[dict], join_at: dict[int, int] = (), leave_at: dict[int, int] = (), watch=None):
     """Decode rows together; ``join_at[i]``: row i joins after that many blocks; ``leave_at[i]``: it leaves then.
 
     Returns each row's tokens, and the caches each left with.
@@ -65,7 +65,7 @@ def run_batch(model, rows: list[dict], join_at: dict[int, int] = (), leave_at: d
         prompt = spec["prompt"]
         row = Row(prompt[-1], spec.get("drafter"), spec.get("policy", FixedLength(spec.get("k", 3))),
                   spec.get("sampling", SamplingParams()), frozenset(spec.get("eos", ())), spec.get("max", GEN), tag=i)
-        made[i] = engine.admit(row, prefilled(model, prompt))
+        made[i] = spec["row"] = engine.admit(row, prefilled(model, prompt))
         out[i] = []
 
     for i in range(len(rows)):
@@ -75,8 +75,11 @@ def run_batch(model, rows: list[dict], join_at: dict[int, int] = (), leave_at: d
         for i in range(len(rows)):
             if i not in made and join_at.get(i, 0) <= step:
                 admit(i)
+        seen = watch() if watch else None
         for row, block in engine.step():
             out[row.tag] += block.tokens
+        if watch:
+            watch(len(engine.rows), seen)
         step += 1
         for row in list(engine.rows):
             if row.finish is not None or row.room <= 0 or leave_at.get(row.tag) == step:
@@ -119,6 +122,112 @@ def test_rows_join_and_leave_mid_run(family):
         else:
             assert out == ref
         assert_cache_is_directly_built(model, p, out, cache, dtype)
+
+
+def count_forwards(monkeypatch, model) -> list[int]:
+    """Notes the row count of every forward of ``model`` through a one-row or a batch cache."""
+    rows: list[int] = []
+    solo, batch = ModelCache._forward, BatchCache.feed
+
+    def solo_forward(self, tokens, mode):
+        if self.model is model:
+            rows.append(1)
+        return solo(self, tokens, mode)
+
+    def batch_feed(self, tokens, record=None):
+        if self.model is model:
+            rows.append(tokens.shape[0])
+        return batch(self, tokens, record)
+
+    monkeypatch.setattr(ModelCache, "_forward", solo_forward)
+    monkeypatch.setattr(BatchCache, "feed", batch_feed)
+    return rows
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_rows_sharing_a_draft_model_draft_in_one_forward_and_as_they_would_alone(family, dtype, monkeypatch):
+    """One draft model for four rows (one joins late): each draft step is one forward of every row, each
+    row's text is plain decoding's, its drafts are the ones it makes alone, and its drafter's cache, back
+    on its own, is a directly built one."""
+    model = target(family, dtype)
+    draft = noisy_drafter(family, dtype)
+    ks = [3, 5, 2, 1]
+
+    def rows():
+        out = []
+        for p, k in zip(PROMPTS, ks):
+            d = ModelDrafter(draft)
+            d.prefill(p[:-1])
+            out.append({"prompt": p, "drafter": d, "k": k})
+        return out
+
+    alone = [rows()[i] for i in range(len(PROMPTS))]
+    for spec in alone:
+        run_batch(model, [spec])
+    forwards = count_forwards(monkeypatch, draft)
+    together = rows()
+    steps = []
+
+    def watch(rows=None, seen=None):
+        if rows is None:
+            return len(forwards)
+        steps.append((rows, forwards[seen:]))
+
+    got, _ = run_batch(model, together, join_at={3: 2}, watch=watch)
+    # While rows share the batch, each draft step is one forward of all of them.
+    shared = [(n, forwards) for n, forwards in steps if n > 1]
+    assert {n for n, _ in shared} >= {3, 4}
+    assert all(f and set(f) == {n} and len(f) <= max(ks) for n, f in shared), shared
+    for p, out, a, t in zip(PROMPTS, got, alone, together):
+        assert out == plain_tokens(model, p)[0]
+        d = t["drafter"]
+        assert d.batch is None and d.cache is not None
+        direct = fed(draft, (p + out)[: d.cache.length], prompt_len=len(p) - 1)
+        assert max_cache_diff(d.cache, direct) <= (0.0 if kernels_agree(dtype) else 1e-3)
+        if kernels_agree(dtype):
+            # The batched draft forward gives each row the tokens its own forward gives: the same accepts.
+            assert (t["row"].drafted, t["row"].accepted) == (a["row"].drafted, a["row"].accepted)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("at", [2, 5])
+def test_an_interrupt_inside_a_batched_draft_leaves_every_row_as_it_was(family, at, monkeypatch):
+    """Ctrl-C in a draft forward of several rows (the first step, or a later one): every row and drafter back
+    to its state before the block; going on gives plain decoding's text and directly built drafter caches."""
+    model, draft = target(family, "float32"), noisy_drafter(family, "float32")
+    forwards = count_forwards(monkeypatch, draft)
+    feed = BatchCache.feed
+    fired = []
+
+    def interrupted(self, tokens, record=None):
+        if self.model is draft and len(forwards) == at and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return feed(self, tokens, record)
+
+    monkeypatch.setattr(BatchCache, "feed", interrupted)
+    engine = Engine(model, rollback="capture")
+    rows, drafters = [], []
+    for p, k in zip(PROMPTS[:3], [4, 2, 3]):
+        d = ModelDrafter(draft)
+        d.prefill(p[:-1])
+        drafters.append(d)
+        rows.append(engine.admit(Row(p[-1], d, FixedLength(k), max_tokens=GEN, tag=p), prefilled(model, p)))
+    out = {id(r): [] for r in rows}
+    forwards.clear()  # count from the first block
+    while engine.rows:
+        try:
+            for r, b in engine.step():
+                out[id(r)] += b.tokens
+        except KeyboardInterrupt:
+            continue  # the same block again
+        for r in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+            engine.remove(r)
+    assert fired
+    for r, d in zip(rows, drafters):
+        p = r.tag
+        assert out[id(r)] == plain_tokens(model, p)[0]
+        assert max_cache_diff(d.cache, fed(draft, (p + out[id(r)])[: d.cache.length], prompt_len=len(p) - 1)) == 0.0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -74,6 +74,27 @@ def test_requests_decoded_together_each_get_their_own_answer(setup):
     assert any(kind == "Piece" and i != done[0] for i, kind in events[: events.index((done[0], "Done"))])
 
 
+def test_requests_with_a_draft_model_draft_together_and_each_get_their_own_answer(tmp_path, monkeypatch):
+    """With a draft model, the rows of a batch draft in one forward of the draft model per draft step."""
+    from specdec_cli.drafters.model_batch import DraftBatch
+
+    target = make_model_dir(tmp_path / "target", "llama", seed=0)
+    draft = make_model_dir(tmp_path / "draft", "llama", seed=1)
+    setup = load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "model")
+    rows = []
+    propose = DraftBatch.propose
+
+    def noted(self, asks):
+        rows.append(len(asks))
+        return propose(self, asks)
+
+    monkeypatch.setattr(DraftBatch, "propose", noted)
+    session = Session(setup, 4)
+    got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
+    assert got == [alone(setup, p) for p in PROMPTS]
+    assert max(rows) == len(PROMPTS)
+
+
 def test_a_request_waits_until_the_batch_it_would_join_fits_in_memory(setup, monkeypatch):
     session = Session(setup, 8)
     one = len(PROMPTS[0]) + N  # the longest request's tokens: one fits, two together do not

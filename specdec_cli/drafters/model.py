@@ -51,6 +51,8 @@ class ModelDrafter:
         # stopped early, so it may be missing.
         self._after: list[Snapshot] = []
         self._drafts: list[mx.array] = []
+        # While its row shares a batch: the DraftBatch that drafts for it (its cache is a row there).
+        self.batch = None
 
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, hidden=None) -> None:
         """Feed the prompt (all but its last token); caches resumed from a prompt cache already hold a prefix."""
@@ -66,6 +68,8 @@ class ModelDrafter:
 
     def propose(self, last: int | mx.array, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft up to ``k`` tokens after ``last``."""
+        if self.batch is not None:
+            raise RuntimeError("this drafter drafts in its batch (DraftBatch.propose)")
         # Restores go back up to k - 1 drafts plus the pending tokens below the
         # last draft forward's start: sliding-window layers must keep that reach.
         self.cache.ensure_reach(k + len(self._pending) + 1)
@@ -102,7 +106,7 @@ class ModelDrafter:
         if not self._after:
             return  # nothing was fed: `last` is still pending
         if n < len(self._after):
-            self.cache.restore(self._after[n])
+            self._restore(self._after[n])
         else:
             # Bonus bookkeeping: the drafter never saw its last draft.
             self._pending = [self._drafts[n - 1]]
@@ -110,7 +114,13 @@ class ModelDrafter:
     def cancel(self) -> None:
         """Undo the last ``propose``."""
         if self._start is not None:
-            self.cache.restore(self._start)
+            self._restore(self._start)
             self._pending = self._saved_pending
             self._start = None
         self._drafts, self._after = [], []
+
+    def _restore(self, snap) -> None:
+        if self.batch is not None:
+            self.batch.restore(self, snap)
+        else:
+            self.cache.restore(snap)

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""A draft model in a batch: one forward per draft step for every row, against one forward per row and step.
+
+Four prompts decoded together by the engine (``Engine``: one target forward per block for all rows), greedy,
+a fixed draft length, the bundled SmolLM2-135M-Instruct as the target (float32 on a CPU, the system OpenBLAS
+preloaded as ``specdec`` does). Two draft models, each loaded apart from the target:
+
+- ``self``: the bundled model itself (every draft accepted: the draft model's cost at its largest);
+- ``first-N``: its first N decoder layers (a cheap, often wrong drafter).
+
+For each, side by side and alternately (``--repeats`` times after one untimed run of each): the rows'
+drafters drafting together (``DraftBatch``: max(k) forwards of 4 rows per block) and each alone (sum(k)
+forwards of one row), aggregate decode tok/s (prefill excluded), the medians' ratio, and whether every
+row's text is the same both ways.
+
+Usage: python scripts/bench_batch_draft.py [--repeats 3] [--k 4] [--out bench-results/batch-draft.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specdec_cli import blas  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "List five tips for learning a new language, with one sentence each.",
+    "What are the main differences between a lake and a pond?",
+]
+
+
+def reexec_with_openblas() -> None:
+    if sys.platform != "linux" or os.environ.get("SPECDEC_BENCH_CHILD"):
+        return
+    library = blas.find_system_openblas()
+    if library:
+        env = dict(os.environ, LD_PRELOAD=str(library), SPECDEC_BENCH_CHILD="1")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
+    """Decode ``prompts`` as one batch; returns aggregate decode tok/s, each row's tokens, and acceptance."""
+    import mlx.core as mx
+
+    from specdec_cli.adaptive import FixedLength
+    from specdec_cli.caches import ModelCache
+    from specdec_cli.drafters import ModelDrafter
+    from specdec_cli.drafters.model_batch import DraftBatch
+    from specdec_cli.engine import Engine, Row
+
+    fits = DraftBatch.fits
+    if not together:
+        DraftBatch.fits = staticmethod(lambda drafter: False)
+    try:
+        engine = Engine(target, rollback="capture")
+        rows, out = [], {}
+        for i, ids in enumerate(prompts):
+            cache = ModelCache(target)
+            cache.prefill(ids[:-1])
+            d = ModelDrafter(draft)
+            d.prefill(ids[:-1])
+            mx.eval(cache.state_arrays(), d.cache.state_arrays())
+            rows.append(engine.admit(Row(ids[-1], d, FixedLength(k), max_tokens=max_tokens, tag=i), cache))
+            out[i] = []
+        t0 = time.perf_counter()
+        while engine.rows:
+            for r, b in engine.step():
+                out[r.tag] += b.tokens
+            for r in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+                engine.remove(r)
+        seconds = time.perf_counter() - t0
+    finally:
+        DraftBatch.fits = fits
+    drafted = sum(r.drafted for r in rows)
+    accepted = sum(r.accepted for r in rows)
+    return sum(map(len, out.values())) / seconds, [out[i] for i in range(len(prompts))], accepted / max(drafted, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the first-N draft model")
+    parser.add_argument("--out", default="bench-results/batch-draft.json")
+    args = parser.parse_args()
+    reexec_with_openblas()
+
+    from specdec_cli import bundled
+    from specdec_cli.loading import load as load_files, resolve_dtype
+
+    def load(path):
+        return load_files(path, resolve_dtype("auto"))
+
+    target = load(str(bundled.model_dir()))
+    tok = target.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    cut = load(str(bundled.model_dir())).model
+    cut.model.layers = cut.model.layers[: args.layers]
+    drafts = {"self": load(str(bundled.model_dir())).model, f"first-{args.layers}": cut}
+
+    results = {}
+    for name, draft in drafts.items():
+        runs = {"together": [], "alone": []}
+        texts = {}
+        for rep in range(args.repeats + 1):
+            for mode in ("together", "alone"):
+                tps, tokens, acc = run(target.model, draft, prompts, args.k, args.max_tokens, mode == "together")
+                texts[mode], results_acc = tokens, acc
+                if rep:
+                    runs[mode].append(tps)
+        together, alone = statistics.median(runs["together"]), statistics.median(runs["alone"])
+        results[name] = {"together_tok_s": round(together, 2), "alone_tok_s": round(alone, 2),
+                         "ratio": round(together / alone, 3), "runs": runs, "acceptance": round(results_acc, 3),
+                         "texts_equal": texts["together"] == texts["alone"]}
+        print(f"{name:>9}: drafting together {together:6.1f} tok/s, alone {alone:6.1f} tok/s -> "
+              f"{together / alone:.2f}x (acceptance {results_acc:.0%}, texts equal: {results[name]['texts_equal']})")
+    meta = {"machine": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "blas": os.environ.get("LD_PRELOAD") or "bundled reference BLAS", "rows": len(PROMPTS), "k": args.k,
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "model": "bundled SmolLM2-135M-Instruct"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
