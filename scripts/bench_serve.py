@@ -28,8 +28,16 @@ the whole workload / its wall time), mean and worst request latency, mean
 time to first token, and whether every text equals the same request served
 alone (at concurrency 1). Results go to ``bench-results/serve-concurrency.json``.
 
+With ``--dialects`` it runs ``specdec serve`` alone and sends the edit request
+through the three APIs it speaks, alternating, non-streamed: chat completions,
+Anthropic's ``/v1/messages`` and OpenAI's ``/v1/responses``. Per API: wall time
+and decode tok/s (the server's own ``timings.predicted_per_second``), medians,
+each against chat completions, and whether the three texts are identical.
+Results go to ``bench-results/serve-dialects.json``.
+
 Usage: python scripts/bench_serve.py [--repeats 3] [--out bench-results/serve.json]
        python scripts/bench_serve.py --concurrency 1,2,4,8 [--decode-concurrency 8]
+       python scripts/bench_serve.py --dialects [--repeats 5]
 """
 
 from __future__ import annotations
@@ -226,12 +234,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--concurrency", default=None, help="e.g. 1,2,4,8: clients sending a workload at once")
     ap.add_argument("--workloads", default="mixed,open", help="which workloads --concurrency sends")
+    ap.add_argument("--dialects", action="store_true",
+                    help="the edit request through chat completions, /v1/messages and /v1/responses (specdec only)")
     ap.add_argument("--decode-concurrency", type=int, default=8,
                     help="Both servers' --decode-concurrency in the --concurrency runs (mlx_lm.server's default "
                          "is 32; it only matters up to the number of clients)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else None
-    args.out = args.out or str(ROOT / "bench-results" / ("serve-concurrency.json" if levels else "serve.json"))
+    name = "serve-dialects.json" if args.dialects else "serve-concurrency.json" if levels else "serve.json"
+    args.out = args.out or str(ROOT / "bench-results" / name)
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -247,21 +258,23 @@ def main() -> None:
 
     ports = {"mlx_lm": free_port(), "specdec": free_port()}
     batch = ["--decode-concurrency", str(args.decode_concurrency)] if levels else []
-    procs = {
+    procs = {} if args.dialects else {
         "mlx_lm": start([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32), "--port",
                          str(ports["mlx_lm"]), *batch], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
         # The same files for both: the bundled 4-bit weights dequantized in-process round differently
         # from mlx_lm.convert's, which changes near-tie tokens.
-        "specdec": start([sys.executable, "-m", "specdec_cli", "serve", "--model", str(f32), "--port",
-                          str(ports["specdec"]), *batch], ports["specdec"], env, work / "specdec.log"),
     }
+    procs["specdec"] = start([sys.executable, "-m", "specdec_cli", "serve", "--model", str(f32), "--port",
+                              str(ports["specdec"]), *batch], ports["specdec"], env, work / "specdec.log")
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
                      "blas": str(library) if library else "bundled reference BLAS", "repeats": args.repeats,
                      "requests": {}}
     try:
-        for name in ("mlx_lm", "specdec"):  # untimed warm-up of each server
+        for name in procs:  # untimed warm-up of each server
             ask(ports[name], [{"role": "user", "content": "Hello"}], 8)
-        if levels:
+        if args.dialects:
+            results["dialects"] = dialects(ports["specdec"], args.repeats)
+        elif levels:
             results["decode_concurrency"] = args.decode_concurrency
             results["workloads"] = concurrency(ports, levels, args.workloads.split(","))
         else:
@@ -272,6 +285,51 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
+
+
+def ask_dialect(port: int, api: str, prompt: str, max_tokens: int) -> dict:
+    """One non-streamed request through ``api``: its text, wall time and the server's timings."""
+    if api == "chat":
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                              "max_tokens": max_tokens}
+    elif api == "messages":
+        path, body = "/v1/messages", {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    else:
+        path, body = "/v1/responses", {"input": prompt, "max_output_tokens": max_tokens}
+    body.update(model="default_model", temperature=0.0)
+    t0 = time.perf_counter()
+    r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=600)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    out = r.json()
+    if api == "chat":
+        text = out["choices"][0]["message"]["content"]
+    elif api == "messages":
+        text = "".join(b["text"] for b in out["content"] if b["type"] == "text")
+    else:
+        text = "".join(c["text"] for item in out["output"] if item["type"] == "message"
+                       for c in item["content"] if c["type"] == "output_text")
+    return {"text": text, "wall_s": wall, "decode_tps": out["timings"]["predicted_per_second"]}
+
+
+def dialects(port: int, repeats: int) -> dict:
+    """The edit request through each API, alternating: medians, ratios to chat completions, texts compared."""
+    prompt, max_tokens = KINDS["edit"]
+    apis = ("chat", "messages", "responses")
+    runs = {api: [] for api in apis}
+    for _ in range(repeats):
+        for api in apis:
+            runs[api].append(ask_dialect(port, api, prompt, max_tokens))
+    out = {api: {"wall_s": median(r["wall_s"] for r in rs), "decode_tps": median(r["decode_tps"] for r in rs),
+                 "runs": [{k: r[k] for k in ("wall_s", "decode_tps")} for r in rs]} for api, rs in runs.items()}
+    texts = {r["text"] for rs in runs.values() for r in rs}
+    out["identical"] = len(texts) == 1
+    for api in apis:
+        out[api]["decode_ratio_to_chat"] = out[api]["decode_tps"] / out["chat"]["decode_tps"]
+        print(f"{api:9s} decode {out[api]['decode_tps']:6.1f} tok/s ({out[api]['decode_ratio_to_chat']:.2f}x chat "
+              f"completions), wall {out[api]['wall_s']:.2f} s", flush=True)
+    print(f"identical texts: {out['identical']}", flush=True)
+    return out
 
 
 def single(ports: dict, results: dict, repeats: int) -> None:

@@ -565,6 +565,8 @@ class ModelCache:
             # A stop ends this chunk early; the schedule goes on from there.
             cut = min(size, pending[0] - start) if pending else size
             t0 = time.perf_counter()
+            if tap is not None:
+                tap.clear()  # rows other forwards left (a server's blocks between chunks) are not this prompt's
             self._forward(ids[start : start + cut], "off")
             self.length += cut
             extra = []

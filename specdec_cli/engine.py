@@ -24,6 +24,7 @@ from .blocks import Block, PhaseTimes, cut_committed
 from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
 from .drafters.model_batch import DraftBatch
+from .drafters.mtp_batch import MTPBatch
 from .hooks import Hidden, HiddenTap
 from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
@@ -36,6 +37,8 @@ ROLLBACKS = ("reforward", "carry", "capture", "tape")
 # Carried tokens beyond this are re-fed at once: the next verify would grow
 # with every consecutive partial accept.
 MAX_CARRY = 8
+# Drafters that draft several rows in one forward while their rows share a batch.
+GROUPS = (DraftBatch, MTPBatch)
 # How far the engine restores the target below the start offset of its latest
 # forward: plain decoding's queued step (the speculative loop itself only cuts
 # back to the snapshot taken right before its verify forward).
@@ -149,8 +152,8 @@ class Engine:
         self.rows: list[Row] = []
         self._solo: Optional[ModelCache] = None
         self._batch: Optional[BatchCache] = None
-        # Draft models drafting for several rows at once, one per draft model (while rows share a batch).
-        self._drafting: dict[int, DraftBatch] = {}
+        # Drafters drafting for several rows at once, one group per draft model or head (while rows share a batch).
+        self._drafting: dict[int, Any] = {}
 
     # -- rows in and out -------------------------------------------------------------------------
 
@@ -186,14 +189,18 @@ class Engine:
         return row
 
     def _draft_together(self, row: Row) -> None:
-        if DraftBatch.fits(row.drafter):
-            model = row.drafter.cache.model
-            self._drafting.setdefault(id(model), DraftBatch(model)).join(row.drafter)
+        drafter = _inner(row.drafter)
+        for kind in GROUPS:
+            if kind.fits(drafter):
+                key = kind.key(drafter)
+                self._drafting.setdefault(id(key), kind(key)).join(drafter)
+                return
 
     def _draft_alone(self, row: Row) -> None:
-        group = getattr(row.drafter, "batch", None)
-        if isinstance(group, DraftBatch):
-            group.leave(row.drafter)
+        drafter = _inner(row.drafter)
+        group = _group(drafter)
+        if group is not None:
+            group.leave(drafter)
             if not group.members:
                 del self._drafting[id(group.model)]
 
@@ -272,17 +279,17 @@ class Engine:
                 # With a seed, draws are keyed by the generated position: row i of this block is token emitted + i.
                 params = r.sampling.at(r.emitted)
                 k = min(r.policy.next_k(), r.room - 1) if speculate and r.drafter is not None else 0
-                group = getattr(r.drafter, "batch", None)
-                if isinstance(group, DraftBatch):
-                    asks.setdefault(id(group), [group]).append((r.drafter, r.last, k, params))
-                    draft = None  # drafted below, with the other rows of its draft model
+                group = _group(_inner(r.drafter))
+                if group is not None:
+                    asks.setdefault(id(group), [group]).append((_inner(r.drafter), r.last, k, params))
+                    draft = None  # drafted below, with the other rows of its draft model or head
                 else:
                     draft = r.drafter.propose(r.last, k, params) if r.drafter is not None else no_draft()
                 pending.append(_Pending(r, draft, params, mx.array([], dtype=mx.uint32), r.carry.shape[0]))
             for group, *group_asks in asks.values():
                 drafts = iter(group.propose(group_asks))
                 for p in pending:
-                    if p.draft is None and p.row.drafter.batch is group:
+                    if p.draft is None and _group(_inner(p.row.drafter)) is group:
                         p.draft = next(drafts)
             for p in pending:
                 if p.row.processors:
@@ -295,6 +302,8 @@ class Engine:
                 syncs += 1
             t1 = time.perf_counter()
             snap = cache.snapshot()
+            if self.tap is not None:
+                self.tap.clear()  # only the verify's own rows (measuring, warming or prefilling forwards record too)
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
             position = None if batch else cache.length
@@ -445,6 +454,17 @@ class Engine:
             drafter.accept(n_keep - 1, hidden)
         else:
             drafter.accept(n_keep - 1)
+
+
+def _inner(drafter: Any) -> Any:
+    """The drafter behind a pass-through wrapper (one that names it ``wrapped``)."""
+    return getattr(drafter, "wrapped", drafter)
+
+
+def _group(drafter: Any) -> Any:
+    """The group drafting for ``drafter``'s row, or None when it drafts alone."""
+    group = getattr(drafter, "batch", None)
+    return group if isinstance(group, GROUPS) else None
 
 
 def _allowed(p: _Pending) -> int:

@@ -404,33 +404,99 @@ def test_rows_equal_their_prompts_alone_with_the_planner_cutting_drafts(family):
 
 # --- drafters that read the target's hidden states, in a batch ------------------------------------------
 
-def test_mtp_heads_draft_each_row_from_its_own_hidden_states():
-    """Each row's MTP head reads its own rows of the batched verify's hidden states: each text is plain's."""
+def _mtp_run(model, head, parts, specs, monkeypatch=None, interrupt_at=None):
+    """Rows with MTP drafters of one head (``specs``: prompt, k, joins after n blocks); returns rows, drafters,
+    each row's tokens and the row counts of every head forward in blocks where rows shared the batch."""
+    from specdec_cli.drafters.mtp import MTPDrafter
+    from specdec_cli.hooks import Hidden, HiddenTap
+
+    drafters = [MTPDrafter(head, parts) for _ in specs]
+    shapes, shared, fired = [], [], []
+    if monkeypatch is not None:
+        call = type(head).__call__
+
+        def counted(self, embeds, hidden, cache, mask=None):
+            if self is head:
+                batched = sum(1 for n in shapes if n > 1)
+                if embeds.shape[0] > 1 and batched == interrupt_at and not fired:
+                    fired.append(True)
+                    raise KeyboardInterrupt
+                shapes.append(embeds.shape[0])
+            return call(self, embeds, hidden, cache, mask)
+
+        monkeypatch.setattr(type(head), "__call__", counted)
+    with HiddenTap(model, drafters[0].taps) as tap:
+        engine = Engine(model, rollback="capture", tap=tap)
+        rows, out, step = {}, {}, 0
+        while engine.rows or len(rows) < len(specs):
+            for i, (p, k, join) in enumerate(specs):
+                if i not in rows and join <= step:
+                    cache = ModelCache(model)
+                    drafters[i].prefill(p[:-1], 16, Hidden.concat(cache.prefill(p[:-1], 16, tap)))
+                    rows[i] = engine.admit(Row(p[-1], drafters[i], FixedLength(k), max_tokens=GEN, tag=i), cache)
+                    out[i] = []
+            seen = len(shapes)
+            try:
+                blocks = engine.step()
+            except KeyboardInterrupt:
+                continue  # the same block again
+            if len(engine.rows) > 1:
+                shared.append((len(engine.rows), shapes[seen:]))
+            for row, block in blocks:
+                out[row.tag] += block.tokens
+            for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+                engine.remove(row)
+            step += 1
+    return [rows[i] for i in range(len(specs))], drafters, [out[i] for i in range(len(specs))], shared, fired
+
+
+def _head_keys(drafter):
+    c = drafter.cache[0]
+    return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+
+
+def test_mtp_heads_of_one_head_draft_every_row_in_one_forward(monkeypatch):
+    """Rows with MTP drafters of one head (different draft lengths, one drafting nothing, one joining late):
+    each head forward carries every row, each row reads its own rows of the batched verify's hidden states,
+    its text is plain decoding's, and its drafts and head cache are the ones it gets alone."""
     from mtp_fixtures import fitted_head
     from mtp_fixtures import target as mtp_target
 
     from specdec_cli.drafters.mtp import MTPDrafter
-    from specdec_cli.hooks import Hidden, HiddenTap, target_parts
+    from specdec_cli.hooks import target_parts
+
+    # A row that drafts nothing feeds its waiting pairs after 4 blocks (the batch's first forward does it).
+    monkeypatch.setattr(MTPDrafter, "MAX_PENDING", 4)
+    model = mtp_target("qwen3_5")
+    parts, head = target_parts(model), fitted_head("qwen3_5")
+    specs = [(PROMPTS[0], 3, 0), (PROMPTS[1], 5, 0), (PROMPTS[2], 0, 0), (PROMPTS[3], 2, 2)]
+    rows, drafters, got, shared, _ = _mtp_run(model, head, parts, specs, monkeypatch)
+    assert sum(r.accepted for r in rows) > 0
+    assert {n for n, _ in shared} >= {3, 4}
+    assert all(f and set(f) == {n} and len(f) <= 5 for n, f in shared), shared
+    for (p, k, _), r, d, out in zip(specs, rows, drafters, got):
+        assert out == plain_tokens(model, p)[0]
+        assert d.batch is None and d.cache is not None
+        [alone], [own], _, _, _ = _mtp_run(model, head, parts, [(p, k, 0)])
+        if kernels_agree("float32"):
+            assert (r.drafted, r.accepted) == (alone.drafted, alone.accepted)
+            for x, y in zip(_head_keys(d), _head_keys(own)):
+                assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+def test_an_interrupt_inside_a_batched_mtp_draft_leaves_every_row_as_it_was(monkeypatch):
+    from mtp_fixtures import fitted_head
+    from mtp_fixtures import target as mtp_target
+
+    from specdec_cli.hooks import target_parts
 
     model = mtp_target("qwen3_5")
     parts, head = target_parts(model), fitted_head("qwen3_5")
-    drafters = [MTPDrafter(head, parts) for _ in PROMPTS]
-    with HiddenTap(model, drafters[0].taps) as tap:
-        engine = Engine(model, rollback="capture", tap=tap)
-        rows = []
-        for p, d in zip(PROMPTS, drafters):
-            cache = ModelCache(model)
-            d.prefill(p[:-1], 16, Hidden.concat(cache.prefill(p[:-1], 16, tap)))
-            rows.append(engine.admit(Row(p[-1], d, FixedLength(3), max_tokens=GEN, tag=p), cache))
-        out = {id(r): [] for r in rows}
-        while engine.rows:
-            for row, block in engine.step():
-                out[id(row)] += block.tokens
-            for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
-                engine.remove(row)
-    assert sum(r.accepted for r in rows) > 0
-    for r in rows:
-        assert out[id(r)] == plain_tokens(model, r.tag)[0]
+    specs = [(PROMPTS[0], 3, 0), (PROMPTS[1], 4, 0), (PROMPTS[3], 2, 0)]
+    rows, _, got, _, fired = _mtp_run(model, head, parts, specs, monkeypatch, interrupt_at=5)
+    assert fired
+    for (p, _, _), out in zip(specs, got):
+        assert out == plain_tokens(model, p)[0]
 
 
 def test_a_row_count_measured_narrow_only_grows_as_its_neighbours_do():

@@ -95,6 +95,32 @@ def test_requests_with_a_draft_model_draft_together_and_each_get_their_own_answe
     assert max(rows) == len(PROMPTS)
 
 
+def test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache(tmp_path, monkeypatch):
+    """An MTP head behind the prompt cache's hidden-state log: rows of one batch draft in one head forward per
+    step, each answer is its request's alone, and a request sent again answers the same from the cache."""
+    from mtp_fixtures import fitted_head, hf_checkpoint
+
+    from specdec_cli.drafters.mtp_batch import MTPBatch
+    from specdec_cli.session.prompt_cache import PromptCache
+
+    path = hf_checkpoint(tmp_path / "qwen3_5", "qwen3_5", fitted_head("qwen3_5"))
+    setup = load_setup(ModelOptions(model=str(path), dtype="float32"), "mtp")
+    rows = []
+    propose = MTPBatch.propose
+
+    def noted(self, asks):
+        rows.append(len(asks))
+        return propose(self, asks)
+
+    monkeypatch.setattr(MTPBatch, "propose", noted)
+    session = Session(setup, 4, prompt_cache=PromptCache())
+    want = [alone(setup, p) for p in PROMPTS]
+    got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
+    assert got == want and max(rows) >= 2  # the first request may end before the last one has prefilled
+    again, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
+    assert again == want
+
+
 def test_a_request_waits_until_the_batch_it_would_join_fits_in_memory(setup, monkeypatch):
     session = Session(setup, 8)
     one = len(PROMPTS[0]) + N  # the longest request's tokens: one fits, two together do not

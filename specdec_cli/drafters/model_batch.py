@@ -43,6 +43,10 @@ class DraftBatch:
         cache = drafter.cache
         return not cache.recurrent or cache.can_record
 
+    @staticmethod
+    def key(drafter: ModelDrafter) -> Any:
+        return drafter.cache.model
+
     def join(self, drafter: ModelDrafter) -> None:
         """Move ``drafter``'s cache in as the last row (its state is unchanged)."""
         if self.cache is None:

@@ -334,12 +334,17 @@ class MTPDrafter:
         self._exact = 0  # cache offset after the pairs built from target states
         self._drafts: list[mx.array] = []
         self._saved: Optional[tuple] = None
+        # While its row shares a batch: the MTPBatch that drafts for it (its cache is a row there).
+        self.batch = None
 
     @property
     def offset(self) -> int:
-        return self.cache[0].offset
+        return self.cache[0].offset if self.batch is None else self.batch.offset(self)
 
     def _trim_to(self, offset: int) -> None:
+        if self.batch is not None:
+            self.batch.trim(self, offset)
+            return
         for c in self.cache:
             c.trim(c.offset - offset)
 
@@ -366,18 +371,11 @@ class MTPDrafter:
 
     def propose(self, last: int | mx.array, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft up to ``k`` tokens after ``last``."""
-        self._saved = (self.offset, list(self._rows), list(self._tokens), self._skip_next)
-        self._drafts = []
-        if self._skip_next:
-            self._skip_next = False
-        else:
-            self._tokens.append(as_tokens(last))
-        if k == 0 or not self._tokens:
+        if self.batch is not None:
+            raise RuntimeError("this drafter drafts in its batch (MTPBatch.propose)")
+        if not self._begin(last, k):
             return no_draft()
-        rows, tokens = mx.concatenate(self._rows), mx.concatenate(self._tokens)
-        if rows.shape[0] != tokens.shape[0]:
-            raise RuntimeError(f"MTP bookkeeping: {rows.shape[0]} hidden rows for {tokens.shape[0]} tokens")
-        self._rows, self._tokens = [], []
+        rows, tokens = self._pairs()
         out = self._feed(rows, tokens)[-1:]
         self._exact = self.offset
         logprobs, syncs = [], 0
@@ -385,14 +383,7 @@ class MTPDrafter:
             if i:
                 out = self._feed(out, self._drafts[-1])
             logits = self._logits(out)
-            if params.keyed and self._ids is not None:
-                # Keyed draws read the noise by target token id: draw over the target's vocabulary.
-                lp = self._full(log_probs(logits, params))
-                x = keyed_pick(lp, params, offset=i)
-            else:
-                x, lp = draw(logits, params, offset=i)
-                if self._ids is not None:
-                    x, lp = self._to_target(x, lp)
+            x, lp = self._pick(logits, params, i)
             if self.p_min > 0:
                 top = top_probability(logits, lp)
                 syncs += 1
@@ -404,6 +395,35 @@ class MTPDrafter:
         if not self._drafts:
             return Draft(mx.array([], dtype=mx.uint32), None, syncs)
         return Draft(mx.concatenate(self._drafts), mx.concatenate(logprobs) if logprobs else None, syncs)
+
+    def _begin(self, last: int | mx.array, k: int) -> bool:
+        """A block's bookkeeping before its forwards; False: nothing to draft (``last`` waits with the rest)."""
+        self._saved = (self.offset, list(self._rows), list(self._tokens), self._skip_next)
+        self._drafts = []
+        if self._skip_next:
+            self._skip_next = False
+        else:
+            self._tokens.append(as_tokens(last))
+        return k > 0 and bool(self._tokens)
+
+    def _pairs(self) -> tuple[mx.array, mx.array]:
+        """Every pair waiting to be fed (hidden rows, their next tokens), taken out of the queue."""
+        rows, tokens = mx.concatenate(self._rows), mx.concatenate(self._tokens)
+        if rows.shape[0] != tokens.shape[0]:
+            raise RuntimeError(f"MTP bookkeeping: {rows.shape[0]} hidden rows for {tokens.shape[0]} tokens")
+        self._rows, self._tokens = [], []
+        return rows, tokens
+
+    def _pick(self, logits: mx.array, params: SamplingParams, i: int) -> tuple[mx.array, Optional[mx.array]]:
+        """Draft ``i``'s token (a target id) and its log q over the target's vocabulary (None when greedy)."""
+        if params.keyed and self._ids is not None:
+            # Keyed draws read the noise by target token id: draw over the target's vocabulary.
+            lp = self._full(log_probs(logits, params))
+            return keyed_pick(lp, params, offset=i), lp
+        x, lp = draw(logits, params, offset=i)
+        if self._ids is not None:
+            x, lp = self._to_target(x, lp)
+        return x, lp
 
     def _to_target(self, x: mx.array, lp: Optional[mx.array]) -> tuple[mx.array, Optional[mx.array]]:
         """Draft-vocabulary indices -> target token ids; log q over the target's vocabulary (-inf elsewhere)."""
@@ -426,8 +446,9 @@ class MTPDrafter:
         self._rows.append(hidden.final)
         self._tokens += self._drafts[:n]
         self._drafts = []
-        if len(self._tokens) >= self.MAX_PENDING:
-            # A long stretch without drafting: feed what is known, keep the last row waiting.
+        if len(self._tokens) >= self.MAX_PENDING and self.batch is None:
+            # A long stretch without drafting: feed what is known, keep the last row waiting
+            # (in a batch, the next block's first forward feeds it).
             rows = mx.concatenate(self._rows)
             self._feed(rows[:-1], mx.concatenate(self._tokens))
             self._rows, self._tokens = [rows[-1:]], []

@@ -88,6 +88,10 @@ class _HiddenLog:
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
+    @property
+    def wrapped(self):
+        return self.drafter
+
     def prefill(self, tokens, step_size, hidden=None):
         self.parts.append(hidden if hidden is not None else Hidden())
         self.drafter.prefill(tokens, step_size, hidden)

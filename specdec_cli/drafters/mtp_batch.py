@@ -1,0 +1,164 @@
+"""One MTP head drafting for several rows: one head forward per draft step for all of them.
+
+While the engine decodes rows together, their :class:`MTPDrafter`-s that share
+a head join an :class:`MTPBatch`: the head's attention caches become rows of
+a :class:`~specdec_cli.batch_cache.RowsKVCache` (each row at its own length,
+its own RoPE positions and mask), and a block feeds every row's waiting pairs
+(the target's hidden rows with their next tokens) in one forward, then
+chains ``max(k) - 1`` forwards of every row on the head's own outputs. Each
+drafter keeps its own queue of pairs and its own drafts; ``accept`` and
+``cancel`` stay its own calls and move only its row back (O(1): a row's
+length). A row with nothing to draft this block is padding whose keys are
+never kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from ..batch_cache import RowsKVCache
+from ..sampling import SamplingParams
+from .base import Draft, no_draft
+from .mtp import MTPDrafter
+
+
+class MTPBatch:
+    """The rows of one MTP head's caches, drafted together.
+
+    Args:
+        head: The head its members share.
+    """
+
+    def __init__(self, head: Any):
+        self.model = head
+        self.members: list[MTPDrafter] = []
+        self.cache: Optional[list[RowsKVCache]] = None
+
+    @staticmethod
+    def fits(drafter: Any) -> bool:
+        """Whether ``drafter`` can draft in a batch (an MTP head without early stopping)."""
+        return type(drafter) is MTPDrafter and drafter.p_min <= 0 and drafter.batch is None
+
+    @staticmethod
+    def key(drafter: MTPDrafter) -> Any:
+        return drafter.head
+
+    def join(self, drafter: MTPDrafter) -> None:
+        """Move ``drafter``'s caches in as the last row (its state is unchanged)."""
+        if self.cache is None:
+            self.cache = [RowsKVCache() for _ in drafter.cache]
+        for rows, own in zip(self.cache, drafter.cache):
+            rows.add(own)
+        drafter.cache, drafter.batch = None, self
+        self.members.append(drafter)
+
+    def leave(self, drafter: MTPDrafter) -> None:
+        """Give ``drafter`` its row back as caches of its own (between blocks)."""
+        b = self.members.index(drafter)
+        drafter.cache, drafter.batch = [rows.row(b) for rows in self.cache], None
+        self.members.pop(b)
+        if self.members:
+            for rows in self.cache:
+                rows.keep_rows([i for i in range(len(self.members) + 1) if i != b])
+        else:
+            self.cache = None
+
+    def offset(self, drafter: MTPDrafter) -> int:
+        return self.cache[0].lengths[self.members.index(drafter)]
+
+    def trim(self, drafter: MTPDrafter, offset: int) -> None:
+        """``drafter``'s row back to ``offset`` positions."""
+        b = self.members.index(drafter)
+        for rows in self.cache:
+            lengths = list(rows.lengths)
+            lengths[b] = offset
+            rows.set_lengths(lengths)
+
+    def propose(self, asks: Sequence[tuple[MTPDrafter, Any, int, SamplingParams]]) -> list[Draft]:
+        """Draft for every member: ``asks`` is ``(drafter, last, k, params)`` each; returns their drafts in order.
+
+        Each drafter ends as its own ``propose`` would leave it, but for pairs
+        that waited past ``MAX_PENDING``: they are fed here (the drafter alone
+        feeds them at its ``accept``), the same pairs in the same order.
+        """
+        if sorted(map(id, (a[0] for a in asks))) != sorted(map(id, self.members)):
+            raise ValueError("a batch drafts for all its members at once")
+        start = list(self.cache[0].lengths)
+        try:
+            return self._draft(asks)
+        except BaseException:
+            for d, _, _, _ in asks:
+                d.cancel()
+            for rows in self.cache:
+                rows.set_lengths(start)
+            raise
+
+    def _forward(self, embeds: mx.array, hidden: mx.array, keep: list[int]) -> mx.array:
+        """One head forward of every row (``[B, T, H]`` inputs); row ``b`` keeps its first ``keep[b]`` positions."""
+        before = list(self.cache[0].lengths)
+        mask = self.cache[0].make_mask(embeds.shape[1])
+        out = self.model(embeds, hidden, self.cache, mask)
+        for rows in self.cache:
+            rows.set_lengths([n + k for n, k in zip(before, keep)])
+        return out
+
+    def _draft(self, asks) -> list[Draft]:
+        index = {id(d): b for b, d in enumerate(self.members)}
+        rows_n = len(self.members)
+        feeds = {}  # row -> (hidden rows, tokens) fed by the first forward
+        drafting = {}
+        for d, last, k, params in asks:
+            b = index[id(d)]
+            if d._begin(last, k):
+                feeds[b] = d._pairs()
+                drafting[b] = (d, k, params)
+            elif len(d._tokens) >= d.MAX_PENDING:
+                feeds[b] = d._pairs()  # a long stretch without drafting: feed what is known
+        out = {}
+        if feeds:
+            parts = next(iter(self.members)).parts
+            width = max(t.shape[0] for _, t in feeds.values())
+            H = next(iter(feeds.values()))[0].shape[-1]
+            dtype = next(iter(feeds.values()))[0].dtype
+            hidden = mx.zeros((rows_n, width, H), dtype)
+            tokens = mx.zeros((rows_n, width), dtype=mx.uint32)
+            keep = [0] * rows_n
+            for b, (h, t) in feeds.items():
+                keep[b] = t.shape[0]
+                hidden[b, : keep[b]] = h.astype(dtype)
+                tokens[b, : keep[b]] = t
+            o = self._forward(parts.embed(tokens), hidden, keep)
+            for b in feeds:
+                self.members[b]._exact = self.cache[0].lengths[b]
+                out[b] = o[b, keep[b] - 1 : keep[b]]
+        logprobs: dict[int, list] = {b: [] for b in drafting}
+        for i in range(max((k for _, k, _ in drafting.values()), default=0)):
+            stepping = {b: v for b, v in drafting.items() if v[1] > i}
+            if i:
+                width_h = next(iter(out.values())).shape[-1]
+                hidden = mx.zeros((rows_n, 1, width_h), next(iter(out.values())).dtype)
+                tokens = mx.zeros((rows_n, 1), dtype=mx.uint32)
+                keep = [0] * rows_n
+                for b, (d, _, _) in stepping.items():
+                    keep[b] = 1
+                    hidden[b] = out[b]
+                    tokens[b] = d._drafts[-1]
+                o = self._forward(self.members[0].parts.embed(tokens), hidden, keep)
+                for b in stepping:
+                    out[b] = o[b]
+            for b, (d, _, params) in stepping.items():
+                x, lp = d._pick(d._logits(out[b]), params, i)
+                d._drafts.append(x)
+                if lp is not None:
+                    logprobs[b].append(lp)
+        drafts = []
+        for d, _, _, _ in asks:
+            b = index[id(d)]
+            if b not in drafting or not d._drafts:
+                drafts.append(no_draft())
+                continue
+            lps = logprobs[b]
+            drafts.append(Draft(mx.concatenate(d._drafts), mx.concatenate(lps) if lps else None))
+        return drafts
