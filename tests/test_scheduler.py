@@ -121,6 +121,21 @@ def test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache(tmp_p
     assert again == want
 
 
+def test_requests_with_a_dflash_drafter_decode_together(tmp_path):
+    """DFlash reads the target's hidden states of every prompt token: rows prefilled between blocks get theirs."""
+    from helpers import TINY_CONFIGS
+    from test_dflash import dflash_config, save_dflash_dir
+
+    target = make_model_dir(tmp_path / "qwen3_5", "qwen3_5", seed=0)
+    cfg = dflash_config(TINY_CONFIGS["qwen3_5"], layers=2, block_size=6,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    draft = save_dflash_dir(tmp_path / "dflash", cfg, seed=3)
+    setup = load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "dflash")
+    session = Session(setup, 6)
+    got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
+    assert got == [alone(setup, p) for p in PROMPTS]
+
+
 def test_a_request_waits_until_the_batch_it_would_join_fits_in_memory(setup, monkeypatch):
     session = Session(setup, 8)
     one = len(PROMPTS[0]) + N  # the longest request's tokens: one fits, two together do not
