@@ -40,15 +40,6 @@ PROMPTS = [
 ]
 
 
-def reexec_with_openblas() -> None:
-    if sys.platform != "linux" or os.environ.get("SPECDEC_BENCH_CHILD"):
-        return
-    library = blas.find_system_openblas()
-    if library:
-        env = dict(os.environ, LD_PRELOAD=str(library), SPECDEC_BENCH_CHILD="1")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
     """Decode ``prompts`` as one batch; returns aggregate decode tok/s, each row's tokens, and acceptance."""
     import mlx.core as mx
@@ -95,7 +86,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the first-N draft model")
     parser.add_argument("--out", default="bench-results/batch-draft.json")
     args = parser.parse_args()
-    reexec_with_openblas()
+    blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
 
     from specdec_cli import bundled
     from specdec_cli.loading import load as load_files, resolve_dtype

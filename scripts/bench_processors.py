@@ -48,15 +48,6 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country"
 PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.2}
 
 
-def reexec_with_openblas() -> None:
-    if sys.platform != "linux" or os.environ.get("SPECDEC_BENCH_CHILD"):
-        return
-    library = blas.find_system_openblas()
-    if library:
-        env = dict(os.environ, LD_PRELOAD=str(library), SPECDEC_BENCH_CHILD="1")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def mask_costs(tokenizer, hf) -> dict:
     """Mask cost per token of each grammar engine on a JSON document valid against a schema."""
     import numpy as np
@@ -153,7 +144,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "processors.json"))
     args = ap.parse_args()
-    reexec_with_openblas()
+    blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
 
     from specdec_cli.processors import Constraint
     from specdec_cli.prompts import encode_prompt
