@@ -6,7 +6,8 @@ a fixed draft length, the bundled SmolLM2-135M-Instruct as the target (float32 o
 preloaded as ``specdec`` does). Two draft models, each loaded apart from the target:
 
 - ``self``: the bundled model itself (every draft accepted: the draft model's cost at its largest);
-- ``first-N``: its first N decoder layers (a cheap, often wrong drafter).
+- ``first-N``: its first N decoder layers (a cheap, often wrong drafter);
+- ``mtp``: the bundled MTP head (through the session layer, as ``generate --prompts-file`` runs it).
 
 For each, side by side and alternately (``--repeats`` times after one untimed run of each): the rows'
 drafters drafting together (``DraftBatch``: max(k) forwards of 4 rows per block) and each alone (sum(k)
@@ -78,6 +79,31 @@ def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tupl
     return sum(map(len, out.values())) / seconds, [out[i] for i in range(len(prompts))], accepted / max(drafted, 1)
 
 
+def run_mtp(session, prompts, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
+    """The same through the session layer with the bundled MTP head (``generate --prompts-file``'s path)."""
+    from specdec_cli import engine
+    from specdec_cli.runner import Step
+    from specdec_cli.session import Request
+    from specdec_cli.session.batch import BatchEnd, run_batch
+
+    groups = engine.GROUPS
+    if not together:
+        engine.GROUPS = ()
+    try:
+        out = {i: [] for i in range(len(prompts))}
+        drafted = accepted = 0
+        for ev in run_batch(session, [Request(p, max_tokens) for p in prompts], max_rows=len(prompts), planner=False):
+            if isinstance(ev, BatchEnd):
+                seconds = ev.decode_s
+            elif isinstance(ev.event, Step):
+                out[ev.index] += ev.event.block.tokens
+                drafted += ev.event.block.drafted
+                accepted += ev.event.block.accepted
+    finally:
+        engine.GROUPS = groups
+    return sum(map(len, out.values())) / seconds, [out[i] for i in range(len(prompts))], accepted / max(drafted, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -101,13 +127,23 @@ def main() -> None:
     cut.model.layers = cut.model.layers[: args.layers]
     drafts = {"self": load(str(bundled.model_dir())).model, f"first-{args.layers}": cut}
 
+    from specdec_cli.session import ModelOptions, Session, load_setup
+
+    session = Session(load_setup(ModelOptions(dtype="auto"), "mtp"), args.k + 1, adaptive=False)
+
+    def case(draft):
+        if draft == "mtp":
+            return lambda together: run_mtp(session, prompts, args.max_tokens, together)
+        return lambda together: run(target.model, draft, prompts, args.k, args.max_tokens, together)
+
+    drafts["mtp"] = "mtp"
     results = {}
     for name, draft in drafts.items():
         runs = {"together": [], "alone": []}
         texts = {}
         for rep in range(args.repeats + 1):
             for mode in ("together", "alone"):
-                tps, tokens, acc = run(target.model, draft, prompts, args.k, args.max_tokens, mode == "together")
+                tps, tokens, acc = case(draft)(mode == "together")
                 texts[mode], results_acc = tokens, acc
                 if rep:
                     runs[mode].append(tps)
