@@ -340,8 +340,11 @@ class BatchCache:
             if records is None or any(r is None or not r.states for r in records):
                 raise RuntimeError("settle needs the forward since the snapshot to be fed with record='capture'")
             for leaf, r, before in zip(self._recurrent, records, snap.states):
-                conv = [before[0][b : b + 1] if k == 0 else r.conv_state(k)[b : b + 1] for b, k in enumerate(keep)]
-                state = [before[1][b : b + 1] if k == 0 else r.state(k)[b : b + 1] for b, k in enumerate(keep)]
+                # A state not made yet (None) stands for zeros, as when rows are merged.
+                was = [mx.zeros_like(r.conv_state(1)) if before[0] is None else before[0],
+                       mx.zeros_like(r.state(1)) if before[1] is None else before[1]]
+                conv = [was[0][b : b + 1] if k == 0 else r.conv_state(k)[b : b + 1] for b, k in enumerate(keep)]
+                state = [was[1][b : b + 1] if k == 0 else r.state(k)[b : b + 1] for b, k in enumerate(keep)]
                 leaf.cache[0], leaf.cache[1] = mx.concatenate(conv), mx.concatenate(state)
         self._recorded = None
         self.lengths = lengths

@@ -25,6 +25,7 @@ from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
 from .drafters.model_batch import DraftBatch
 from .drafters.mtp_batch import MTPBatch
+from .errors import UnsupportedModelError
 from .hooks import Hidden, HiddenTap
 from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
@@ -154,6 +155,8 @@ class Engine:
         self._batch: Optional[BatchCache] = None
         # Drafters drafting for several rows at once, one group per draft model or head (while rows share a batch).
         self._drafting: dict[int, Any] = {}
+        # Whether each draft model or head can draft rows together (probed once).
+        self._draft_ok: dict[int, bool] = {}
 
     # -- rows in and out -------------------------------------------------------------------------
 
@@ -189,11 +192,22 @@ class Engine:
         return row
 
     def _draft_together(self, row: Row) -> None:
+        """Put the row's drafter in its group, where one can draft it; otherwise it drafts alone, as before."""
         drafter = _inner(row.drafter)
         for kind in GROUPS:
             if kind.fits(drafter):
                 key = kind.key(drafter)
-                self._drafting.setdefault(id(key), kind(key)).join(drafter)
+                if id(key) not in self._draft_ok:
+                    self._draft_ok[id(key)] = kind.problem(drafter) is None
+                if not self._draft_ok[id(key)]:
+                    return
+                group = self._drafting.setdefault(id(key), kind(key))
+                try:
+                    group.join(drafter)  # raises before it changes anything
+                except (UnsupportedModelError, ValueError):
+                    self._draft_ok[id(key)] = False
+                    if not group.members:
+                        del self._drafting[id(key)]
                 return
 
     def _draft_alone(self, row: Row) -> None:
@@ -344,7 +358,8 @@ class Engine:
             if not done:
                 # Interrupted mid-block: every row back to its state before it.
                 for p in pending:
-                    if p.row.drafter is not None:
+                    # A row whose group had not drafted yet has nothing to undo (its last snapshot is stale).
+                    if p.row.drafter is not None and p.draft is not None:
                         p.row.drafter.cancel()
                 if snap is not None:
                     cache.restore(snap)

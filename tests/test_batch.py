@@ -230,6 +230,74 @@ def test_an_interrupt_inside_a_batched_draft_leaves_every_row_as_it_was(family, 
         assert max_cache_diff(d.cache, fed(draft, (p + out[id(r)])[: d.cache.length], prompt_len=len(p) - 1)) == 0.0
 
 
+def test_an_interrupt_in_one_draft_models_group_leaves_the_others_rows_as_they_were(monkeypatch):
+    """Two draft models, two groups: Ctrl-C in the second group's forward, before the first's rows were
+    verified, leaves every row (those whose group had not drafted yet too) as it was."""
+    model = target("llama", "float32")
+    first, second = noisy_drafter("llama", "float32"), noisy_drafter("qwen3", "float32")
+    forwards = count_forwards(monkeypatch, second)
+    feed = BatchCache.feed
+    fired, armed = [], []  # armed once the rows are in (admitting probes the draft models)
+
+    def interrupted(self, tokens, record=None):
+        if self.model is second and armed and len(forwards) == 4 and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return feed(self, tokens, record)
+
+    monkeypatch.setattr(BatchCache, "feed", interrupted)
+    rows = [{"prompt": p, "drafter": ModelDrafter(m), "k": k}
+            for p, m, k in zip(PROMPTS, [second, first, second, first], [3, 2, 4, 3])]
+    for r in rows:
+        r["drafter"].prefill(r["prompt"][:-1])
+    engine = Engine(model, rollback="capture")
+    live = [engine.admit(Row(r["prompt"][-1], r["drafter"], FixedLength(r["k"]), max_tokens=GEN, tag=i),
+                         prefilled(model, r["prompt"])) for i, r in enumerate(rows)]
+    forwards.clear()
+    armed.append(True)
+    out = {r.tag: [] for r in live}
+    while engine.rows:
+        try:
+            for r, b in engine.step():
+                out[r.tag] += b.tokens
+        except KeyboardInterrupt:
+            continue
+        for r in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+            engine.remove(r)
+    assert fired
+    for i, r in enumerate(rows):
+        p, d = r["prompt"], r["drafter"]
+        assert out[i] == plain_tokens(model, p)[0]
+        assert max_cache_diff(d.cache, fed(d.cache.model, (p + out[i])[: d.cache.length],
+                                           prompt_len=len(p) - 1)) == 0.0
+
+
+def test_a_draft_model_that_cannot_draft_rows_together_drafts_each_alone(monkeypatch):
+    from specdec_cli.drafters.model_batch import DraftBatch
+
+    monkeypatch.setattr(DraftBatch, "problem", staticmethod(lambda drafter: "its forward fails on rows"))
+    model, draft = target("llama", "float32"), noisy_drafter("llama", "float32")
+    forwards = count_forwards(monkeypatch, draft)
+    rows = []
+    for p, k in zip(PROMPTS, [3, 2]):
+        d = ModelDrafter(draft)
+        d.prefill(p[:-1])
+        rows.append({"prompt": p, "drafter": d, "k": k})
+    forwards.clear()
+    got, _ = run_batch(model, rows)
+    assert set(forwards) == {1}
+    assert got == [plain_tokens(model, r["prompt"])[0] for r in rows]
+
+
+def test_a_recurrent_draft_model_with_no_state_yet_and_a_row_drafting_nothing():
+    """One-token prompts: the draft model's recurrent states are not made yet when the rows first draft."""
+    model, draft = target("qwen3_5", "float32"), noisy_drafter("qwen3_5", "float32")
+    prompts = [[5], [7], [9]]
+    rows = [{"prompt": p, "drafter": ModelDrafter(draft), "k": k} for p, k in zip(prompts, [2, 0, 3])]
+    got, _ = run_batch(model, rows)
+    assert got == [plain_tokens(model, p)[0] for p in prompts]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_end_on_eos_and_on_their_budget_in_the_same_block(family):
     dtype = "float32"

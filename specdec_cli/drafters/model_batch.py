@@ -17,7 +17,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from ..batch_cache import BatchCache, BatchSnapshot
+from ..batch_cache import BatchCache, BatchSnapshot, batch_problem
+from ..caches import ModelCache
 from ..sampling import SamplingParams, draw
 from .base import Draft, as_tokens, no_draft
 from .model import ModelDrafter
@@ -42,6 +43,12 @@ class DraftBatch:
             return False  # p-min reads each draft's probability: a host sync per row and step
         cache = drafter.cache
         return not cache.recurrent or cache.can_record
+
+    @staticmethod
+    def problem(drafter: ModelDrafter) -> Optional[str]:
+        """Why the draft model cannot draft rows together (its caches or its forward), or None."""
+        model = drafter.cache.model
+        return batch_problem(model, lambda: ModelCache(model))
 
     @staticmethod
     def key(drafter: ModelDrafter) -> Any:

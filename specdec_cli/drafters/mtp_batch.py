@@ -42,6 +42,11 @@ class MTPBatch:
         return type(drafter) is MTPDrafter and drafter.p_min <= 0 and drafter.batch is None
 
     @staticmethod
+    def problem(drafter: MTPDrafter) -> Optional[str]:
+        """None: the head is this project's own module, written for per-row positions and masks."""
+        return None
+
+    @staticmethod
     def key(drafter: MTPDrafter) -> Any:
         return drafter.head
 
