@@ -435,7 +435,7 @@ def test_ci_runs_readme_install_and_test_commands():
     # .ci/run names its virtualenv .venv-ci so that a developer's .venv is left alone.
     want = [c.replace(".venv", ".venv-ci") for c in _commands(block[:block.index("```")])]
     ci = _commands((ROOT / ".ci" / "run").read_text())
-    assert want[-1] == "python -m pytest -q" and ci[-1] == want[-1]
+    assert want[-1].startswith("python -m pytest -q") and ci[-1] == want[-1]
     at = [ci.index(c) if c in ci else None for c in want]
     assert None not in at and at == sorted(at), (want, ci)
     # The first-run install uses a virtualenv too (PEP 668 refuses pip outside one on
