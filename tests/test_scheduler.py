@@ -74,6 +74,19 @@ def test_requests_decoded_together_each_get_their_own_answer(setup):
     assert any(kind == "Piece" and i != done[0] for i, kind in events[: events.index((done[0], "Done"))])
 
 
+def group_sizes(monkeypatch, group) -> list[int]:
+    """Notes how many rows each propose of a drafter group (DraftBatch, MTPBatch) drafts for."""
+    rows: list[int] = []
+    propose = group.propose
+
+    def noted(self, asks):
+        rows.append(len(asks))
+        return propose(self, asks)
+
+    monkeypatch.setattr(group, "propose", noted)
+    return rows
+
+
 def test_requests_with_a_draft_model_draft_together_and_each_get_their_own_answer(tmp_path, monkeypatch):
     """With a draft model, the rows of a batch draft in one forward of the draft model per draft step."""
     from specdec_cli.drafters.model_batch import DraftBatch
@@ -81,14 +94,7 @@ def test_requests_with_a_draft_model_draft_together_and_each_get_their_own_answe
     target = make_model_dir(tmp_path / "target", "llama", seed=0)
     draft = make_model_dir(tmp_path / "draft", "llama", seed=1)
     setup = load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "model")
-    rows = []
-    propose = DraftBatch.propose
-
-    def noted(self, asks):
-        rows.append(len(asks))
-        return propose(self, asks)
-
-    monkeypatch.setattr(DraftBatch, "propose", noted)
+    rows = group_sizes(monkeypatch, DraftBatch)
     session = Session(setup, 4)
     got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
     assert got == [alone(setup, p) for p in PROMPTS]
@@ -105,14 +111,7 @@ def test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache(tmp_p
 
     path = hf_checkpoint(tmp_path / "qwen3_5", "qwen3_5", fitted_head("qwen3_5"))
     setup = load_setup(ModelOptions(model=str(path), dtype="float32"), "mtp")
-    rows = []
-    propose = MTPBatch.propose
-
-    def noted(self, asks):
-        rows.append(len(asks))
-        return propose(self, asks)
-
-    monkeypatch.setattr(MTPBatch, "propose", noted)
+    rows = group_sizes(monkeypatch, MTPBatch)
     session = Session(setup, 4, prompt_cache=PromptCache())
     want = [alone(setup, p) for p in PROMPTS]
     got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
