@@ -76,7 +76,8 @@ from specdec_cli.adaptive import AdaptiveLength, FixedLength, HybridLength, Matc
 from specdec_cli.caches import ModelCache, cache_kinds
 from specdec_cli import bundled
 from specdec_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
-from specdec_cli.drafters.mtp import MTPDrafter, load_head
+from specdec_cli.drafters.mtp import MTPDrafter
+from specdec_cli.drafters.mtp_io import load_head
 from specdec_cli.hooks import Hidden, HiddenTap, target_parts
 from specdec_cli.loading import read_config
 from specdec_cli.engine import MAX_CARRY

@@ -50,7 +50,8 @@ from mlx.utils import tree_flatten
 from specdec_cli.adaptive import FixedLength
 from specdec_cli.caches import ModelCache
 from specdec_cli.drafters.base import Draft
-from specdec_cli.drafters.mtp import MTPConfig, MTPDrafter, random_head
+from specdec_cli.drafters.mtp import MTPDrafter
+from specdec_cli.drafters.mtp_head import MTPConfig, random_head
 from specdec_cli.hooks import Hidden, HiddenTap, TapSpec, target_parts
 from specdec_cli.runner import collect, run
 from specdec_cli.sampling import GREEDY

@@ -41,7 +41,8 @@ from specdec_cli.distill.pipeline import DistillOptions, load_corpus, make_resul
 from specdec_cli.distill.train import Trainer, TrainConfig, frequent_tokens, head_config, windows
 from specdec_cli.distill_command import EVAL_PROMPTS
 from specdec_cli.drafters.history import tokenizer_fingerprint
-from specdec_cli.drafters.mtp import MTPHead, load_head
+from specdec_cli.drafters.mtp_head import MTPHead
+from specdec_cli.drafters.mtp_io import load_head
 from specdec_cli.hooks import target_parts
 from specdec_cli.loading import load, read_config
 from specdec_cli.runner import collect, run

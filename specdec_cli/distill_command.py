@@ -17,7 +17,7 @@ from .distill.data import Generated
 from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
                                model_key, write_head)
 from .distill.train import Step, TrainConfig
-from .drafters.mtp import SPECDEC_TYPE
+from .drafters.mtp_io import SPECDEC_TYPE
 from .errors import OptionError
 from .hooks import target_parts
 from .limits import gb

@@ -396,7 +396,7 @@ def read_config(path: Path) -> dict:
 
 def is_mtp_sidecar(path: Optional[Path]) -> bool:
     """Whether the directory ``path`` is an MTP-only folder (mlx-vlm's or specdec's)."""
-    from .drafters.mtp import is_sidecar
+    from .drafters.mtp_io import is_sidecar
 
     return path is not None and (path / "config.json").is_file() and is_sidecar(read_config(path))
 
@@ -412,12 +412,12 @@ def load_mtp(name: Optional[str], path: Optional[Path], target: Loaded, dtype: O
         dtype: Cast the head as the target was cast.
 
     Returns:
-        A :class:`~specdec_cli.drafters.mtp.LoadedHead`.
+        A :class:`~specdec_cli.drafters.mtp_io.LoadedHead`.
 
     Raises:
         UnsupportedModelError: No head, several MTP layers, or a head for another model.
     """
-    from .drafters.mtp import load_head
+    from .drafters.mtp_io import load_head
     from .hooks import target_parts
 
     path = target.path if name is None else (path or resolve(name))

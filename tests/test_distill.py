@@ -24,7 +24,9 @@ from specdec_cli.cli import app
 from specdec_cli.distill.data import read_source, seed_prompts, teacher_states
 from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
 from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
-from specdec_cli.drafters.mtp import MTPDrafter, MTPHead, build_head, embedding_probe, load_head, random_head
+from specdec_cli.drafters.mtp import MTPDrafter
+from specdec_cli.drafters.mtp_head import MTPHead, random_head
+from specdec_cli.drafters.mtp_io import build_head, embedding_probe, load_head
 from specdec_cli.errors import OptionError, UnsupportedModelError
 from specdec_cli.hooks import target_parts
 from specdec_cli.loading import read_config
@@ -468,7 +470,7 @@ def _generate(*args):
 
 def test_drafter_auto_says_what_it_picked(tmp_path, tiny_dir):
     t = trained(0)
-    from specdec_cli.drafters.mtp import save_head
+    from specdec_cli.drafters.mtp_io import save_head
 
     head = save_head(tmp_path / "head", t.head)
     draft = make_model_dir(tmp_path / "draft", "llama", seed=0, noise=0.05)
@@ -500,7 +502,7 @@ def test_text_ids_cut_long_texts_and_stop_at_the_goal():
 
 def test_drafter_auto_with_a_head_drafts_with_lookup_and_the_head(tmp_path, tiny_dir):
     t = trained(96)
-    from specdec_cli.drafters.mtp import save_head
+    from specdec_cli.drafters.mtp_io import save_head
 
     head = save_head(tmp_path / "head", t.head)
     prompt = "Copy: the quick brown fox jumps over the lazy dog. Again: the quick brown fox jumps"

@@ -42,15 +42,9 @@ from typer.testing import CliRunner
 
 from specdec_cli.caches import ModelCache
 from specdec_cli.cli import app
-from specdec_cli.drafters.mtp import (
-    MTPConfig,
-    MTPDrafter,
-    build_head,
-    hf_to_head,
-    load_head,
-    random_head,
-    save_head,
-)
+from specdec_cli.drafters.mtp import MTPDrafter
+from specdec_cli.drafters.mtp_head import MTPConfig, random_head
+from specdec_cli.drafters.mtp_io import build_head, hf_to_head, load_head, save_head
 from specdec_cli.engine import speculative_generate_step
 from specdec_cli.errors import UnsupportedModelError
 from specdec_cli.hooks import Hidden, HiddenTap, target_parts

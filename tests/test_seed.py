@@ -71,7 +71,8 @@ def test_an_mtp_head_with_a_draft_vocabulary_keeps_the_seeded_text():
     # The head drafts over 8 of 16 tokens: its keyed draws read the noise by target token id.
     from test_sampling import PROMPT as SPROMPT, models
 
-    from specdec_cli.drafters.mtp import MTPConfig, MTPDrafter, random_head
+    from specdec_cli.drafters.mtp import MTPDrafter
+    from specdec_cli.drafters.mtp_head import MTPConfig, random_head
     from specdec_cli.hooks import target_parts
 
     model, _ = models()

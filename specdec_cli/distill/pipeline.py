@@ -26,7 +26,9 @@ from mlx.utils import tree_flatten
 
 from ..defaults import DISTILL
 from ..drafters.history import tokenizer_fingerprint
-from ..drafters.mtp import MTPDrafter, MTPHead, embedding_probe, save_head
+from ..drafters.mtp import MTPDrafter
+from ..drafters.mtp_head import MTPHead
+from ..drafters.mtp_io import embedding_probe, save_head
 from ..hooks import TargetParts
 from ..runner import collect, run
 from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids

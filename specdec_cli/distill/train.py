@@ -23,7 +23,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from ..defaults import DISTILL
-from ..drafters.mtp import MTPConfig, MTPHead
+from ..drafters.mtp_head import MTPConfig, MTPHead
 from ..hooks import TargetParts
 
 

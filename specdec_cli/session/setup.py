@@ -23,7 +23,8 @@ from ..distributed import Ranks, model_fingerprint
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
-from ..drafters.mtp import LoadedHead, MTPDrafter
+from ..drafters.mtp import MTPDrafter
+from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
 from ..hooks import TargetParts, target_parts
 from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
@@ -447,7 +448,7 @@ def bundled_head(target: Loaded) -> Optional[Path]:
 
 def has_own_head(target: Loaded) -> bool:
     """Whether the target's checkpoint carries ``mtp.*`` tensors of a family specdec builds heads for."""
-    from ..drafters.mtp import QWEN_FAMILIES, mtp_tensor_files
+    from ..drafters.mtp_io import QWEN_FAMILIES, mtp_tensor_files
 
     return target.config.get("model_type") in QWEN_FAMILIES and bool(mtp_tensor_files(target.path))
 
