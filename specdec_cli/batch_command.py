@@ -28,7 +28,7 @@ from .display import (
     row_lines,
     sweep_progress,
 )
-from .errors import OptionError, SpecdecError
+from .errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError, SpecdecError
 from .processors import ConstraintError, check_constraint, make_processors
 from .prompts import FilePrompt, clean, encode_messages, encode_prompt, read_prompts_file
 from .runner import Finished, Prefilled, Step
@@ -44,9 +44,6 @@ from .session import (
 )
 from .session.batch import BatchEnd, ConcurrencyResult, batch_refusal, concurrency_sweep, run_batch
 from .stats import BatchStats, Stats
-
-EXIT_DIVERGED = 3
-EXIT_INTERRUPTED = 130
 
 
 @dataclass

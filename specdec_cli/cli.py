@@ -25,11 +25,10 @@ from typing_extensions import Annotated
 from . import __version__
 from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE,
                        MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
-from .errors import SpecdecError
+from .errors import EXIT_INTERRUPTED, SpecdecError
 
-# Exit codes (README "Limits and errors"); commands define 3 and return 130 themselves.
+# Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a reader that went away leaves in shells
 
 

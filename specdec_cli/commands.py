@@ -43,7 +43,7 @@ from .display import (
     text_view,
 )
 from .distributed import peer_errors
-from .errors import OptionError
+from .errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError
 from .limits import gb
 from .measure import SweepResult, sweep
 from .processors import ConstraintError, check_constraint, make_processors
@@ -67,9 +67,6 @@ from .session import (
     sampling_params,
 )
 from .stats import Stats
-
-EXIT_DIVERGED = 3
-EXIT_INTERRUPTED = 130
 
 
 @dataclass

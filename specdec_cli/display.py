@@ -503,6 +503,12 @@ def batch_lines(batch: BatchStats, *, peak_gb: float) -> list[str]:
     return lines
 
 
+def _table_console(width: int) -> Console:
+    """Stdout for a table: the terminal's width, or ``width`` columns when piped (Rich's 80 would cut it)."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=width)
+
+
 _VERDICT_ORDER = {"identical": 0, "rounding tie": 1, "diverged": 2}
 
 
@@ -510,10 +516,7 @@ def print_concurrency(result: ConcurrencyResult, drafter: str, console: Optional
     """The ``sweep --concurrency`` table on stdout: aggregate tok/s by block size (rows) and concurrency (columns)."""
     if _MUTED:
         return
-    if console is None:
-        console = Console(highlight=False)
-        if not console.is_terminal:
-            console = Console(highlight=False, width=160)
+    console = console if console is not None else _table_console(160)
     worst = {b: max((c.verdict for c in result.cells if c.block_size == b), key=lambda v: _VERDICT_ORDER[v])
              for b in (None, *result.block_sizes)}
     first = result.levels[0]
@@ -605,10 +608,7 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
     """
     if _MUTED:
         return
-    if console is None:
-        console = Console(highlight=False)
-        if not console.is_terminal:
-            console = Console(highlight=False, width=120)
+    console = console if console is not None else _table_console(120)
     best = max((r.speedup for r in result.rows), default=0.0)
     cells = [{
         "block": f"{r.block_size}{'*' if r.block_size == result.best_block_size else ' '}",

@@ -18,11 +18,10 @@ from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training
                                model_key, write_head)
 from .distill.train import Step, TrainConfig
 from .drafters.mtp_io import SPECDEC_TYPE
-from .errors import OptionError
+from .errors import EXIT_INTERRUPTED, OptionError
 from .hooks import target_parts
 from .limits import gb
 
-EXIT_INTERRUPTED = 130
 # Held-out prompts for the acceptance measured after training: in no seed prompt.
 EVAL_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",

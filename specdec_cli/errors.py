@@ -1,4 +1,9 @@
-"""Errors the command line shows as one line, without a traceback."""
+"""Errors the command line shows as one line, without a traceback, and the exit codes the commands return."""
+
+# --compare-ar found a token plain decoding would not have given (README "Limits and errors").
+EXIT_DIVERGED = 3
+# Ctrl-C: 128 + SIGINT, as shells report it.
+EXIT_INTERRUPTED = 130
 
 
 class SpecdecError(Exception):
