@@ -38,6 +38,7 @@ from .session import (
     Setup,
     check_model_options,
     load_setup,
+    parse_int_list,
     processor_fields,
     resolve_block_size,
     sampling_params,
@@ -265,14 +266,7 @@ def _compare(setup: Setup, opts, row: _Row, sampling) -> Comparison:
 
 def parse_concurrency(text: str) -> list[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``: distinct concurrencies >= 1, in the order given."""
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise OptionError(f"--concurrency takes comma-separated integers, like 1,2,4,8 (got {text!r})") from None
-    if not levels or min(levels) < 1:
-        raise OptionError("--concurrency needs at least one level, each >= 1")
-    if len(set(levels)) != len(levels):
-        raise OptionError(f"--concurrency lists a level twice ({text})")
+    levels = parse_int_list(text, "--concurrency", "1,2,4,8", "level", "level")
     if max(levels) > 256:
         raise OptionError(f"--concurrency is at most 256 rows (got {max(levels)})")
     return levels

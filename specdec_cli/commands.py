@@ -62,6 +62,7 @@ from .session import (
     join_ranks,
     load_setup,
     make_policy,
+    parse_int_list,
     processor_fields,
     resolve_block_size,
     sampling_params,
@@ -278,15 +279,7 @@ def finish_reason(stats: Stats, interrupted: bool, capped: bool) -> Optional[str
 
 def parse_block_sizes(text: str) -> list[int]:
     """``"2,3,4"`` -> ``[2, 3, 4]``: distinct block sizes >= 1, in the order given (limits: check_block_size)."""
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise OptionError(f"--block-sizes takes comma-separated integers, like 2,4,8 (got {text!r})") from None
-    if not sizes or min(sizes) < 1:
-        raise OptionError("--block-sizes needs at least one block size, each >= 1")
-    if len(set(sizes)) != len(sizes):
-        raise OptionError(f"--block-sizes lists a size twice ({text})")
-    return sizes
+    return parse_int_list(text, "--block-sizes", "2,4,8", "block size", "size")
 
 
 def sweep_command(opts: SweepOptions) -> int:

@@ -16,6 +16,7 @@ from .options import (
     check_force_download,
     check_model_options,
     make_policy,
+    parse_int_list,
     processor_fields,
     resolve_block_size,
     resolve_drafter,
@@ -39,6 +40,6 @@ __all__ = [
     "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError", "RunOptions",
     "Request", "SavedCache", "Session", "Setup", "blas_note", "check_block_size", "check_distributed_options",
     "check_drafter_options", "check_force_download", "check_model_options", "choose_drafter", "join_ranks",
-    "load_setup", "load_target", "make_policy", "processor_fields", "resolve_block_size", "resolve_drafter", "sampling_params",
+    "load_setup", "load_target", "make_policy", "parse_int_list", "processor_fields", "resolve_block_size", "resolve_drafter", "sampling_params",
     "single_process",
 ]

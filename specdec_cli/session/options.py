@@ -149,6 +149,26 @@ def check_block_size(block_size: int, kind: str, option: str = "--block-size") -
         raise OptionError(f"{option} is at most {MAX_BLOCK_SIZE[kind]} with --drafter {kind} (got {block_size})")
 
 
+def parse_int_list(text: str, option: str, example: str, noun: str, short: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``: distinct integers >= 1, in the order given, or an error naming ``option``.
+
+    Args:
+        text: What the option was given.
+        option: Its name, for the errors.
+        example: A valid value, for the errors.
+        noun: What one item is ("level"), and ``short`` its short form for "lists a ... twice".
+    """
+    try:
+        items = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise OptionError(f"{option} takes comma-separated integers, like {example} (got {text!r})") from None
+    if not items or min(items) < 1:
+        raise OptionError(f"{option} needs at least one {noun}, each >= 1")
+    if len(set(items)) != len(items):
+        raise OptionError(f"{option} lists a {short} twice ({text})")
+    return items
+
+
 def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
     """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup`` (or ``ngram``).
 
