@@ -67,9 +67,15 @@ class _Group(TyperGroup):
             if not callable(getattr(e, "format_message", None)):
                 raise
             ctx = getattr(e, "ctx", None)
-            if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
-                typer.echo(ctx.get_help())
-                code = 0
+            if type(e).__name__ == "NoArgsIsHelpError":
+                # Building this error rendered the help: Rich prints it to stdout as it formats,
+                # leaving an empty message; plain Click formatting returns it as the message.
+                # Echoing ctx.get_help() again printed it twice. Exit 2, as Typer's own
+                # no_args_is_help does: no command is a usage error.
+                help_text = e.format_message()
+                if help_text.strip():
+                    typer.echo(help_text)
+                code = EXIT_USAGE
             else:
                 message = e.format_message().rstrip(".")
                 param = getattr(e, "param", None)
