@@ -46,9 +46,26 @@ def _help_option(option, panel: Optional[str] = None):
     return option
 
 
+def _no_range() -> None:
+    return None
+
+
 class _Command(TyperCommand):
     def get_help_option(self, ctx):
         return _help_option(super().get_help_option(ctx), "Output")
+
+    def format_help(self, ctx, formatter):
+        # Help shows each option's metavar without its range ([0<=x<=4294967295]): at 80 columns the
+        # ranges widened the metavar column until option names were cut ("--rollback-memory…").
+        # Every range is still enforced when parsing and named in the error (see _Group.main).
+        hidden = [p for p in self.params if hasattr(p, "_get_number_range_help_str")]
+        for param in hidden:
+            param._get_number_range_help_str = _no_range
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            for param in hidden:
+                del param._get_number_range_help_str
 
 
 class _Group(TyperGroup):
@@ -100,29 +117,6 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Lossless speculative decoding for MLX / mlx-lm, hybrid and sliding-window models included.",
 )
-
-
-class DrafterKind(str, Enum):
-    model = "model"
-    lookup = "lookup"
-    ngram = "ngram"
-    mtp = "mtp"
-    auto = "auto"
-
-
-class Rollback(str, Enum):
-    auto = "auto"
-    reforward = "reforward"
-    carry = "carry"
-    capture = "capture"
-    tape = "tape"
-
-
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 def _quiet_streams() -> None:
@@ -276,9 +270,14 @@ def _json_object(value: Optional[str]) -> Optional[str]:
 
 
 # --- option declarations, grouped in help panels --------------------------------
+#
+# Help is read at 80 columns as often as at 200: each help string is a line or two there, the
+# long story is in docs/GENERATE.md and docs/SERVER.md. Panels come in the order people reach
+# for them (the prompt and model first, the rarely needed last, in Advanced); a command's
+# panels follow the order of its parameters.
 
-MODEL, PROMPT, DRAFTING, SAMPLING, OUTPUT, DIAGNOSTICS = (
-    "Model", "Prompt", "Drafting", "Sampling", "Output", "Diagnostics")
+MODEL, PROMPT, DRAFTING, SAMPLING, OUTPUT, DIAGNOSTICS, ADVANCED, RECURRENT = (
+    "Model", "Prompt", "Drafting", "Sampling", "Output", "Diagnostics", "Advanced", "Recurrent layers")
 FLAG = dict(metavar="")  # a flag shows as --x (or --x/--no-x), not <bool>
 
 
@@ -288,176 +287,192 @@ def _default(text: str) -> dict:
     return dict(show_default=False, help_suffix=f" \\[default: {text}]")
 
 
-OFF = dict(metavar="", **_default("off"))
+# A default of None that means "not given" shows nothing: "[default: none]" on every row was noise.
+UNSET = dict(show_default=False)
 
 
 def _opt(*names: str, help: str, help_suffix: str = "", **kw) -> typer.models.OptionInfo:
     return typer.Option(*names, help=help + help_suffix, **kw)
 
 
-ModelOpt = Annotated[Optional[str], _opt(
-    "--model", help="Target model: Hub repo id or local directory.", rich_help_panel=MODEL,
-    **_default("the bundled SmolLM2-135M-Instruct, no network needed"))]
-DraftModelOpt = Annotated[Optional[str], _opt(
-    "--draft-model", help="Draft model (same tokenizer), an MTP head sidecar, or a DFlash block drafter for "
-    "the target: Hub repo id or local directory.",
-    rich_help_panel=MODEL, **_default("none"))]
-DTypeOpt = Annotated[DType, _opt(
-    "--dtype", help="Cast both models (dequantizing if needed). auto: float32 on MLX's CPU backend, the "
-    "checkpoint's own dtype (quantized stays quantized) on a GPU.", rich_help_panel=MODEL)]
-AdapterOpt = Annotated[Optional[str], _opt(
-    "--adapter-path", help="LoRA adapters for the target (the directory mlx_lm.lora wrote).",
-    rich_help_panel=MODEL, **_default("none"))]
-TrustOpt = Annotated[bool, _opt(
-    "--trust-remote-code", help="Allow the model's own Python files (model and tokenizer).",
-    rich_help_panel=MODEL, **OFF)]
-ForceDownloadOpt = Annotated[bool, _opt(
-    "--force-download", help="Download a Hub model's files again (after a broken or cut download).",
-    rich_help_panel=MODEL, **OFF)]
-KvBitsOpt = Annotated[Optional[int], _opt(
-    "--kv-bits", callback=_one_of((2, 3, 4, 5, 6, 8)),
-    help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits (mlx-lm's QuantizedKVCache); "
-         "still exact against plain decoding with the same cache.",
-    rich_help_panel=MODEL, **_default("none, full precision"))]
-KvGroupOpt = Annotated[Optional[int], _opt(
-    "--kv-group-size", callback=_one_of((32, 64, 128)), help="Group size of --kv-bits: 32, 64 or 128.",
-    rich_help_panel=MODEL, **_default(f"{DEFAULT_KV_GROUP_SIZE} with --kv-bits"))]
-PrefillOpt = Annotated[int, _opt(
-    "--prefill-step-size", min=1, max=1 << 20,
-    help="The most prompt tokens per prefill chunk (chunks are also sized to about half a second, "
-         "so Ctrl-C gets through).", rich_help_panel=MODEL)]
+def _choices(enum: type[Enum]) -> str:
+    # A choice list as the help's first line, words apart: at 80 columns Typer's <a|b|c> metavar
+    # was one long word, which Rich folded mid-word.
+    return ", ".join(member.value for member in enum) + "\n\n"
 
+
+class DrafterKind(str, Enum):
+    model = "model"
+    lookup = "lookup"
+    ngram = "ngram"
+    mtp = "mtp"
+    auto = "auto"
+
+
+class Rollback(str, Enum):
+    auto = "auto"
+    reforward = "reforward"
+    carry = "carry"
+    capture = "capture"
+    tape = "tape"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+# Model
+ModelOpt = Annotated[Optional[str], _opt(
+    "--model", metavar="ID|DIR", help="Target model: Hub repo id or local folder.", rich_help_panel=MODEL,
+    **_default("the bundled SmolLM2-135M-Instruct"))]
+DraftModelOpt = Annotated[Optional[str], _opt(
+    "--draft-model", metavar="ID|DIR", help="A draft model (same tokenizer), MTP head or DFlash drafter.",
+    rich_help_panel=MODEL, **UNSET)]
+DTypeOpt = Annotated[DType, _opt(
+    "--dtype", metavar="DTYPE", help=_choices(DType) + "Cast both models; auto: float32 on a CPU, the "
+    "checkpoint's own on a GPU.", rich_help_panel=MODEL)]
+
+# Prompt
 PromptArg = Annotated[Optional[str], typer.Argument(
     metavar="PROMPT", help="The prompt; '-' reads stdin.", show_default=False)]
 PromptOpt = Annotated[Optional[str], _opt(
-    "--prompt", "-p", help="The prompt; '-' reads stdin.", rich_help_panel=PROMPT, show_default=False)]
+    "--prompt", "-p", metavar="TEXT", help="The prompt; '-' reads stdin.", rich_help_panel=PROMPT, **UNSET)]
+PromptsFileOpt = Annotated[Optional[str], _opt(
+    "--prompts-file", metavar="FILE", help="Several prompts decoded together: one a line, or JSONL; '-' "
+    "reads stdin.", rich_help_panel=PROMPT, **UNSET)]
 SystemOpt = Annotated[Optional[str], _opt(
-    "--system-prompt", help="System message for the chat template.", rich_help_panel=PROMPT,
-    **_default("none"))]
-NoTemplateOpt = Annotated[bool, _opt(
-    "--ignore-chat-template", help="Use the prompt as is, without the chat template.",
-    rich_help_panel=PROMPT, **OFF)]
-TemplateConfigOpt = Annotated[Optional[str], _opt(
-    "--chat-template-config", callback=_json_object,
-    help="""JSON object for the chat template, e.g. '{"enable_thinking": false}'.""",
-    rich_help_panel=PROMPT, **_default("none"))]
-PrefillResponseOpt = Annotated[Optional[str], _opt(
-    "--prefill-response", help="The start of the assistant's reply, which generation continues.",
-    rich_help_panel=PROMPT, **_default("none"))]
+    "--system-prompt", metavar="TEXT", help="System message for the chat template.", rich_help_panel=PROMPT,
+    **UNSET)]
 
+# Drafting
 DrafterOpt = Annotated[Optional[DrafterKind], _opt(
-    "--drafter", help="Who drafts: a draft 'model', prompt 'lookup' (longest match), 'ngram' (the simple "
-    "n-gram lookup), the target's own 'mtp' head (or the sidecar --draft-model names), or 'auto': the best "
-    "available (says which).", rich_help_panel=DRAFTING, **_default("model with --draft-model, else lookup"))]
-_LIMITS = ", ".join(f"{k} {v}" for k, v in MAX_BLOCK_SIZE.items())
+    "--drafter", metavar="KIND", help=_choices(DrafterKind) + "Who drafts; auto: the best available (says "
+    "which).", rich_help_panel=DRAFTING, **_default("model with --draft-model, else lookup"))]
 # auto runs the default of the kind it picks (lookup's 64 with no drafter at hand), not a size of its own.
 _BLOCK_DEFAULTS = (", ".join(f"{k} {v}" for k, v in DEFAULT_BLOCK_SIZE.items() if k != "auto")
                    + ", auto: that of the drafter it picks, a DFlash drafter's own")
+_LIMITS = ", ".join(f"{k} {v}" for k, v in MAX_BLOCK_SIZE.items())
 BlockSizeOpt = Annotated[Optional[int], _opt(
-    "--block-size", min=1, max=MAX_ANY_BLOCK_SIZE,
-    help=f"Most tokens verified per target forward (drafts + 1); at most {_LIMITS} (a DFlash drafter: its "
-    "trained block size).",
+    "--block-size", metavar="N", min=1, max=MAX_ANY_BLOCK_SIZE,
+    help="Most tokens verified per target forward (drafts + 1).",
     rich_help_panel=DRAFTING, **_default(_BLOCK_DEFAULTS))]
-NumDraftOpt = Annotated[Optional[int], _opt(
-    "--num-draft-tokens", min=0, max=MAX_ANY_BLOCK_SIZE - 1, help="mlx-lm's spelling of block size - 1.",
-    rich_help_panel=DRAFTING, **_default("block size - 1"))]
-DraftPMinOpt = Annotated[Optional[float], _opt(
-    "--draft-p-min", min=0.0, max=1.0, callback=_finite,
-    help="Stop drafting when the draft model's (MTP head's, DFlash slot's) top-1 probability is below this.",
-    rich_help_panel=DRAFTING, **_default("0, never stop early"))]
-NgramMaxOpt = Annotated[Optional[int], _opt(
-    "--ngram-max", min=1, max=MAX_NGRAM, help="--drafter ngram: longest suffix matched (>= --ngram-min).",
-    rich_help_panel=DRAFTING, **_default(str(NGRAM_MAX)))]
-NgramMinOpt = Annotated[Optional[int], _opt(
-    "--ngram-min", min=1, max=MAX_NGRAM, help="--drafter ngram: shortest suffix matched.",
-    rich_help_panel=DRAFTING, **_default(str(NGRAM_MIN)))]
+AdaptiveOpt = Annotated[bool, _opt(
+    "--adaptive/--no-adaptive", help="Fit the draft length to acceptance; stop speculating while slower.",
+    rich_help_panel=DRAFTING, **FLAG)]
 LookupHistoryOpt = Annotated[Optional[str], _opt(
-    "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in FILE, and "
-    "add this one (bounded; safe to delete; never changes the output).", rich_help_panel=DRAFTING,
-    **_default("none"))]
+    "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs in FILE, and add "
+    "this one.", rich_help_panel=DRAFTING, **UNSET)]
 # A sweep only reads the history: adding its output would hand every later sweep of the same prompt that
 # very text to draft from, so two runs of one sweep would no longer measure the same thing.
 SweepHistoryOpt = Annotated[Optional[str], _opt(
-    "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs kept in FILE (read "
-    "only: a sweep does not add its own output, so repeated sweeps measure the same thing).",
-    rich_help_panel=DRAFTING, **_default("none"))]
-AdaptiveOpt = Annotated[bool, _opt(
-    "--adaptive/--no-adaptive",
-    help="Adapt the draft length to acceptance; stop speculating while it is slower than plain decoding.",
-    rich_help_panel=DRAFTING, **FLAG)]
-RollbackOpt = Annotated[Rollback, _opt(
-    "--rollback", help="Recurrent layers after a partial accept: keep the state of every verified token "
-    "(capture), replay the recurrence alone (tape), re-feed the accepted tokens at once (reforward) or lead "
-    "the next verify with them (carry); auto measures capture and tape at start.", rich_help_panel=DRAFTING)]
-RollbackCapOpt = Annotated[Optional[float], _opt(
-    "--rollback-memory-cap", min=0.0, callback=_finite,
-    help="Most MiB of extra state capture may hold per verify; over it, tape is used instead.",
-    rich_help_panel=DRAFTING, **_default("no cap"))]
+    "--lookup-history", metavar="FILE", help="Lookup: also draft from earlier runs' outputs in FILE (read "
+    "only: a sweep does not add its own output).", rich_help_panel=DRAFTING, **UNSET)]
 
+# Sampling
 MaxTokensOpt = Annotated[int, _opt(
-    "--max-tokens", "-m", min=1,
-    help="Most tokens to generate (fewer when the model's context ends first).", rich_help_panel=SAMPLING)]
+    "--max-tokens", "-m", metavar="N", min=1, help="Most tokens to generate.", rich_help_panel=SAMPLING)]
 TempOpt = Annotated[float, _opt(
-    "--temp", min=0.0, callback=_finite, help="Sampling temperature (0 = greedy); > 0 samples losslessly.",
+    "--temp", metavar="X", min=0.0, callback=_finite, help="Temperature; 0: greedy, > 0 samples losslessly.",
     rich_help_panel=SAMPLING)]
 TopPOpt = Annotated[float, _opt(
-    "--top-p", min=0.0, max=1.0, callback=_finite, help="Nucleus sampling mass (0 = off).",
+    "--top-p", metavar="X", min=0.0, max=1.0, callback=_finite, help="Nucleus sampling mass (0: off).",
     rich_help_panel=SAMPLING)]
 TopKOpt = Annotated[int, _opt(
-    "--top-k", min=0, max=1 << 24, help="Sample among the k most likely tokens (0 = off).",
+    "--top-k", metavar="N", min=0, max=1 << 24, help="Sample among the k likeliest tokens (0: off).",
     rich_help_panel=SAMPLING)]
 MinPOpt = Annotated[float, _opt(
-    "--min-p", min=0.0, max=1.0, callback=_finite,
-    help="Drop tokens below min-p x the top probability (0 = off).", rich_help_panel=SAMPLING)]
+    "--min-p", metavar="X", min=0.0, max=1.0, callback=_finite, help="Drop tokens below min-p x the top one "
+    "(0: off).", rich_help_panel=SAMPLING)]
 SeedOpt = Annotated[Optional[int], _opt(
-    "--seed", min=0, max=(1 << 32) - 1, help="Random seed.", rich_help_panel=SAMPLING, **_default("random"))]
-RepetitionPenaltyOpt = Annotated[Optional[float], _opt(
-    "--repetition-penalty", min=0.0, callback=_finite,
-    help="mlx-lm's repetition penalty: a token among the last --repetition-context-size (prompt included) has its "
-    "logit divided by it (multiplied when negative). Applied at every verify row: output is still plain "
-    "decoding's with the same penalty.", rich_help_panel=SAMPLING, **_default("off"))]
-RepetitionContextOpt = Annotated[int, _opt(
-    "--repetition-context-size", min=1, max=1 << 20,
-    help="Tokens the repetition penalty looks back over (mlx-lm's name and default).", rich_help_panel=SAMPLING)]
-JsonSchemaOpt = Annotated[Optional[str], _opt(
-    "--json-schema", metavar="FILE",
-    help="Constrain the output to JSON valid against the JSON schema in FILE (a grammar; llguidance). Greedy "
-    "output is plain decoding's under the same grammar.", rich_help_panel=SAMPLING, **_default("off"))]
-ExtraEosOpt = Annotated[Optional[List[str]], _opt(
-    "--extra-eos-token", help="Another token that ends generation (repeatable).",
-    rich_help_panel=SAMPLING, **_default("none"))]
+    "--seed", metavar="N", min=0, max=(1 << 32) - 1, help="Random seed.", rich_help_panel=SAMPLING,
+    **_default("random"))]
 
-PromptsFileOpt = Annotated[Optional[str], _opt(
-    "--prompts-file", metavar="FILE", help="Several prompts, decoded together as rows of one batch: one per "
-    "non-empty line, or JSONL lines with \"prompt\" or \"messages\" (and optionally \"max_tokens\", \"seed\"); "
-    "'-' reads stdin. Every other option applies to every prompt.", rich_help_panel=PROMPT, **_default("none"))]
-BatchConcurrencyOpt = Annotated[Optional[int], _opt(
-    "--decode-concurrency", min=1, max=256, help="With --prompts-file: the most prompts decoding together; "
-    "more wait and join as rows finish.", rich_help_panel=PROMPT,
-    **_default(f"every prompt, at most {DEFAULT_DECODE_CONCURRENCY}"))]
-
+# Output
 JsonOpt = Annotated[bool, _opt(
-    "--json", help="Print one JSON object on stdout, nothing else.", rich_help_panel=OUTPUT, **OFF)]
+    "--json", help="One JSON object on stdout, nothing else.", rich_help_panel=OUTPUT, **FLAG)]
 LiveOpt = Annotated[bool, _opt(
-    "--live/--no-live", help="A live stats panel under the text (on a terminal).", rich_help_panel=OUTPUT,
-    **FLAG)]
+    "--live/--no-live", help="Live stats under the text (on a terminal).", rich_help_panel=OUTPUT, **FLAG)]
 VerboseOpt = Annotated[bool, _opt(
-    "--verbose", help="Time each phase (adds two host syncs per block); show the memory estimate.",
-    rich_help_panel=OUTPUT, **OFF)]
+    "--verbose", help="Time each phase (two syncs a block); show the memory estimate.", rich_help_panel=OUTPUT,
+    **FLAG)]
 
+# Diagnostics
 CompareOpt = Annotated[bool, _opt(
-    "--compare-ar", help="Also run plain decoding and prove the output identical (exit 3 if not): greedy, or "
-    "at --temp > 0 with --seed, sampled with the same seed.",
-    rich_help_panel=DIAGNOSTICS, **OFF)]
-PipelineOpt = Annotated[bool, _opt(
-    "--pipeline", help="Under mlx.launch: shard the target by layers (pipeline parallel) instead of by heads "
-    "(tensor parallel); the drafter is whole on every rank.", rich_help_panel=MODEL, **OFF)]
-MemoryCheckOpt = Annotated[bool, _opt(
-    "--memory-check/--no-memory-check",
-    help="Refuse a run whose estimated peak memory exceeds what the device has.",
+    "--compare-ar", help="Also run plain decoding; exit 3 unless the output is identical.",
     rich_help_panel=DIAGNOSTICS, **FLAG)]
-DebugOpt = Annotated[bool, _opt("--debug", help="Show tracebacks.", rich_help_panel=DIAGNOSTICS, **OFF)]
+MemoryCheckOpt = Annotated[bool, _opt(
+    "--memory-check/--no-memory-check", help="Refuse a run estimated to need more memory than there is.",
+    rich_help_panel=DIAGNOSTICS, **FLAG)]
+DebugOpt = Annotated[bool, _opt("--debug", help="Show tracebacks.", rich_help_panel=DIAGNOSTICS, **FLAG)]
 
+# Advanced: needed now and then; every one is in docs/GENERATE.md
+AdapterOpt = Annotated[Optional[str], _opt(
+    "--adapter-path", metavar="DIR", help="LoRA adapters for the target (mlx_lm.lora's).",
+    rich_help_panel=ADVANCED, **UNSET)]
+TrustOpt = Annotated[bool, _opt(
+    "--trust-remote-code", help="Allow the model's own Python files.", rich_help_panel=ADVANCED, **FLAG)]
+ForceDownloadOpt = Annotated[bool, _opt(
+    "--force-download", help="Download a Hub model's files again.", rich_help_panel=ADVANCED, **FLAG)]
+KvBitsOpt = Annotated[Optional[int], _opt(
+    "--kv-bits", metavar="BITS", callback=_one_of((2, 3, 4, 5, 6, 8)),
+    help="Quantize the target's KV cache: 2, 3, 4, 5, 6 or 8.", rich_help_panel=ADVANCED, **UNSET)]
+KvGroupOpt = Annotated[Optional[int], _opt(
+    "--kv-group-size", metavar="N", callback=_one_of((32, 64, 128)), help="Group size of --kv-bits: 32, 64 "
+    "or 128.", rich_help_panel=ADVANCED, **_default(str(DEFAULT_KV_GROUP_SIZE)))]
+PrefillOpt = Annotated[int, _opt(
+    "--prefill-step-size", metavar="N", min=1, max=1 << 20, help="Most prompt tokens per prefill chunk.",
+    rich_help_panel=ADVANCED)]
+PipelineOpt = Annotated[bool, _opt(
+    "--pipeline", help="Under mlx.launch: shard the target by layers, not heads.", rich_help_panel=ADVANCED,
+    **FLAG)]
+BatchConcurrencyOpt = Annotated[Optional[int], _opt(
+    "--decode-concurrency", metavar="N", min=1, max=256, help="With --prompts-file: most prompts decoding "
+    "together.", rich_help_panel=ADVANCED, **_default(f"all, at most {DEFAULT_DECODE_CONCURRENCY}"))]
+NoTemplateOpt = Annotated[bool, _opt(
+    "--ignore-chat-template", help="Use the prompt as is, without the chat template.",
+    rich_help_panel=ADVANCED, **FLAG)]
+TemplateConfigOpt = Annotated[Optional[str], _opt(
+    "--chat-template-config", metavar="JSON", callback=_json_object,
+    help="""Chat template arguments, e.g. '{"enable_thinking": false}'.""", rich_help_panel=ADVANCED, **UNSET)]
+PrefillResponseOpt = Annotated[Optional[str], _opt(
+    "--prefill-response", metavar="TEXT", help="The reply's start, which generation continues.",
+    rich_help_panel=ADVANCED, **UNSET)]
+NumDraftOpt = Annotated[Optional[int], _opt(
+    "--num-draft-tokens", metavar="N", min=0, max=MAX_ANY_BLOCK_SIZE - 1, help="mlx-lm's name for block "
+    "size - 1.", rich_help_panel=ADVANCED, **UNSET)]
+DraftPMinOpt = Annotated[Optional[float], _opt(
+    "--draft-p-min", metavar="X", min=0.0, max=1.0, callback=_finite,
+    help="Stop drafting below this top-1 probability.", rich_help_panel=ADVANCED,
+    **_default("0, never stop early"))]
+NgramMaxOpt = Annotated[Optional[int], _opt(
+    "--ngram-max", metavar="N", min=1, max=MAX_NGRAM, help="ngram: longest suffix matched.",
+    rich_help_panel=ADVANCED, **_default(str(NGRAM_MAX)))]
+NgramMinOpt = Annotated[Optional[int], _opt(
+    "--ngram-min", metavar="N", min=1, max=MAX_NGRAM, help="ngram: shortest suffix matched.",
+    rich_help_panel=ADVANCED, **_default(str(NGRAM_MIN)))]
+RollbackOpt = Annotated[Rollback, _opt(
+    "--rollback", metavar="MODE", help=_choices(Rollback) + "How they roll back a partial accept; auto "
+    "measures.", rich_help_panel=RECURRENT)]
+RollbackCapOpt = Annotated[Optional[float], _opt(
+    "--rollback-memory-cap", metavar="MIB", min=0.0, callback=_finite,
+    help="Most MiB capture may hold per verify (else tape).", rich_help_panel=RECURRENT, **_default("no cap"))]
+RepetitionPenaltyOpt = Annotated[Optional[float], _opt(
+    "--repetition-penalty", metavar="X", min=0.0, callback=_finite,
+    help="mlx-lm's repetition penalty; output stays exact.", rich_help_panel=ADVANCED, **_default("off"))]
+RepetitionContextOpt = Annotated[int, _opt(
+    "--repetition-context-size", metavar="N", min=1, max=1 << 20,
+    help="Tokens the penalty looks back over.", rich_help_panel=ADVANCED)]
+JsonSchemaOpt = Annotated[Optional[str], _opt(
+    "--json-schema", metavar="FILE", help="Constrain the output to JSON valid against FILE's schema.",
+    rich_help_panel=ADVANCED, **UNSET)]
+ExtraEosOpt = Annotated[Optional[List[str]], _opt(
+    "--extra-eos-token", metavar="TOKEN", help="Another token that ends generation (repeatable).",
+    rich_help_panel=ADVANCED, **UNSET)]
+
+REFERENCE = "Every option in detail: {doc}."
 EXIT_CODES = ("Exit codes: 0 done; 1 error; 2 bad option or input; {three}; "
               "130 interrupted (Ctrl-C, SIGTERM); 141 stdout closed.")
 
@@ -465,14 +480,47 @@ EXIT_CODES = ("Exit codes: 0 done; 1 error; 2 bad option or input; {three}; "
 @app.command(
     cls=_Command,
     epilog=EXIT_CODES.format(three="3 --compare-ar found a divergence") + "\n\n"
+    + REFERENCE.format(doc="docs/GENERATE.md") + "\n\n"
     "Example: specdec generate --model mlx-community/Qwen3-0.6B-bf16 "
     "-p 'Summarise this: ...' --max-tokens 200 --compare-ar"
 )
 def generate(
+    # The order of the parameters is the order of the panels in -h.
     prompt_arg: PromptArg = None,
+    prompt: PromptOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    system_prompt: SystemOpt = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     dtype: DTypeOpt = DType.auto,
+    drafter: DrafterOpt = None,
+    block_size: BlockSizeOpt = None,
+    adaptive: AdaptiveOpt = True,
+    lookup_history: LookupHistoryOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    json_output: JsonOpt = False,
+    live: LiveOpt = True,
+    verbose: VerboseOpt = False,
+    compare_ar: CompareOpt = False,
+    memory_check: MemoryCheckOpt = True,
+    debug: DebugOpt = False,
+    decode_concurrency: BatchConcurrencyOpt = None,
+    ignore_chat_template: NoTemplateOpt = False,
+    chat_template_config: TemplateConfigOpt = None,
+    prefill_response: PrefillResponseOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    repetition_context_size: RepetitionContextOpt = 20,
+    json_schema: JsonSchemaOpt = None,
+    extra_eos_token: ExtraEosOpt = None,
     adapter_path: AdapterOpt = None,
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
@@ -480,39 +528,8 @@ def generate(
     kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     pipeline: PipelineOpt = False,
-    prompt: PromptOpt = None,
-    prompts_file: PromptsFileOpt = None,
-    decode_concurrency: BatchConcurrencyOpt = None,
-    system_prompt: SystemOpt = None,
-    ignore_chat_template: NoTemplateOpt = False,
-    chat_template_config: TemplateConfigOpt = None,
-    prefill_response: PrefillResponseOpt = None,
-    drafter: DrafterOpt = None,
-    block_size: BlockSizeOpt = None,
-    num_draft_tokens: NumDraftOpt = None,
-    draft_p_min: DraftPMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
-    ngram_min: NgramMinOpt = None,
-    lookup_history: LookupHistoryOpt = None,
-    adaptive: AdaptiveOpt = True,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
-    max_tokens: MaxTokensOpt = 256,
-    temp: TempOpt = 0.0,
-    top_p: TopPOpt = 0.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    repetition_penalty: RepetitionPenaltyOpt = None,
-    repetition_context_size: RepetitionContextOpt = 20,
-    json_schema: JsonSchemaOpt = None,
-    seed: SeedOpt = None,
-    extra_eos_token: ExtraEosOpt = None,
-    json_output: JsonOpt = False,
-    live: LiveOpt = True,
-    verbose: VerboseOpt = False,
-    compare_ar: CompareOpt = False,
-    memory_check: MemoryCheckOpt = True,
-    debug: DebugOpt = False,
 ) -> None:
     """Generate text with speculative decoding."""
     params = dict(locals())
@@ -524,14 +541,42 @@ def generate(
 @app.command(
     cls=_Command,
     epilog=EXIT_CODES.format(three="3 a speculative run was not identical to plain decoding") + "\n\n"
+    + REFERENCE.format(doc="docs/GENERATE.md") + "\n\n"
     "Example: specdec sweep --model mlx-community/Qwen3-0.6B-bf16 "
     "-p 'Summarise this: ...' --block-sizes 2,4,8 --repeats 3"
 )
 def sweep(
     prompt_arg: PromptArg = None,
+    prompt: PromptOpt = None,
+    system_prompt: SystemOpt = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     dtype: DTypeOpt = DType.auto,
+    drafter: DrafterOpt = None,
+    block_sizes: Annotated[str, typer.Option(
+        "--block-sizes", metavar="LIST", help="Block sizes to measure, comma-separated.",
+        rich_help_panel=DRAFTING)] = "2,3,4,6,8,12,16",
+    concurrency: Annotated[str, typer.Option(
+        "--concurrency", metavar="LIST", help="Batch sizes, comma-separated: a table of aggregate tok/s by "
+        "block and batch size.", rich_help_panel=DRAFTING)] = "1",
+    lookup_history: SweepHistoryOpt = None,
+    max_tokens: MaxTokensOpt = 128,
+    json_output: JsonOpt = False,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", metavar="N", min=1, max=1000, help="Speed runs per configuration (median).",
+        rich_help_panel=DIAGNOSTICS)] = 1,
+    warmup: Annotated[int, typer.Option(
+        "--warmup", metavar="N", min=0, max=100, help="Untimed warm-up runs first.",
+        rich_help_panel=DIAGNOSTICS)] = 1,
+    memory_check: MemoryCheckOpt = True,
+    debug: DebugOpt = False,
+    ignore_chat_template: NoTemplateOpt = False,
+    chat_template_config: TemplateConfigOpt = None,
+    prefill_response: PrefillResponseOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    extra_eos_token: ExtraEosOpt = None,
     adapter_path: AdapterOpt = None,
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
@@ -539,35 +584,8 @@ def sweep(
     kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
     pipeline: PipelineOpt = False,
-    prompt: PromptOpt = None,
-    system_prompt: SystemOpt = None,
-    ignore_chat_template: NoTemplateOpt = False,
-    chat_template_config: TemplateConfigOpt = None,
-    prefill_response: PrefillResponseOpt = None,
-    drafter: DrafterOpt = None,
-    block_sizes: Annotated[str, typer.Option(
-        "--block-sizes", help=f"Comma-separated block sizes (tokens verified per forward); at most {_LIMITS}.",
-        rich_help_panel=DRAFTING)] = "2,3,4,6,8,12,16",
-    draft_p_min: DraftPMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
-    ngram_min: NgramMinOpt = None,
-    lookup_history: SweepHistoryOpt = None,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
-    max_tokens: MaxTokensOpt = 128,
-    extra_eos_token: ExtraEosOpt = None,
-    repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, max=1000, help="Speed runs per configuration (median).",
-        rich_help_panel=DIAGNOSTICS)] = 1,
-    warmup: Annotated[int, typer.Option(
-        "--warmup", min=0, max=100, help="Untimed warm-up runs first.", rich_help_panel=DIAGNOSTICS)] = 1,
-    concurrency: Annotated[str, typer.Option(
-        "--concurrency", help="Comma-separated batch sizes: that many copies of the prompt decode together, and "
-        "one table gives aggregate tok/s by block size and batch size (1 alone: the per-block-size table).",
-        rich_help_panel=DRAFTING)] = "1",
-    json_output: JsonOpt = False,
-    memory_check: MemoryCheckOpt = True,
-    debug: DebugOpt = False,
 ) -> None:
     """Measure speed and acceptance over several block sizes, against plain decoding."""
     params = dict(locals())
@@ -576,7 +594,7 @@ def sweep(
     _run(sweep_command, SweepOptions, params)
 
 
-SERVER = "Server"
+SERVER, LIMITS = "Server", "Limits"
 
 
 def _size(value: Optional[str]) -> Optional[int]:
@@ -595,29 +613,27 @@ def _size(value: Optional[str]) -> Optional[int]:
     return int(n * scale)
 
 
-HostOpt = Annotated[str, _opt("--host", help="Address to listen on; anything but loopback needs --api-key or "
-                              "--no-api-key.", rich_help_panel=SERVER)]
-PortOpt = Annotated[int, _opt("--port", min=0, max=65535, help="Port to listen on (0: any free one, printed at "
-                              "start).", rich_help_panel=SERVER)]
+HostOpt = Annotated[str, _opt("--host", metavar="ADDR", help="Address to listen on; not loopback: needs "
+                              "--api-key or --no-api-key.", rich_help_panel=SERVER)]
+PortOpt = Annotated[int, _opt("--port", metavar="PORT", min=0, max=65535, help="Port to listen on (0: any free "
+                              "one, printed at start).", rich_help_panel=SERVER)]
 ApiKeyOpt = Annotated[Optional[str], _opt(
-    "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on "
-    "every /v1 request (also read from SPECDEC_API_KEY).", rich_help_panel=SERVER, **_default("none"))]
+    "--api-key", metavar="KEY", envvar="SPECDEC_API_KEY", help="Require this key (a bearer token) on every /v1 "
+    "request.", rich_help_panel=SERVER, **UNSET)]
 NoApiKeyOpt = Annotated[bool, _opt(
-    "--no-api-key", help="Serve a non-loopback --host without a key (anyone who reaches it can use the model).",
-    rich_help_panel=SERVER, **OFF)]
+    "--no-api-key", help="Serve a non-loopback --host to anyone, without a key.", rich_help_panel=SERVER, **FLAG)]
 PromptCacheSizeOpt = Annotated[int, _opt(
-    "--prompt-cache-size", min=0, max=1 << 16, help="Most prompt caches kept across requests (0 turns the "
-    "cache off).", rich_help_panel=SERVER)]
+    "--prompt-cache-size", metavar="N", min=0, max=1 << 16, help="Most prompt caches kept (0: none).",
+    rich_help_panel=LIMITS)]
 PromptCacheBytesOpt = Annotated[Optional[str], _opt(
-    "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes the prompt caches may hold "
-    "(e.g. 4G).", rich_help_panel=SERVER, **_default("no bound"))]
+    "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes they may hold (e.g. 4G).",
+    rich_help_panel=LIMITS, **_default("no bound"))]
 QueueOpt = Annotated[int, _opt(
-    "--queue-size", min=1, max=1 << 16, help="Requests that may wait beyond those decoding; more get 503.",
-    rich_help_panel=SERVER)]
+    "--queue-size", metavar="N", min=1, max=1 << 16, help="Requests that may wait; more get 503.",
+    rich_help_panel=LIMITS)]
 DecodeConcurrencyOpt = Annotated[int, _opt(
-    "--decode-concurrency", "--parallel", min=1, max=256, help="Requests decoded together, as rows of one "
-    "batch (mlx_lm.server's --decode-concurrency, llama-server's --parallel); more wait in the queue.",
-    rich_help_panel=SERVER)]
+    "--decode-concurrency", "--parallel", metavar="N", min=1, max=256, help="Requests decoded together (as "
+    "mlx_lm.server's and llama-server's).", rich_help_panel=LIMITS)]
 
 
 class LogLevel(str, Enum):
@@ -630,50 +646,52 @@ class LogLevel(str, Enum):
 @app.command(
     cls=_Command,
     epilog="Exit codes: 0 stopped (Ctrl-C, SIGTERM); 1 error; 2 bad option.\n\n"
+    + REFERENCE.format(doc="docs/SERVER.md") + "\n\n"
     "Example: specdec serve --port 8080, then point any OpenAI client at http://127.0.0.1:8080/v1"
 )
 def serve(
+    # Where it listens and who may use it first: what every start needs.
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8080,
+    api_key: ApiKeyOpt = None,
+    no_api_key: NoApiKeyOpt = False,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     dtype: DTypeOpt = DType.auto,
+    drafter: DrafterOpt = None,
+    block_size: BlockSizeOpt = None,
+    adaptive: AdaptiveOpt = True,
+    max_tokens: Annotated[int, _opt(
+        "--max-tokens", "-m", metavar="N", min=1, help="Most tokens per answer when a request does not say.",
+        rich_help_panel=SAMPLING)] = 512,
+    temp: Annotated[float, _opt("--temp", metavar="X", min=0.0, callback=_finite, help="Temperature when a "
+                                "request does not say (0: greedy).", rich_help_panel=SAMPLING)] = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    decode_concurrency: DecodeConcurrencyOpt = 4,
+    queue_size: QueueOpt = 16,
+    prompt_cache_size: PromptCacheSizeOpt = 10,
+    prompt_cache_bytes: PromptCacheBytesOpt = None,
+    log_level: Annotated[LogLevel, _opt(
+        "--log-level", metavar="LEVEL", help=_choices(LogLevel) + "What the server logs on stderr.",
+        rich_help_panel=OUTPUT)] = LogLevel.info,
+    memory_check: MemoryCheckOpt = True,
+    debug: DebugOpt = False,
+    chat_template_config: TemplateConfigOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    extra_eos_token: ExtraEosOpt = None,
     adapter_path: AdapterOpt = None,
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
-    chat_template_config: TemplateConfigOpt = None,
-    drafter: DrafterOpt = None,
-    block_size: BlockSizeOpt = None,
-    num_draft_tokens: NumDraftOpt = None,
-    draft_p_min: DraftPMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
-    ngram_min: NgramMinOpt = None,
-    adaptive: AdaptiveOpt = True,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
-    max_tokens: Annotated[int, _opt(
-        "--max-tokens", "-m", min=1, help="Most tokens per answer when a request does not say (max_tokens).",
-        rich_help_panel=SAMPLING)] = 512,
-    temp: Annotated[float, _opt("--temp", min=0.0, callback=_finite, help="Temperature when a request does not "
-                                "say (0 = greedy).", rich_help_panel=SAMPLING)] = 0.0,
-    top_p: TopPOpt = 0.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    extra_eos_token: ExtraEosOpt = None,
-    host: HostOpt = "127.0.0.1",
-    port: PortOpt = 8080,
-    api_key: ApiKeyOpt = None,
-    no_api_key: NoApiKeyOpt = False,
-    prompt_cache_size: PromptCacheSizeOpt = 10,
-    prompt_cache_bytes: PromptCacheBytesOpt = None,
-    queue_size: QueueOpt = 16,
-    decode_concurrency: DecodeConcurrencyOpt = 4,
-    log_level: Annotated[LogLevel, _opt("--log-level", help="What the server logs on stderr (info: a line per "
-                                        "request; debug adds each HTTP request).", rich_help_panel=SERVER)]
-    = LogLevel.info,
-    memory_check: MemoryCheckOpt = True,
-    debug: DebugOpt = False,
 ) -> None:
     """Serve the OpenAI API (chat and text completions) with exact speculative decoding."""
     params = dict(locals())
@@ -683,42 +701,45 @@ def serve(
 
 
 @app.command(cls=_Command, epilog="Exit codes: 0 done; 1 error; 2 bad option.\n\n"
+             + REFERENCE.format(doc="docs/SERVER.md") + "\n\n"
              "Example: specdec chat --system-prompt 'Answer briefly.'")
 def chat(
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     dtype: DTypeOpt = DType.auto,
+    system_prompt: SystemOpt = None,
+    drafter: DrafterOpt = None,
+    block_size: BlockSizeOpt = None,
+    adaptive: AdaptiveOpt = True,
+    max_tokens: Annotated[int, _opt("--max-tokens", "-m", metavar="N", min=1, help="Most tokens per answer.",
+                                    rich_help_panel=SAMPLING)] = 512,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    live: LiveOpt = True,
+    memory_check: MemoryCheckOpt = True,
+    debug: DebugOpt = False,
+    prompt_cache_size: Annotated[int, _opt(
+        "--prompt-cache-size", metavar="N", min=0, max=1 << 16, help="Most prompt caches kept (0: none).",
+        rich_help_panel=ADVANCED)] = 10,
+    chat_template_config: TemplateConfigOpt = None,
+    num_draft_tokens: NumDraftOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    ngram_min: NgramMinOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    repetition_context_size: RepetitionContextOpt = 20,
+    extra_eos_token: ExtraEosOpt = None,
     adapter_path: AdapterOpt = None,
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
-    system_prompt: SystemOpt = None,
-    chat_template_config: TemplateConfigOpt = None,
-    drafter: DrafterOpt = None,
-    block_size: BlockSizeOpt = None,
-    num_draft_tokens: NumDraftOpt = None,
-    draft_p_min: DraftPMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
-    ngram_min: NgramMinOpt = None,
-    adaptive: AdaptiveOpt = True,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
-    max_tokens: Annotated[int, _opt("--max-tokens", "-m", min=1, help="Most tokens per answer.",
-                                    rich_help_panel=SAMPLING)] = 512,
-    temp: TempOpt = 0.0,
-    top_p: TopPOpt = 0.0,
-    top_k: TopKOpt = 0,
-    min_p: MinPOpt = 0.0,
-    repetition_penalty: RepetitionPenaltyOpt = None,
-    repetition_context_size: RepetitionContextOpt = 20,
-    seed: SeedOpt = None,
-    extra_eos_token: ExtraEosOpt = None,
-    prompt_cache_size: PromptCacheSizeOpt = 10,
-    live: LiveOpt = True,
-    memory_check: MemoryCheckOpt = True,
-    debug: DebugOpt = False,
 ) -> None:
     """Chat in the terminal; each turn reuses the last one's caches."""
     params = dict(locals())
@@ -737,39 +758,37 @@ TRAINING = "Training"
 )
 def distill(
     out: Annotated[Optional[str], typer.Option(
-        "--out", help="Directory to write the head to (a specdec_mtp sidecar: config.json, model.safetensors, "
-        "README.md, training.json, cache/): new, empty, or an earlier head's, which is replaced; a folder "
-        "holding anything else is refused.", rich_help_panel=MODEL, show_default=False)] = None,
+        "--out", metavar="DIR", help="Folder for the head: new, empty, or an earlier head's (replaced).", rich_help_panel=MODEL, show_default=False)] = None,
     model: ModelOpt = None,
     dtype: DTypeOpt = DType.auto,
-    trust_remote_code: TrustOpt = False,
-    force_download: ForceDownloadOpt = False,
     data: Annotated[Optional[str], _opt(
-        "--data", help="Training text: text files, a directory of them, or JSONL lines with \"prompt\" or "
+        "--data", metavar="PATH", help="Training text: text files, a directory of them, or JSONL lines with \"prompt\" or "
         "\"messages\" (the model answers them) or \"text\".", rich_help_panel=TRAINING,
         **_default("the model's own answers to built-in seed prompts"))] = None,
     data_tokens: Annotated[int, typer.Option(
-        "--data-tokens", min=256, max=10_000_000, help="Corpus size in tokens.", rich_help_panel=TRAINING)] = DISTILL["data_tokens"],
-    steps: Annotated[int, typer.Option("--steps", min=1, max=1_000_000, help="Optimizer steps.",
+        "--data-tokens", metavar="N", min=256, max=10_000_000, help="Corpus size in tokens.", rich_help_panel=TRAINING)] = DISTILL["data_tokens"],
+    steps: Annotated[int, typer.Option("--steps", metavar="N", min=1, max=1_000_000, help="Optimizer steps.",
                                        rich_help_panel=TRAINING)] = DISTILL["steps"],
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=1024, help="Windows per step.",
+    batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", min=1, max=1024, help="Windows per step.",
                                             rich_help_panel=TRAINING)] = DISTILL["batch_size"],
-    seq_len: Annotated[int, typer.Option("--seq-len", min=8, max=8192, help="Positions per window.",
+    seq_len: Annotated[int, typer.Option("--seq-len", metavar="N", min=8, max=8192, help="Positions per window.",
                                          rich_help_panel=TRAINING)] = DISTILL["seq_len"],
-    lr: Annotated[float, typer.Option("--lr", min=1e-7, max=1.0, callback=_finite,
+    lr: Annotated[float, typer.Option("--lr", metavar="X", min=1e-7, max=1.0, callback=_finite,
                                       help="Peak learning rate (AdamW, warm-up then cosine decay).",
                                       rich_help_panel=TRAINING)] = DISTILL["lr"],
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the data, the initialisation and the "
+    seed: Annotated[int, typer.Option("--seed", metavar="N", min=0, help="Seed of the data, the initialisation and the "
                                       "window order.", rich_help_panel=TRAINING)] = DISTILL["seed"],
-    depth: Annotated[int, typer.Option("--depth", min=1, max=8, help="Chained draft positions trained (drafting "
+    depth: Annotated[int, typer.Option("--depth", metavar="N", min=1, max=8, help="Chained draft positions trained (drafting "
                                        "feeds the head its own outputs).", rich_help_panel=TRAINING)] = DISTILL["depth"],
     draft_vocab: Annotated[int, typer.Option(
-        "--draft-vocab", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the training text "
+        "--draft-vocab", metavar="N", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the training text "
         "(the head's lm_head costs N/V as much); 0: the whole vocabulary.", rich_help_panel=TRAINING)] = DISTILL["draft_vocab"],
     measure: Annotated[bool, typer.Option(
-        "--measure/--no-measure", help="Measure the head's acceptance on held-out prompts after training.",
+        "--measure/--no-measure", metavar="", help="Measure the head's acceptance on held-out prompts after training.",
         rich_help_panel=DIAGNOSTICS)] = True,
     debug: DebugOpt = False,
+    trust_remote_code: TrustOpt = False,
+    force_download: ForceDownloadOpt = False,
 ) -> None:
     """Train a drafter head for a model by self-distillation (the model's own distributions are the labels)."""
     params = dict(locals())
