@@ -88,11 +88,20 @@ def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = No
     return next((c for c in candidates if len(c) <= width), candidates[-1])
 
 
+def _interactive() -> bool:
+    """Whether a person types the messages (a prompt is shown), rather than a pipe or a file."""
+    return sys.stdin.isatty()
+
+
 def _read(prompt: str) -> Optional[str]:
     """One line from the user; None at the end of input."""
     try:
         return input(prompt)
     except EOFError:
+        if prompt:
+            # Ctrl-D leaves the cursor after the prompt: end that line, or the shell's prompt would follow it.
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         return None
 
 
@@ -117,7 +126,7 @@ def chat_command(opts: ChatOptions) -> int:
     messages = list(start)
     print_stderr(setup.start_lines()
                  + [f"{setup.model_line}; drafter {setup.drafter_name}, block size {block_size}", HELP])
-    interactive = sys.stdin.isatty()
+    interactive = _interactive()
     while True:
         try:
             line = _read("> " if interactive else "")

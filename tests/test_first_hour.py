@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
+from specdec_cli.synthetic import make_model_dir
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"llama": make_model_dir(root / "llama", "llama", seed=0),
+            "llama-draft": make_model_dir(root / "llama-draft", "llama", seed=0, noise=0.05)}
 
 
 def test_no_arguments_print_the_help_once_and_exit_two():
@@ -58,3 +67,18 @@ def test_generate_help_is_shorter_and_serve_help_starts_with_where_it_listens():
     top = "\n".join(help_at(80, "serve")[:40])
     for option in ("--host", "--port", "--api-key"):
         assert option in top, option
+
+
+# --- chat ----------------------------------------------------------------------------------
+
+def test_chat_ends_the_prompt_line_at_ctrl_d(models, monkeypatch):
+    import specdec_cli.chat as chat
+
+    args = ["chat", "--model", str(models["llama"]), "--no-live", "-m", "4"]
+    monkeypatch.setattr(chat, "_interactive", lambda: True)  # a person at a terminal: "> " is shown
+    result = CliRunner().invoke(app, args, input="")  # Ctrl-D at the first prompt
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "> \n"  # the shell's prompt then starts on a line of its own
+    monkeypatch.setattr(chat, "_interactive", lambda: False)  # piped: no prompt, no line to end
+    result = CliRunner().invoke(app, args, input="")
+    assert result.exit_code == 0 and result.stdout == ""
