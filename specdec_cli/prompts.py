@@ -295,8 +295,85 @@ def encode_messages(tokenizer, messages: Sequence[dict], system_prompt: Optional
     prefill = prefill_response is not None
     if prefill:
         messages.append({"role": "assistant", "content": prefill_response})
-    return _template(tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
-                     template_kwargs=template_kwargs)
+    return _folded(tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                   template_kwargs=template_kwargs)[0]
+
+
+# Roles a client may send for instructions; only a conversation's first messages stay system messages.
+SYSTEM_ROLES = ("system", "developer")
+
+
+def fold_roles(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation in a shape every chat template takes: one leading system message, never two
+    user messages in a row.
+
+    Clients send system and developer messages anywhere (Codex two developer
+    messages first, Claude Code a system message after the first user one),
+    and strict templates refuse them ("System message must be at the
+    beginning", "Conversation roles must alternate"). One rule, whatever the
+    template:
+
+    1. System and developer messages before any other become one system
+       message, their texts joined by a blank line.
+    2. A later one is user text in its place: it joins the user message
+       before it, or starts one (earlier turns' text never changes, so a
+       prompt cache still matches them).
+    3. Consecutive user messages become one, joined by a blank line.
+    4. (At rendering, :func:`render_messages`) a template that takes no
+       system message at all gets its text at the start of the first user
+       message, as Gemma's templates place it themselves.
+
+    Assistant and tool messages are kept as they are.
+    """
+    out: list[dict[str, Any]] = []
+    leading = True
+    for m in messages:
+        role = m.get("role")
+        if role in SYSTEM_ROLES and leading:
+            if out:
+                out[0] = {**out[0], "content": _joined(out[0].get("content"), m.get("content"))}
+            else:
+                out.append({**m, "role": "system"})
+            continue
+        leading = False
+        if role in SYSTEM_ROLES or role == "user":
+            if out and out[-1].get("role") == "user":
+                out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), m.get("content"))}
+            else:
+                out.append({**m} if role == "user" else {"role": "user", "content": m.get("content") or ""})
+            continue
+        out.append(dict(m))
+    return out
+
+
+def _joined(first: Any, second: Any) -> str:
+    return "\n\n".join(str(p) for p in (first, second) if p)
+
+
+def _system_into_user(messages: list[dict[str, Any]]) -> Optional[list[dict[str, Any]]]:
+    """Rule 4 of :func:`fold_roles`: the leading system text moved into the first user message (None: no
+    system message, or no user message to take it)."""
+    if not messages or messages[0].get("role") != "system":
+        return None
+    rest = messages[1:]
+    first = next((i for i, m in enumerate(rest) if m.get("role") == "user"), None)
+    if first is None:
+        return None
+    rest[first] = {**rest[first], "content": _joined(messages[0].get("content"), rest[first].get("content"))}
+    return rest
+
+
+def _folded(tokenizer, messages: Sequence[dict[str, Any]], **kw) -> tuple[list[int], list[dict[str, Any]]]:
+    """The ids of ``messages`` shaped by :func:`fold_roles` (rule 4 where the template needs it), and the
+    messages as rendered."""
+    messages = fold_roles(messages)
+    try:
+        return _template(tokenizer, messages, **kw), messages
+    except OptionError:
+        moved = _system_into_user(messages)
+        if moved is None:
+            raise
+        return _template(tokenizer, moved, **kw), moved
 
 
 @dataclass(frozen=True)
@@ -333,7 +410,7 @@ def render_messages(tokenizer, messages: Sequence[dict[str, Any]], *, tools=None
     """
     if not tokenizer.has_chat_template:
         return Rendered(encode_text(tokenizer, "\n".join(str(m.get("content") or "") for m in messages)))
-    ids = _template(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+    ids, messages = _folded(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     cuts = set()
     n_system = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
     # Where the system messages end and where the last message starts: rendering
