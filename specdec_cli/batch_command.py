@@ -24,6 +24,7 @@ from .display import (
     comparison_lines,
     drafter_line,
     print_concurrency,
+    print_loading,
     print_stderr,
     row_lines,
     sweep_progress,
@@ -103,6 +104,7 @@ def generate_batch(opts) -> int:
             raise OptionError(f"--compare-ar at --temp > 0 needs a seed for every prompt (--prompts-file {name} line "
                               f"{unseeded.line} has none): add --seed, or \"seed\" to each JSONL line, or use --temp 0")
     max_rows = min(opts.decode_concurrency or DEFAULT_DECODE_CONCURRENCY, len(prompts))
+    print_loading(opts.model, opts.draft_model)
     setup = load_setup(opts, kind, None)
     try:
         check_constraint(controls.get("constraint"), setup.tokenizer)

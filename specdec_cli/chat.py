@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from .display import print_stderr, stderr_width, text_view
+from .display import print_loading, print_stderr, stderr_width, text_view
 from .errors import OptionError
 from .prompts import clean, render_messages
 from .session import (
@@ -114,6 +114,7 @@ def chat_command(opts: ChatOptions) -> int:
     controls = processor_fields(opts)
     if opts.prompt_cache_size < 0:
         raise OptionError("--prompt-cache-size must be >= 0")
+    print_loading(opts.model, opts.draft_model)
     setup = load_setup(opts, kind)
     if not setup.tokenizer.has_chat_template:
         raise OptionError("this model's tokenizer has no chat template: use specdec generate with "

@@ -36,6 +36,7 @@ from .display import (
     comparison_lines,
     mute,
     policy_lines,
+    print_loading,
     print_stderr,
     print_sweep,
     summary_lines,
@@ -128,6 +129,7 @@ def _generate(opts: GenerateOptions) -> int:
     sampling = sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p, opts.compare_ar, opts.seed)
     controls = processor_fields(opts)
     text = read_prompt(opts.prompt_arg, opts.prompt)
+    print_loading(opts.model, opts.draft_model)
     setup = load_setup(opts, kind, ranks)
     try:
         check_constraint(controls.get("constraint"), setup.tokenizer)
@@ -301,6 +303,7 @@ def _sweep(opts: SweepOptions) -> int:
     for size in sizes:
         check_block_size(size, kind, "--block-sizes")
     text = read_prompt(opts.prompt_arg, opts.prompt)
+    print_loading(opts.model, opts.draft_model)
     setup = load_setup(opts, kind, ranks)
     ids = prompt_ids(setup, text)
     setup.check_ranks(ids)

@@ -558,6 +558,27 @@ def print_stderr(lines: list[str]) -> None:
         console.print(line, markup=False, soft_wrap=True)
 
 
+def loading_line(model: Optional[str], draft_model: Optional[str]) -> str:
+    """What is about to load: ``--model`` (or the bundled model) and ``--draft-model``."""
+    from .bundled import DISPLAY_NAME
+
+    drafter = f" with drafter {draft_model}" if draft_model else ""
+    return f"Loading {model if model is not None else DISPLAY_NAME}{drafter} ..."
+
+
+def print_loading(model: Optional[str], draft_model: Optional[str]) -> None:
+    """Say what loads, on a terminal, before the seconds of loading (4-12 s of nothing on a slow machine).
+
+    Not on a pipe or into a file: nobody is watching it wait, and there an error stays the one line
+    on stderr that scripts and the tests read.
+    """
+    if _MUTED:
+        return
+    console = Console(stderr=True, highlight=False)
+    if console.is_terminal:
+        console.print(loading_line(model, draft_model), markup=False, soft_wrap=True)
+
+
 def stderr_width() -> Optional[int]:
     """The terminal's width in columns when stderr is one; None on a pipe, where nothing wraps."""
     console = Console(stderr=True)

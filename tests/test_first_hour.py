@@ -69,6 +69,38 @@ def test_generate_help_is_shorter_and_serve_help_starts_with_where_it_listens():
         assert option in top, option
 
 
+# --- what is loading ---------------------------------------------------------------------
+
+# Rich's switch for "this stream is a terminal": the loading line is for a person watching one.
+TERMINAL = {"TTY_COMPATIBLE": "1"}
+
+
+def test_the_loading_line_names_the_bundled_model_and_the_drafter():
+    from specdec_cli.display import loading_line
+
+    assert loading_line(None, None) == "Loading SmolLM2-135M-Instruct (bundled) ..."
+    assert loading_line("org/big", "org/small") == "Loading org/big with drafter org/small ..."
+
+
+@pytest.mark.parametrize("command", ["generate", "sweep", "batch", "chat"])
+def test_each_command_says_what_loads_before_loading_it_on_a_terminal(models, tmp_path, command):
+    model, draft = str(models["llama"]), str(models["llama-draft"])
+    args = {
+        "generate": ["generate", "Hi", "-m", "4", "--json"],
+        "sweep": ["sweep", "Hi", "-m", "4", "--block-sizes", "2", "--warmup", "0", "--json"],
+        "batch": ["generate", "--prompts-file", "-", "-m", "4", "--json"],
+        "chat": ["chat", "-m", "4", "--no-live"],
+    }[command] + ["--model", model, "--draft-model", draft]
+    stdin = "Hi\nHello\n" if command == "batch" else ""
+    result = CliRunner().invoke(app, args, input=stdin, env=TERMINAL)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == f"Loading {model} with drafter {draft} ..."
+    assert "Loading" not in result.stdout  # stdout stays the text, or the one JSON object
+    # On a pipe nothing is added: there an error stays the only line on stderr.
+    piped = CliRunner().invoke(app, args, input=stdin)
+    assert piped.exit_code == 0 and "Loading" not in piped.stderr
+
+
 # --- chat ----------------------------------------------------------------------------------
 
 def test_chat_ends_the_prompt_line_at_ctrl_d(models, monkeypatch):
