@@ -179,6 +179,7 @@ def generate_batch(opts) -> int:
             print_stderr([f"warning: could not save the lookup history {setup.history.path} ({e.strerror})"])
 
     compare_interrupted = False
+    plain_batch: Optional[tuple[int, float]] = None
     if opts.compare_ar and not interrupted:
         try:
             for row in rows:
@@ -186,8 +187,10 @@ def generate_batch(opts) -> int:
                 batch.verdicts[row.comparison.verdict] += 1
                 batch.plain_generated += row.comparison.plain.generated
                 batch.plain_decode_s += row.comparison.plain.decode_s
+            plain_batch = _plain_batch(setup, rows, max_rows)
         except KeyboardInterrupt:
             compare_interrupted = True
+    plain_batch_tps = plain_batch[0] / plain_batch[1] if plain_batch and plain_batch[1] > 0 else None
 
     def finish(row: _Row) -> Optional[str]:
         if not row.ended:
@@ -210,6 +213,13 @@ def generate_batch(opts) -> int:
             "summary": {**batch.to_dict(), "peak_memory_gb": peak_gb},
             "interrupted": interrupted or compare_interrupted,
         }
+        compare = report["summary"]["compare"]
+        if compare is not None:
+            # Beside the comparison with each prompt alone, the like-for-like one: the same batch, plain.
+            compare.update(batched_ar_generated_tokens=plain_batch[0] if plain_batch else None,
+                           batched_ar_decode_s=plain_batch[1] if plain_batch else None,
+                           batched_ar_aggregate_tps=plain_batch_tps,
+                           batched_speedup=_ratio(batch.aggregate_tps if batch.generated else 0.0, plain_batch_tps))
         for i, row in enumerate(rows):
             entry = {"index": i, "line": row.prompt.line, "prompt": row.prompt.text,
                      "text": _text(setup, row.tokens), "seed": row.request.seed, **row.stats.to_dict(),
@@ -229,7 +239,11 @@ def generate_batch(opts) -> int:
             if row.comparison is not None:
                 lines += ["  " + line for line in comparison_lines(row.comparison, row.stats,
                                                                     lambda t: tokenizer.decode([t]))]
-        lines += batch_lines(batch, peak_gb=peak_gb)
+        speedups = [_ratio(r.stats.decode_tps if r.stats.generated else 0.0,
+                           r.comparison.plain.decode_tps if r.comparison.plain.generated else 0.0)
+                    for r in rows if r.comparison is not None]
+        lines += batch_lines(batch, peak_gb=peak_gb, plain_batch_tps=plain_batch_tps,
+                             row_speedups=[x for x in speedups if x is not None])
         if interrupted:
             lines.append("Interrupted (Ctrl-C or SIGTERM): rows that had not finished show what they had")
         if compare_interrupted:
@@ -250,6 +264,30 @@ def _text(setup: Setup, tokens: list[int]) -> str:
         detok.add_token(tok)
     detok.finalize()
     return detok.text
+
+
+def _ratio(tps: float, plain_tps: Optional[float]) -> Optional[float]:
+    """A speedup, or None where either side has nothing to measure (no tokens, no time)."""
+    return tps / plain_tps if tps > 0 and plain_tps else None
+
+
+def _plain_batch(setup: Setup, rows: list[_Row], max_rows: int) -> tuple[int, float]:
+    """Plain decoding of the same prompts, batched as the speculative run was: tokens and decode seconds.
+
+    What a user weighs speculation against: this batch without it. A row's own speedup
+    (against its prompt alone) counts batching's cost in, the aggregate over one prompt
+    after another batching's gain.
+    """
+    session = Session(setup, 1, adaptive=False, plain=True)
+    tokens, decode_s = 0, 0.0
+    events = run_batch(session, [r.request for r in rows], max_rows=max_rows, planner=False)
+    with closing(events):
+        for ev in events:
+            if isinstance(ev, BatchEnd):
+                decode_s = ev.decode_s
+            elif isinstance(ev.event, Step):
+                tokens += len(ev.event.block.tokens)
+    return tokens, decode_s
 
 
 def _compare(setup: Setup, opts, row: _Row, sampling) -> Comparison:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, TextIO
 
 from rich.console import Console as RichConsole, Group
 from rich.live import Live
@@ -479,8 +479,14 @@ def row_lines(heading: str, stats: Stats, *, latency: Optional[float], finish: O
     return [heading] + ["  " + line for line in lines]
 
 
-def batch_lines(batch: BatchStats, *, peak_gb: float) -> list[str]:
-    """The batch's summary: rows, tokens, aggregate speed, latency, time, and plain decoding's aggregate."""
+def batch_lines(batch: BatchStats, *, peak_gb: float, plain_batch_tps: Optional[float] = None,
+                row_speedups: Sequence[float] = ()) -> list[str]:
+    """The batch's summary: rows, tokens, aggregate speed, latency, time, and with ``--compare-ar`` the speedups.
+
+    The speedups lead with the like-for-like one, over plain decoding of the same batch
+    (``plain_batch_tps``, its aggregate); then each row's over its prompt alone (``row_speedups``,
+    which count batching's cost) and the aggregate's over one prompt after another (batching's gain).
+    """
     mean, worst = batch.mean_latency_s, batch.worst_latency_s
     latency = "no row finished" if mean is None else f"mean {mean:.3f} s, worst {worst:.3f} s"
     planner = f"; the planner's forward costs measured first in {batch.planner_s:.2f} s" if batch.planner_s else ""
@@ -497,7 +503,19 @@ def batch_lines(batch: BatchStats, *, peak_gb: float) -> list[str]:
         v = batch.verdicts
         lines.append(f"Compare: {v['identical']} identical, {v['rounding tie']} rounding ties, "
                      f"{v['diverged']} diverged")
-        words = "no speedup measurable" if batch.speedup is None else f"speedup {batch.speedup:.2f}x"
+        if plain_batch_tps is not None:
+            ratio = (f"{batch.aggregate_tps / plain_batch_tps:.2f}x" if batch.generated and batch.aggregate_tps
+                     and plain_batch_tps else "none measurable")
+            lines.append(f"Speedup over plain decoding of the same batch: {ratio} ({batch.aggregate_tps:.3f} against "
+                         f"{plain_batch_tps:.3f} tokens-per-sec aggregate, at most {batch.concurrency} rows together "
+                         "both ways)")
+        if row_speedups:
+            low, high = f"{min(row_speedups):.2f}x", f"{max(row_speedups):.2f}x"
+            span = low if low == high else f"{low} to {high}"
+            lines.append(f"Speedup by row: {span} (a row's tokens-per-sec in the batch over plain decoding of its "
+                         "prompt alone)")
+        words = ("no speedup measurable" if batch.speedup is None
+                 else f"the batch's aggregate is {batch.speedup:.2f}x that, batching's own gain included")
         lines.append(f"Plain decoding, one prompt after another: {batch.plain_generated} tokens, "
                      f"{batch.plain_aggregate_tps:.3f} tokens-per-sec aggregate; {words}")
     return lines

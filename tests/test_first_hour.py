@@ -6,6 +6,7 @@ headline, chat's last newline and the sweep's row for generate's own default.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -99,6 +100,31 @@ def test_each_command_says_what_loads_before_loading_it_on_a_terminal(models, tm
     # On a pipe nothing is added: there an error stays the only line on stderr.
     piped = CliRunner().invoke(app, args, input=stdin)
     assert piped.exit_code == 0 and "Loading" not in piped.stderr
+
+
+# --- the batch summary's speedups ------------------------------------------------------------
+
+def test_the_batch_summary_leads_with_the_same_batch_decoded_plainly(models, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hello there\nThe quick brown fox\nHi\n")
+    args = ["generate", "--model", str(models["llama"]), "-m", "12", "--prompts-file", str(path), "--compare-ar"]
+    result = CliRunner().invoke(app, [*args, "--no-live"])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("Compare: 3 identical"))
+    # First what a user weighs speculation against: the same prompts, batched the same way, without it;
+    # then each row against its prompt alone (lowest first); last the aggregate over one prompt after
+    # another, which says that batching's own gain is in it.
+    assert re.fullmatch(r"Speedup over plain decoding of the same batch: [\d.]+x \([\d.]+ against [\d.]+ "
+                        r"tokens-per-sec aggregate, at most 3 rows together both ways\)", lines[at + 1]), lines[at + 1]
+    row = re.fullmatch(r"Speedup by row: ([\d.]+)x( to ([\d.]+)x)? \(a row's tokens-per-sec in the batch over plain "
+                       r"decoding of its prompt alone\)", lines[at + 2])
+    assert row and float(row.group(1)) <= float(row.group(3) or row.group(1)), lines[at + 2]
+    assert lines[at + 3].startswith("Plain decoding, one prompt after another: ")
+    assert lines[at + 3].endswith("batching's own gain included")
+    summary = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)["summary"]["compare"]
+    assert summary["batched_ar_generated_tokens"] == summary["ar_generated_tokens"]
+    assert summary["batched_speedup"] > 0 and summary["batched_ar_aggregate_tps"] > 0
 
 
 # --- chat ----------------------------------------------------------------------------------
