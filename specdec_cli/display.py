@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .compare import Comparison
-from .measure import Progress, SweepResult
+from .measure import Progress, SweepResult, default_label
 from .stats import BatchStats, Stats
 
 if TYPE_CHECKING:
@@ -648,17 +648,32 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
     if _MUTED:
         return
     console = console if console is not None else _table_console(120)
-    best = max((r.speedup for r in result.rows), default=0.0)
+    # generate's default setting goes last, under a rule: compared with every fixed size, never the "best".
+    rows = result.rows + ([result.default] if result.default is not None else [])
+    best = max((r.speedup for r in rows), default=0.0)
+
+    def block(r) -> str:
+        if r.adaptive:
+            return default_label(r.block_size) + " "
+        return f"{r.block_size}{'*' if r.block_size == result.best_block_size else ' '}"
+
     cells = [{
-        "block": f"{r.block_size}{'*' if r.block_size == result.best_block_size else ' '}",
+        "block": block(r),
         "tok/s": f"{r.decode_tps:.2f}", "speedup": f"{r.speedup:.2f}x" if result.tokens else "-", "accept": f"{100 * r.acceptance:.1f}%",
         "acc/blk": f"{r.mean_accepted_per_block:.2f}", "draft": f"{r.draft_ms:.1f}", "verify": f"{r.verify_ms:.1f}",
         "rollback": f"{r.rollback_ms:.1f}", "syncs": f"{r.syncs_per_block:.2f}", "same": _SAME[r.verdict],
-    } for r in result.rows]
+    } for r in rows]
 
     def width(name: str) -> int:
         return max([len(name)] + [len(c[name]) for c in cells])
 
+    default = ""
+    if result.default is not None:
+        default = "; default: what generate runs without --block-size or --no-adaptive"
+        if _table_width([width(n) for n in _SWEEP_ESSENTIAL]) > console.width:
+            # Too narrow for the whole label beside the speedup and verdict: the caption says the rest.
+            cells[-1]["block"] = "default "
+            default = f"; default: adaptive, block {result.default.block_size}, what generate runs without options"
     shown = list(_SWEEP_ESSENTIAL)
     for name in _SWEEP_OPTIONAL:
         if _table_width([width(n) for n in shown + [name]]) <= console.width:
@@ -669,6 +684,7 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
     title = f"specdec sweep · {drafter} · {result.tokens} tokens · plain {result.ar_decode_tps:.2f} tok/s"
     hidden = [n for n in _SWEEP_COLUMNS if n and n not in shown]
     caption = "phase times in ms per block; * fastest" if {"draft", "verify", "rollback"} & set(shown) else "* fastest"
+    caption += default
     if not result.tokens:
         caption += "; no tokens generated: no speedup measurable"
     if hidden:
@@ -684,8 +700,9 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
         columns = [n for n in _SWEEP_COLUMNS if n in shown]
         for name in columns:
             table.add_column(name, justify="left" if name == "" else "right", no_wrap=True)
-        for r, c in zip(result.rows, cells):
-            table.add_row(*(_speed_bar(r.speedup, best, bar) if n == "" else c[n] for n in columns))
+        for i, (r, c) in enumerate(zip(rows, cells)):
+            table.add_row(*(_speed_bar(r.speedup, best, bar) if n == "" else c[n] for n in columns),
+                          end_section=i == len(result.rows) - 1)
         console.print(table)
     print_stderr([f"best block size: {result.best_block_size} (speedup = decode tok/s over plain decoding's, "
                   "same prompt ids, median of repeats)"])

@@ -5,7 +5,9 @@ an interleaved order (plain, B1, B2, ..., plain, B1, ...) so a machine that
 drifts slows all of them alike; a speedup is the median over repeats of the
 per-repeat ratio to that repeat's plain run. Speed comes from runs without
 phase timing; a separate timed run gives the per-phase milliseconds (its
-extra syncs would otherwise slow the speed runs).
+extra syncs would otherwise slow the speed runs). Besides the fixed block
+sizes a sweep can measure ``generate``'s own default (adaptive, its default
+block size), the setting a user would otherwise run without knowing its speed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
-from .adaptive import FixedLength
+from .adaptive import DraftPolicy, FixedLength
 from .compare import IDENTICAL, explain
 from .drafters import Drafter
 from .runner import collect, run
@@ -37,14 +39,16 @@ def measure(
     rollback_memory_cap: Optional[int] = None,
     prefill_step_size: int = 2048,
     timed: bool = False,
+    policy: Optional[DraftPolicy] = None,
     **run_options,
 ) -> tuple[Stats, list[int]]:
-    """One generation (plain when ``drafter`` is None) with a fixed block size.
+    """One generation (plain when ``drafter`` is None) with a fixed block size, or with ``policy``'s.
 
     ``run_options`` go to :func:`~specdec_cli.runner.run` (prefill sizing, KV quantization).
     """
     return collect(run(
-        model, prompt_ids, drafter=drafter, policy=FixedLength(block_size - 1), max_tokens=max_tokens,
+        model, prompt_ids, drafter=drafter, policy=policy if policy is not None else FixedLength(block_size - 1),
+        max_tokens=max_tokens,
         eos_ids=eos_ids, sampling=sampling, rollback=rollback, rollback_memory_cap=rollback_memory_cap,
         prefill_step_size=prefill_step_size, timed=timed, **run_options,
     ))
@@ -66,9 +70,32 @@ class SweepRow:
     identical: bool
     verdict: str = "identical"
     warmup_s: float = 0.0
+    adaptive: bool = False  # the draft length adapted (generate's default), up to block_size - 1
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class DefaultSetting:
+    """What ``generate`` runs when no option says otherwise: its default block size, adaptive.
+
+    Attributes:
+        block_size: The drafter's default block size.
+        policy: Makes a fresh adaptive policy for each run (a policy learns as it runs).
+    """
+
+    block_size: int
+    policy: Callable[[], DraftPolicy]
+
+    @property
+    def label(self) -> str:
+        return default_label(self.block_size)
+
+
+def default_label(block_size: int) -> str:
+    """How a sweep names generate's default setting."""
+    return f"default (adaptive, block {block_size})"
 
 
 @dataclass(frozen=True)
@@ -78,17 +105,24 @@ class SweepResult:
     ar_decode_tps: float
     rows: list[SweepRow]
     tokens: int
+    # generate's own default, measured like the rows (None: not measured); never the "best block size",
+    # which names a fixed size to pass as --block-size.
+    default: Optional[SweepRow] = None
 
     @property
     def best_block_size(self) -> Optional[int]:
         return max(self.rows, key=lambda r: r.speedup).block_size if self.rows else None
 
     def to_dict(self) -> dict:
+        default = None
+        if self.default is not None:
+            default = {"label": default_label(self.default.block_size), **self.default.to_dict()}
         return {
             "ar_decode_tps": self.ar_decode_tps,
             "best_block_size": self.best_block_size,
             "tokens": self.tokens,
             "rows": [r.to_dict() for r in self.rows],
+            "default": default,
         }
 
 
@@ -104,7 +138,7 @@ class Progress:
 def sweep(
     model: nn.Module,
     prompt_ids: Sequence[int],
-    make_drafter: Callable[[], Drafter],
+    make_drafter: Callable[..., Drafter],
     block_sizes: Sequence[int],
     *,
     max_tokens: int,
@@ -118,13 +152,15 @@ def sweep(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     sync=None,
+    default: Optional[DefaultSetting] = None,
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
 
     Args:
         model: Target model.
         prompt_ids: Prompt token ids, shared by every run.
-        make_drafter: Builds a fresh drafter for each run.
+        make_drafter: Builds a fresh drafter for each run; for ``default``'s runs it is
+            handed the run's policy (a lookup drafter sizes its drafts with it).
         block_sizes: Block sizes to measure (>= 1; 1 drafts nothing).
         max_tokens: Tokens per run.
         eos_ids: Ids that end a run.
@@ -140,6 +176,8 @@ def sweep(
         kv_bits: Quantized KV cache for the target (None: off).
         kv_group_size: Its group size.
         sync: The ranks of a sharded target (see :mod:`specdec_cli.distributed`).
+        default: Also measure ``generate``'s default setting, as one more configuration
+            (its row is ``SweepResult.default``).
     """
     kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size,
               kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
@@ -148,7 +186,9 @@ def sweep(
         first, _ = measure(model, prompt_ids, None, **dict(kw, max_tokens=1), prefill_seconds=prefill_seconds)
         kw["prefill_chunks"] = first.prefill_chunks
     spec_kw = dict(kw, rollback=rollback, rollback_memory_cap=rollback_memory_cap)
-    total = 2 * warmup + repeats * (1 + len(block_sizes)) + len(block_sizes)
+    # Every configuration: a fixed block size, or "default" (generate's own setting).
+    configs: list[Union[int, str]] = [*block_sizes, *(["default"] if default is not None else [])]
+    total = 2 * warmup + repeats * (1 + len(configs)) + len(configs)
     done = 0
 
     def step(label: str) -> Progress:
@@ -156,46 +196,56 @@ def sweep(
         done += 1
         return Progress(done, total, label)
 
+    def name(c: Union[int, str]) -> str:
+        return f"block {c}" if c != "default" else "default"
+
+    def once(c: Union[int, str], timed: bool = False) -> tuple[Stats, list[int]]:
+        if c == "default":
+            policy = default.policy()
+            return measure(model, prompt_ids, make_drafter(policy), default.block_size, policy=policy,
+                           timed=timed, **spec_kw)
+        return measure(model, prompt_ids, make_drafter(), c, timed=timed, **spec_kw)
+
     for _ in range(warmup):
         measure(model, prompt_ids, None, **kw)
         yield step("warm-up: plain")
-        measure(model, prompt_ids, make_drafter(), block_sizes[0], **spec_kw)
-        yield step(f"warm-up: block {block_sizes[0]}")
+        once(configs[0])
+        yield step(f"warm-up: {name(configs[0])}")
 
     plain_tps: list[float] = []
-    spec: dict[int, list[Stats]] = {b: [] for b in block_sizes}
+    spec: dict[Union[int, str], list[Stats]] = {c: [] for c in configs}
     reference: list[int] = []
-    verdict = {b: IDENTICAL for b in block_sizes}
-    warm_s = {b: 0.0 for b in block_sizes}
+    verdict = {c: IDENTICAL for c in configs}
+    warm_s = {c: 0.0 for c in configs}
 
-    def judge(b: int, stats: Stats, out: list[int]) -> None:
-        # The first difference per block size is explained (recomputed both ways).
-        if out != reference and verdict[b] == IDENTICAL:
+    def judge(c: Union[int, str], stats: Stats, out: list[int]) -> None:
+        # The first difference per configuration is explained (recomputed both ways).
+        if out != reference and verdict[c] == IDENTICAL:
             d = explain(model, prompt_ids, out, reference, stats.trace, eos_ids=eos_ids,
                         prefill_step_size=prefill_step_size, prefill_chunks=kw.get("prefill_chunks"),
                         kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
-            verdict[b] = d.verdict
-        warm_s[b] += stats.warmup_s
+            verdict[c] = d.verdict
+        warm_s[c] += stats.warmup_s
 
     for _ in range(repeats):
         stats, reference = measure(model, prompt_ids, None, **kw)
         plain_tps.append(stats.decode_tps)
         yield step("plain")
-        for b in block_sizes:
-            stats, out = measure(model, prompt_ids, make_drafter(), b, **spec_kw)
-            spec[b].append(stats)
-            judge(b, stats, out)
-            yield step(f"block {b}")
+        for c in configs:
+            stats, out = once(c)
+            spec[c].append(stats)
+            judge(c, stats, out)
+            yield step(name(c))
 
-    rows = []
-    for b in block_sizes:
-        timed, out = measure(model, prompt_ids, make_drafter(), b, timed=True, **spec_kw)
-        judge(b, timed, out)
-        yield step(f"block {b} (phase timing)")
-        runs = spec[b]
+    rows: dict[Union[int, str], SweepRow] = {}
+    for c in configs:
+        timed, out = once(c, timed=True)
+        judge(c, timed, out)
+        yield step(f"{name(c)} (phase timing)")
+        runs = spec[c]
         ms = timed.phase_ms or {"draft_ms": 0.0, "verify_ms": 0.0, "rollback_ms": 0.0}
-        rows.append(SweepRow(
-            block_size=b,
+        rows[c] = SweepRow(
+            block_size=default.block_size if c == "default" else c,
             decode_tps=statistics.median(s.decode_tps for s in runs),
             # No ratio when nothing was generated (e.g. an EOS first): 0.0, shown as "-".
             speedup=statistics.median([s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0] or [0.0]),
@@ -205,8 +255,10 @@ def sweep(
             verify_ms=ms["verify_ms"],
             rollback_ms=ms["rollback_ms"],
             syncs_per_block=runs[0].syncs / max(runs[0].blocks, 1),
-            identical=verdict[b] == IDENTICAL,
-            verdict=verdict[b],
-            warmup_s=warm_s[b],
-        ))
-    yield SweepResult(statistics.median(plain_tps), rows, len(reference))
+            identical=verdict[c] == IDENTICAL,
+            verdict=verdict[c],
+            warmup_s=warm_s[c],
+            adaptive=c == "default",
+        )
+    yield SweepResult(statistics.median(plain_tps), [rows[b] for b in block_sizes], len(reference),
+                      rows.get("default"))

@@ -140,3 +140,22 @@ def test_chat_ends_the_prompt_line_at_ctrl_d(models, monkeypatch):
     monkeypatch.setattr(chat, "_interactive", lambda: False)  # piped: no prompt, no line to end
     result = CliRunner().invoke(app, args, input="")
     assert result.exit_code == 0 and result.stdout == ""
+
+
+# --- sweep measures generate's default ------------------------------------------------------
+
+def test_sweep_measures_generates_default_as_a_row_of_its_own(models):
+    model, draft = str(models["llama"]), str(models["llama-draft"])
+    common = ["sweep", "Hi", "-m", "12", "--block-sizes", "2,3", "--warmup", "0", "--model", model]
+    # A draft model's default block size is 4; prompt lookup's (no drafter named) 64.
+    result = CliRunner().invoke(app, [*common, "--draft-model", draft])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^│\s+default \(adaptive, block 4\)\s+│.*│\s+(yes|tie)\s+│$", result.stdout, re.M), result.stdout
+    assert "default: what generate runs without --block-size or --no-adaptive" in result.stdout
+    assert "best block size: " in result.stderr  # still a fixed size to pass as --block-size
+    report = json.loads(CliRunner().invoke(app, [*common, "--json"]).stdout)
+    assert [r["block_size"] for r in report["rows"]] == [2, 3]  # the fixed sizes asked for, as before
+    default = report["default"]
+    assert default["label"] == "default (adaptive, block 64)"
+    assert default["block_size"] == 64 and default["adaptive"] is True and default["identical"] is True
+    assert default["speedup"] > 0 and report["best_block_size"] in (2, 3)
