@@ -16,12 +16,14 @@ with :func:`from_openai_error`.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from ..session.reply import Piece
+from .dialect import chat_request, check_text
 from .protocol import ApiError, ChatRequest, StrictModel
 
 # Anthropic's error type for each HTTP status (https://docs.anthropic.com/en/api/errors).
@@ -29,6 +31,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
                529: "overloaded_error"}
+# Claude Code and its sub-agents ask for Anthropic's models by name (claude-sonnet-*, claude-opus-*,
+# claude-haiku-*, its /model menu): one model is served, and it answers to all of them.
+CLAUDE_PREFIX = "claude-"
+# Claude Code's first system line (x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;)
+# changes per version and, interactively, per request: kept, it would defeat the prompt cache.
+BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 # Fields of ours (not Anthropic's) a request may add, passed on to the chat request as they are.
 EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "chat_template_kwargs", "logit_bias", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "repetition_context_size", "presence_context_size",
@@ -139,6 +147,23 @@ def _text(blocks: Union[str, list[Block], None], where: str) -> str:
     return "\n".join(b.text or "" for b in blocks)
 
 
+def _billing_dropped(system: Union[str, list[Block], None]) -> Union[str, list[Block], None]:
+    """The system prompt without Claude Code's billing line (a block that held only it is left out)."""
+    if isinstance(system, str):
+        return BILLING_LINE.sub("", system)
+    if not system:
+        return system
+    kept = []
+    for b in system:
+        if b.type == "text" and b.text and BILLING_LINE.search(b.text):
+            text = BILLING_LINE.sub("", b.text)
+            if not text.strip():
+                continue
+            b = b.model_copy(update={"text": text})
+        kept.append(b)
+    return kept
+
+
 def _call(block: Block, where: str) -> dict:
     if block.id is None or block.name is None or block.input is None:
         raise ApiError(400, f"{where}: a tool_use block needs id, name and input", where, "invalid_value")
@@ -146,16 +171,22 @@ def _call(block: Block, where: str) -> dict:
             "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
 
 
-def _messages(req: CountTokensRequest) -> list[dict]:
-    """Anthropic's system and messages as chat messages."""
+def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
+    """Anthropic's system and messages as chat messages, and the client's field each came from."""
     out: list[dict] = []
-    system = _text(req.system, "system")
+    origins: list[str] = []
+
+    def add(message: dict, origin: str) -> None:
+        out.append(message)
+        origins.append(origin)
+
+    system = _text(_billing_dropped(req.system), "system")
     if system:
-        out.append({"role": "system", "content": system})
+        add({"role": "system", "content": system}, "system")
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
         if isinstance(m.content, str) or m.role == "system":
-            out.append({"role": m.role, "content": _text(m.content, where)})
+            add({"role": m.role, "content": _text(m.content, where)}, f"messages[{i}]")
             continue
         if m.role == "assistant":
             texts, calls = [], []
@@ -170,7 +201,7 @@ def _messages(req: CountTokensRequest) -> list[dict]:
             msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
-            out.append(msg)
+            add(msg, f"messages[{i}]")
             continue
         texts = []
         for j, b in enumerate(m.content):
@@ -179,21 +210,23 @@ def _messages(req: CountTokensRequest) -> list[dict]:
                     raise ApiError(400, f"{where}[{j}]: a tool_result block needs tool_use_id", f"{where}[{j}]",
                                    "invalid_value")
                 if texts:  # text before a result keeps its place in the conversation
-                    out.append({"role": "user", "content": "\n".join(texts)})
+                    add({"role": "user", "content": "\n".join(texts)}, f"messages[{i}]")
                     texts = []
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": _text(b.content, f"{where}[{j}].content")})
+                result = _text(b.content, f"{where}[{j}].content")
+                if b.is_error:  # the model must know the call failed: templates have no field for it
+                    result = f"Error: {result}" if result else "Error"
+                add({"role": "tool", "tool_call_id": b.tool_use_id, "content": result}, f"{where}[{j}]")
             elif b.type == "text":
                 texts.append(b.text or "")
             else:
                 raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported: this server runs a text model "
                               "and reads text and tool_result blocks")
         if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+            add({"role": "user", "content": "\n".join(texts)}, f"messages[{i}]")
     if req.messages[-1].role == "assistant":
         raise _refuse(f"messages[{len(req.messages) - 1}]", "the last message must be the user's: continuing an "
                       "assistant message (prefill) is not supported")
-    return out
+    return out, origins
 
 
 def _tools(req: CountTokensRequest) -> Optional[list[dict]]:
@@ -236,8 +269,10 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
         raise _refuse("mcp_servers", "this server connects to no MCP servers: give their tools as client tools")
     if req.container is not None:
         raise _refuse("container", "this server runs no containers")
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
-                            "tool_choice": choice}
+    check_text(req)
+    model = None if req.model.startswith(CLAUDE_PREFIX) else req.model
+    messages, origins = _messages(req)
+    body: dict[str, Any] = {"model": model, "messages": messages, "tools": _tools(req), "tool_choice": choice}
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         body["parallel_tool_calls"] = False
     kwargs: dict[str, Any] = {}
@@ -252,13 +287,7 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-    try:
-        return ChatRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise ApiError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param,
-                       "invalid_value") from None
+    return chat_request(body, origins)
 
 
 # --- answers ---------------------------------------------------------------------------
