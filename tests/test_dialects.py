@@ -307,7 +307,7 @@ BAD = [
                                            "messages": [{"role": "user", "content": "hi"}],
                                            "output_config": {"format": {"type": "json_schema", "schema": {}}}},
      400, "invalid_request_error", "output_config.format"),
-    ("unknown model", "/v1/messages", {"model": "claude-sonnet-4-5", "max_tokens": 5,
+    ("unknown model", "/v1/messages", {"model": "gpt-4o", "max_tokens": 5,
                                        "messages": [{"role": "user", "content": "hi"}]},
      404, "not_found_error", "model"),
     ("count_tokens without messages", "/v1/messages/count_tokens", {"model": "default_model"},
@@ -336,7 +336,7 @@ def test_the_client_reads_errors_as_its_own_exceptions(server):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError) as e:
-        client.messages.create(model="claude-haiku-4-5", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+        client.messages.create(model="llama-3-70b", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     message = e.value.body["error"]["message"]
     assert e.value.body["error"]["type"] == "not_found_error" and "is not served here" in message
     assert message.startswith("model:") and "GET /v1/models" in message
@@ -423,8 +423,9 @@ def test_anthropic_blocks_become_chat_messages_in_order():
         "thinking": {"type": "disabled"}, "stop_sequences": ["END"], "some_client_field": {"x": 1}})
     chat = messages_api.to_chat(req)
     got = [(m.role, m.content, m.tool_call_id, [c.id for c in m.tool_calls or []]) for m in chat.messages]
+    # A failed call is said in the tool's message: templates have no field for is_error.
     assert got == [("system", "A\nB", None, []), ("user", "Go", None, []), ("assistant", "Calling.", None, ["t1", "t2"]),
-                   ("tool", "one", "t1", []), ("tool", "two", "t2", []), ("user", "Thanks", None, [])]
+                   ("tool", "one", "t1", []), ("tool", "Error: two", "t2", []), ("user", "Thanks", None, [])]
     assert chat.messages[2].tool_calls[0].function.model_dump() == {"name": "f", "arguments": '{"a": 1}'}
     assert chat.chat_template_kwargs == {"enable_thinking": False} and chat.stop == ["END"]
 
@@ -498,7 +499,6 @@ REFUSED = [
     ("conversation", {"input": "hi", "conversation": "conv_1"}, "conversation"),
     ("an image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
      "input[0].content[0]"),
-    ("a hosted tool", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ("a tool_choice of a hosted tool", {"input": "hi", "tools": [RESPONSES_TOOL],
                                         "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ("an unknown text format", {"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
@@ -572,3 +572,181 @@ def test_a_failure_after_the_answer_started_is_an_event_in_each_dialect():
     assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
     assert last["response"]["error"] == {"code": "server_error", "message": "the server is shutting down"}
     assert last["response"]["output"][0]["status"] == "incomplete"
+
+
+# --- what the real agents send (tests/test_agents.py runs the agents themselves) -----------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK warns of retired Anthropic names
+@pytest.mark.parametrize("name", ["claude-sonnet-4-5", "claude-opus-4-1-20250805", "claude-haiku-4-5"])
+def test_claude_model_names_are_the_served_model(server, name):
+    # Claude Code's sub-agents and /model ask for Anthropic's models by name: one model answers them all.
+    out = claude(server).messages.create(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert out.content[0].type == "text"
+    assert claude(server).messages.count_tokens(model=name, messages=[{"role": "user", "content": "hi"}]).input_tokens
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.328.b7f; cc_entrypoint=cli; cch={};"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_claude_codes_billing_line_never_reaches_the_prompt(server):
+    client = claude(server)
+    system = [{"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude. " * 8,
+               "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": "list the files"}]
+    without = client.messages.count_tokens(model="claude-sonnet-4-5", system=system, messages=messages).input_tokens
+    for cch in ("1a2b3", "9f8e7"):  # interactive use: a new value per request
+        for line in ([{"type": "text", "text": BILLING.format(cch)}], [{"type": "text", "text": BILLING.format(cch)
+                                                                        + "\n" + system[0]["text"]}]):
+            shaped = line + system if len(line[0]["text"]) < 100 else line
+            assert client.messages.count_tokens(model="claude-sonnet-4-5", system=shaped,
+                                                messages=messages).input_tokens == without
+    # Two requests that differ only in the line: the second's prompt comes from the prompt cache.
+    first = client.messages.create(model="claude-sonnet-4-5", max_tokens=2, messages=messages,
+                                   system=[{"type": "text", "text": BILLING.format("aaaaa")}] + system)
+    second = client.messages.create(model="claude-sonnet-4-5", max_tokens=2, messages=messages,
+                                    system=[{"type": "text", "text": BILLING.format("bbbbb")}] + system)
+    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == total == without
+    assert second.usage.cache_read_input_tokens >= total - 8, second.usage
+
+
+def test_a_claude_code_turn_with_its_later_system_message_and_adaptive_thinking(server):
+    # Claude Code 2.1.328 as captured: a system message after the first user message, adaptive thinking,
+    # context management, an effort; the last message is that system message.
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True,
+            "system": [{"type": "text", "text": BILLING.format("0")},
+                       {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>"},
+                                                      {"type": "text", "text": "Say hello."}]},
+                         {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp"}]}],
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}, "metadata": {"user_id": "{\"session_id\": \"s\"}"}}
+    headers = {"authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,effort-2025-11-24"}
+    message = check_anthropic_events(sse(server, "/v1/messages?beta=true", {**body, "max_tokens": 4}, headers))
+    assert message["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_bursts_of_count_tokens_are_answered_while_an_answer_streams(server):
+    # Claude Code counts tokens in bursts; counting renders the prompt off the generation thread.
+    import concurrent.futures
+
+    body = {"model": "default_model", "messages": [{"role": "user", "content": "Count me " * 50}]}
+    headers = {"authorization": f"Bearer {KEY}"}
+    want = server.post("/v1/messages/count_tokens", body, headers=headers).json()["input_tokens"]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        long = pool.submit(lambda: claude(server).messages.create(
+            model="default_model", max_tokens=200, messages=[{"role": "user", "content": "Tell a long story."}]))
+        counts = list(pool.map(lambda _: server.post("/v1/messages/count_tokens", body, headers=headers), range(40)))
+        assert long.result().usage.output_tokens > 0
+    assert [r.status_code for r in counts] == [200] * 40
+    assert {r.json()["input_tokens"] for r in counts} == {want}
+
+
+def test_errors_name_the_field_the_client_sent(server):
+    headers = {"authorization": f"Bearer {KEY}"}
+    r = server.post("/v1/messages", {"model": "default_model", "max_tokens": 2, "system": "bad \ud800 text",
+                                     "messages": [{"role": "user", "content": "hi"}]}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("system:"), r.text
+    r = server.post("/v1/messages", {"model": "default_model", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[2]"), r.text
+    r = server.post("/v1/responses", {"model": "default_model", "input": [
+        {"role": "user", "content": "hi"}, {"role": "user", "content": "x\ud800"}]}, headers=headers)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"].startswith("input[1]"), r.text
+    for answer in (r.text,):
+        assert "Value error" not in answer
+
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "description": "Runs a command.", "strict": False,
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}},
+    {"type": "namespace", "name": "weather", "description": "Weather tools.",
+     "tools": [{"type": "function", "name": "get_weather", "description": WEATHER["description"], "strict": False,
+                "parameters": WEATHER["parameters"]}]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+]
+
+
+def test_codex_tools_are_served_namespaced_and_hosted_ones_left_out():
+    req = responses_api.ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": CODEX_TOOLS + [
+        {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: \"*** Begin Patch\" /(.|\\n)*/"}}]})
+    chat_req = responses_api.to_chat(req)
+    names = [t["function"]["name"] for t in chat_req.tools]
+    assert names == ["exec_command", "get_weather", "apply_patch"]
+    custom = chat_req.tools[2]["function"]["parameters"]
+    assert custom["required"] == ["input"] and "*** Begin Patch" in custom["properties"]["input"]["description"]
+    routes = responses_api.routes(req)
+    assert routes["weather.get_weather"] == routes["get_weather"] == responses_api.Route("function", "get_weather",
+                                                                                          "weather")
+    assert routes["apply_patch"].kind == "custom"
+    # Two namespaces with one function name: each is offered qualified.
+    twice = responses_api.ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [
+        {"type": "namespace", "name": ns, "tools": [{"type": "function", "name": "close", "parameters": {}}]}
+        for ns in ("a", "b")]})
+    assert [t["function"]["name"] for t in responses_api.to_chat(twice).tools] == ["a.close", "b.close"]
+
+
+def test_a_namespaced_call_goes_back_with_its_namespace(tools_server):
+    # Offered by its own name (no other tool has it), called so: the answer names the namespace Codex routes by.
+    client = tools_server.client()
+    out = client.responses.create(model="default_model", input=TOOL_QUESTION, tools=CODEX_TOOLS[1:],
+                                  max_output_tokens=120)
+    (call,) = out.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.model_dump()["namespace"] == "weather"
+    assert json.loads(call.arguments) == {"city": "Paris"} and out.status == "completed"
+    # Codex sends it back with its namespace: the same prompt as the bare call under a flat tool.
+    follow = TOOL_QUESTION + [call.model_dump(exclude_none=True),
+                              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    after = client.responses.create(model="default_model", input=follow, tools=CODEX_TOOLS[1:], max_output_tokens=1)
+    assert after.usage.input_tokens > out.usage.input_tokens
+
+
+def test_a_custom_tool_call_is_answered_as_custom_tool_call():
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+    tool = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: /(.|\\n)+/"}}
+    req = responses_api.ResponsesRequest.model_validate({"model": "m", "input": "edit", "tools": [tool],
+                                                         "stream": True})
+    shape = responses_api.ResponseShape(req, "m", timings=lambda reply: {})
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "apply_patch", "arguments": json.dumps({"input": patch})}}
+    events = shape.start() + shape.piece(Piece(content="Editing.", tool_calls=[call]))
+    kinds = [e["type"] for e in events]
+    assert kinds[-4:] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                          "response.custom_tool_call_input.done", "response.output_item.done"]
+    item = events[-1]["item"]
+    assert item == {"id": item["id"], "type": "custom_tool_call", "status": "completed", "call_id": "call_1",
+                    "name": "apply_patch", "input": patch}
+    assert events[-2]["input"] == patch and events[-3]["delta"] == patch
+    # Codex sends the call and its output back: the model sees the call it made, as a JSON argument.
+    back = responses_api.ResponsesRequest.model_validate({"model": "m", "tools": [tool], "input": [
+        {"role": "user", "content": "edit"}, item,
+        {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Done!"}]})
+    messages = responses_api.to_chat(back).messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].tool_calls[0].function.name == "apply_patch"
+    assert json.loads(messages[1].tool_calls[0].function.arguments) == {"input": patch}
+    assert messages[2].content == "Done!" and messages[2].tool_call_id == "call_1"
+
+
+def test_without_max_output_tokens_a_response_runs_to_its_end(tmp_path):
+    # Codex sets no limit: the answer runs to end-of-sequence (or the context), not the server's --max-tokens.
+    from agents import ANSWER, hello_model_dir
+
+    started = Server("--model", hello_model_dir(tmp_path / "m", "qwen3_5"), "--max-tokens", "1")
+    try:
+        client = started.client()
+        out = client.responses.create(model="default_model", input="Say hello.")
+        assert out.status == "completed" and out.output_text == ANSWER
+        cut = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Hi"}])
+        assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 1
+    finally:
+        started.stop()

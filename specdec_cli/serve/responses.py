@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from ..session.reply import Piece
 from . import protocol
+from .dialect import chat_request, check_text
 from .protocol import ApiError, ChatRequest, StrictModel
 
 # Fields of ours (not OpenAI's) a request may add, passed on to the chat request as they are:
@@ -32,6 +34,8 @@ EXTENSIONS = ("seed", "top_k", "min_p", "num_draft_tokens", "chat_template_kwarg
 # include item that asks for the output text's log-probabilities.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
+# The one argument a custom tool's call carries for the model: its free-form input.
+CUSTOM_INPUT = "input"
 
 
 class Part(StrictModel):
@@ -51,16 +55,22 @@ class Item(StrictModel):
     call_id: Optional[str] = None
     name: Optional[str] = None
     arguments: Optional[str] = None
+    # A custom tool's call (its free-form input) and a namespaced function's namespace.
+    input: Optional[str] = None
+    namespace: Optional[str] = None
     output: Union[str, list[Part], None] = None
 
 
 class Tool(StrictModel):
-    """A tool as the Responses API writes it: flat (``type``, ``name``, ``description``, ``parameters``)."""
+    """A tool as the Responses API writes it: flat (``type``, ``name``, ``description``, ``parameters``);
+    a ``namespace`` holds function tools; a ``custom`` tool takes free text (``format``: a grammar)."""
 
     type: str
     name: Optional[str] = None
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
+    tools: Optional[list["Tool"]] = None
+    format: Optional[dict[str, Any]] = None
 
 
 class ResponsesRequest(StrictModel):
@@ -131,65 +141,145 @@ def _stateless(req: ResponsesRequest) -> None:
             raise _refuse(param, why)
 
 
-def _messages(req: ResponsesRequest) -> list[dict]:
+# Items of hosted tools' calls (run on OpenAI's side): nothing of them reaches a local model.
+HOSTED_CALLS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
+                "code_interpreter_call", "image_generation_call", "mcp_list_tools", "mcp_approval_request",
+                "mcp_approval_response", "tool_search_call", "tool_search_output")
+
+
+def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
+    """The input items as chat messages, and the client's field each came from."""
     out: list[dict] = []
+    origins: list[str] = []
+    offered = _offered(req)
+
+    def add(message: dict, origin: str) -> None:
+        out.append(message)
+        origins.append(origin)
+
+    def call(item_id: str, name: str, arguments: str, origin: str) -> None:
+        entry = {"id": item_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        if out and out[-1]["role"] == "assistant":  # a call after the assistant's text, or a parallel call
+            out[-1].setdefault("tool_calls", []).append(entry)
+        else:
+            add({"role": "assistant", "content": "", "tool_calls": [entry]}, origin)
+
     if req.instructions:
-        out.append({"role": "system", "content": req.instructions})
+        add({"role": "system", "content": req.instructions}, "instructions")
     items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     if not items:
         raise ApiError(400, "input is empty: send a string or at least one item", "input", "invalid_value")
     for i, item in enumerate(items):
+        where = "input" if isinstance(req.input, str) else f"input[{i}]"
         kind = item.type or ("message" if item.role is not None else None)
         if kind == "message":
             if item.role not in ("user", "assistant", "system", "developer"):
-                raise ApiError(400, f"input[{i}].role must be user, assistant, system or developer",
-                               f"input[{i}].role", "invalid_value")
-            role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content, f"input[{i}].content")})
-        elif kind == "function_call":
-            if item.call_id is None or item.name is None or item.arguments is None:
-                raise ApiError(400, f"input[{i}]: a function_call item needs call_id, name and arguments",
-                               f"input[{i}]", "invalid_value")
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if out and out[-1]["role"] == "assistant":  # a call after the assistant's text, or a parallel call
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer",
+                               f"{where}.role", "invalid_value")
+            add({"role": item.role, "content": _text(item.content, f"{where}.content")}, where)
+        elif kind in ("function_call", "custom_tool_call"):
+            custom = kind == "custom_tool_call"
+            value = item.input if custom else item.arguments
+            if item.call_id is None or item.name is None or value is None:
+                what = "input" if custom else "arguments"
+                raise ApiError(400, f"{where}: a {kind} item needs call_id, name and {what}", where, "invalid_value")
+            name = offered.get((item.namespace, item.name), item.name)
+            call(item.call_id, name, json.dumps({CUSTOM_INPUT: value}, ensure_ascii=False) if custom else value,
+                 where)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if item.call_id is None:
-                raise ApiError(400, f"input[{i}]: a function_call_output item needs call_id", f"input[{i}]",
-                               "invalid_value")
-            out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": _text(item.output, f"input[{i}].output")})
-        elif kind == "reasoning":
-            continue  # earlier reasoning: left out, as the chat templates of thinking models do
+                raise ApiError(400, f"{where}: a {kind} item needs call_id", where, "invalid_value")
+            add({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"{where}.output")},
+                where)
+        elif kind == "reasoning" or kind in HOSTED_CALLS:
+            continue  # earlier reasoning is left out, as thinking models' templates do; hosted calls ran elsewhere
         elif kind is None:
-            raise ApiError(400, f"input[{i}] needs a type (or, for a message, a role)", f"input[{i}]",
-                           "invalid_value")
+            raise ApiError(400, f"{where} needs a type (or, for a message, a role)", where, "invalid_value")
         elif kind == "item_reference":
-            raise _refuse(f"input[{i}]", "this server keeps no state: send the item itself, not a reference")
+            raise _refuse(where, "this server keeps no state: send the item itself, not a reference")
         else:
-            raise _refuse(f"input[{i}]", f"input items of type {kind!r} are not supported: messages, "
-                          "function_call, function_call_output and reasoning are")
+            raise _refuse(where, f"input items of type {kind!r} are not supported: messages, function_call, "
+                          "function_call_output, custom_tool_call, custom_tool_call_output and reasoning are")
+    return out, origins
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a call the model makes goes back to: a ``function`` (in a ``namespace`` or not) or a
+    ``custom`` tool (its free-form input is the call's ``input`` argument)."""
+
+    kind: str
+    name: str
+    namespace: Optional[str] = None
+
+
+def routes(req: ResponsesRequest) -> dict[str, Route]:
+    """The tools offered to the model, by the name it sees; tools the server does not run are left out.
+
+    A namespace's function is offered by its own name where no other offered
+    tool has that name, else as ``namespace.function``; hosted tools
+    (``web_search``, ``file_search``, ``code_interpreter``, ...) run on OpenAI's
+    side and are not offered here: a client that sends them gets answers without them.
+    """
+    flat: list[tuple[str, Route]] = []
+    for t in req.tools or []:
+        if t.type in ("function", "custom") and t.name is not None:
+            flat.append((t.name, Route(t.type, t.name)))
+        elif t.type == "namespace" and t.name is not None:
+            flat += [(inner.name, Route("function", inner.name, t.name)) for inner in t.tools or []
+                     if inner.type == "function" and inner.name is not None]
+    counts: dict[str, int] = {}
+    for name, _ in flat:
+        counts[name] = counts.get(name, 0) + 1
+    out: dict[str, Route] = {}
+    for name, route in flat:
+        seen = name if route.namespace is None or counts[name] == 1 else f"{route.namespace}.{name}"
+        out[seen] = route
+        if route.namespace is not None:
+            out.setdefault(f"{route.namespace}.{name}", route)  # a model may write the qualified name anyway
     return out
+
+
+def _offered(req: ResponsesRequest) -> dict[tuple[Optional[str], str], str]:
+    """(namespace, name) -> the name the model sees (see :func:`routes`)."""
+    out: dict[tuple[Optional[str], str], str] = {}
+    for seen, route in routes(req).items():
+        out.setdefault((route.namespace, route.name), seen)
+    return out
+
+
+def _function(name: str, tool: Tool, where: str) -> dict:
+    fn: dict[str, Any] = {"name": name}
+    if tool.description is not None:
+        fn["description"] = tool.description
+    if tool.type == "custom":
+        # Free text, as a string argument: the chat templates and tool parsers all speak JSON arguments.
+        grammar = (tool.format or {}).get("definition") if (tool.format or {}).get("type") == "grammar" else None
+        what = "The tool's input, free text" + (f" in this {(tool.format or {}).get('syntax', '')} grammar:\n"
+                                                f"{grammar}" if grammar else "")
+        fn["parameters"] = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "description": what}},
+                            "required": [CUSTOM_INPUT], "additionalProperties": False}
+    else:
+        fn["parameters"] = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": fn}
 
 
 def _tools(req: ResponsesRequest) -> Optional[list[dict]]:
-    if not req.tools:
-        return None
     out = []
-    for i, t in enumerate(req.tools):
-        if t.type != "function":
-            raise _refuse(f"tools[{i}]", f"tools of type {t.type!r} are not run here: only function tools are")
-        if t.name is None:
+    seen = _offered(req)
+    for i, t in enumerate(req.tools or []):
+        if t.type in ("function", "custom", "namespace") and t.name is None:
             raise ApiError(400, f"tools[{i}].name: Field required", f"tools[{i}].name", "invalid_value")
-        fn: dict[str, Any] = {"name": t.name}
-        if t.description is not None:
-            fn["description"] = t.description
-        fn["parameters"] = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out
+        if t.type in ("function", "custom"):
+            out.append(_function(t.name, t, f"tools[{i}]"))
+        elif t.type == "namespace":
+            for j, inner in enumerate(t.tools or []):
+                if inner.type != "function" or inner.name is None:
+                    raise ApiError(400, f"tools[{i}].tools[{j}]: a namespace holds function tools with names",
+                                   f"tools[{i}].tools[{j}]", "invalid_value")
+                out.append(_function(seen[(t.name, inner.name)], inner, f"tools[{i}].tools[{j}]"))
+        # Anything else is a hosted tool, run by OpenAI's servers: left out (see routes).
+    return out or None
 
 
 def _format(req: ResponsesRequest) -> Optional[dict]:
@@ -205,13 +295,24 @@ def _format(req: ResponsesRequest) -> Optional[dict]:
                    "text.format.type", "invalid_value")
 
 
-def _tool_choice(choice):
-    """The Responses API's tool_choice as chat's: a named function is ``{"type": "function", "name"}`` here."""
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(choice, dict) and choice.get("type") not in ("function", None):
-        raise _refuse("tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported: 'auto', "
-                      "'none', 'required' or a function are")
+def _tool_choice(req: ResponsesRequest):
+    """The Responses API's tool_choice as chat's: a named tool is ``{"type": "function" | "custom", "name"}``
+    here (a namespaced function with its ``namespace``)."""
+    choice = req.tool_choice
+    if not isinstance(choice, dict):
+        return choice
+    kind = choice.get("type")
+    if kind in ("function", "custom") and "function" not in choice:
+        name = choice.get("name")
+        if isinstance(name, str):
+            name = _offered(req).get((choice.get("namespace"), name), name)
+        return {"type": "function", "function": {"name": name}}
+    if kind == "allowed_tools":
+        raise _refuse("tool_choice", "tool_choice of type 'allowed_tools' is not supported: send only the tools "
+                      "the model may call")
+    if kind not in ("function", None):
+        raise _refuse("tool_choice", f"tool_choice of type {kind!r} names a tool this server does not run: "
+                      "'auto', 'none', 'required', a function or a custom tool are")
     return choice
 
 
@@ -222,22 +323,17 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
         ApiError: A 400 naming the field this server cannot honour.
     """
     _stateless(req)
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
-                            "tool_choice": _tool_choice(req.tool_choice), "max_tokens": req.max_output_tokens,
+    check_text(req)
+    messages, origins = _messages(req)
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "tools": _tools(req),
+                            "tool_choice": _tool_choice(req), "max_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
-                            "response_format": _format(req),
-                            "parallel_tool_calls": req.parallel_tool_calls}
+                            "response_format": _format(req), "parallel_tool_calls": req.parallel_tool_calls}
     if LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     extra = req.model_extra or {}
     body.update({k: extra[k] for k in EXTENSIONS if k in extra})
-    try:
-        return ChatRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise ApiError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param,
-                       "invalid_value") from None
+    return chat_request(body, origins)
 
 
 # --- answers ---------------------------------------------------------------------------
@@ -280,6 +376,7 @@ class ResponseShape:
         self.output: list[dict] = []
         self._open = False  # the last item is still streaming
         self._seq = 0
+        self.routes = routes(req)
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -369,19 +466,37 @@ class ResponseShape:
             events += self._add("message", piece.content, logprobs)
         for call in piece.tool_calls:
             events += self._close()
-            fn = call["function"]
-            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
-                    "name": fn["name"], "arguments": ""}
-            self.output.append(item)
-            index = len(self.output) - 1
-            events.append(self._event("response.output_item.added", output_index=index, item=_copy(item)))
-            item.update(arguments=fn["arguments"], status="completed")
-            events += [self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=index, delta=fn["arguments"]),
-                       self._event("response.function_call_arguments.done", item_id=item["id"],
-                                   output_index=index, arguments=fn["arguments"]),
-                       self._event("response.output_item.done", output_index=index, item=_copy(item))]
+            events += self._call(call)
         return events
+
+    def _call(self, call: dict) -> list[dict]:
+        """A tool call as its tool's item: ``function_call`` (with its ``namespace``) or ``custom_tool_call``."""
+        fn = call["function"]
+        route = self.routes.get(fn["name"], Route("function", fn["name"]))
+        if route.kind == "custom":
+            try:
+                value = json.loads(fn["arguments"]).get(CUSTOM_INPUT)
+            except (ValueError, AttributeError):
+                value = None
+            text = value if isinstance(value, str) else fn["arguments"]
+            item = {"id": _id("ctc"), "type": "custom_tool_call", "status": "in_progress", "call_id": call["id"],
+                    "name": route.name, "input": ""}
+            delta, done = "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"
+            field, value = "input", text
+        else:
+            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
+                    "name": route.name, "arguments": ""}
+            if route.namespace is not None:
+                item["namespace"] = route.namespace
+            delta, done = "response.function_call_arguments.delta", "response.function_call_arguments.done"
+            field, value = "arguments", fn["arguments"]
+        self.output.append(item)
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=_copy(item))]
+        item.update({field: value, "status": "completed"})
+        return events + [self._event(delta, item_id=item["id"], output_index=index, delta=value),
+                         self._event(done, item_id=item["id"], output_index=index, **{field: value}),
+                         self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def _status(self, reply) -> str:
         return "incomplete" if reply.finish_reason == "length" else "completed"

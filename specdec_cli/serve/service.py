@@ -28,6 +28,8 @@ from .scheduler import Job, Scheduler
 
 # Drafts in a streamed reply's first block (see Request.first_draft).
 FIRST_DRAFT_STREAMED = 0
+# A request's "no limit": the context caps it.
+NO_LIMIT = 2**62
 
 
 @dataclass
@@ -123,18 +125,38 @@ class Service:
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param, "context_length_exceeded") from None
 
-    def _limits(self, ids: list[int], max_tokens: Optional[int], param: str) -> int:
-        """The most tokens to generate; a prompt over the context or the device's memory is a 400."""
+    def _limits(self, ids: list[int], max_tokens: Optional[int], param: str, rest: bool = False) -> int:
+        """The most tokens to generate; a prompt over the context or the device's memory is a 400.
+
+        ``rest``: a request that sets no limit may use the rest of the context (as
+        much of it as memory holds); otherwise it gets the server's ``--max-tokens``.
+        """
         setup = self.session.setup
-        asked = max_tokens if max_tokens is not None else self.defaults.max_tokens
+        unbounded = max_tokens is None and rest and setup.context() is not None
+        asked = max_tokens if max_tokens is not None else NO_LIMIT if unbounded else self.defaults.max_tokens
         try:
             most, _ = setup.fit_context(len(ids), asked)
+            if unbounded:
+                most = self._memory_holds(len(ids), most)
             setup.check_memory(len(ids) + most)
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param, "context_length_exceeded") from None
         except MemoryLimitError as e:
             raise ApiError(400, str(e), "max_tokens") from None
         return most
+
+    def _memory_holds(self, prompt: int, most: int) -> int:
+        """The most of ``most`` tokens that fit the device's memory after the prompt (at least 1)."""
+        check = self.session.setup.check_memory
+        low, high = 1, most
+        while low < high:  # the estimate grows with the tokens: bisect for the largest that fits
+            mid = (low + high + 1) // 2
+            try:
+                check(prompt + mid)
+                low = mid
+            except MemoryLimitError:
+                high = mid - 1
+        return low
 
     def _sampling(self, req) -> SamplingParams:
         d = self.defaults
@@ -146,8 +168,8 @@ class Service:
                               d.min_p if req.min_p is None else req.min_p)
 
     def _request(self, req, ids: list[int], boundaries: tuple[int, ...], max_tokens: Optional[int],
-                 param: str) -> Request:
-        most = self._limits(ids, max_tokens, param)
+                 param: str, rest: bool = False) -> Request:
+        most = self._limits(ids, max_tokens, param, rest)
         block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
         # Streamed, the first token comes from a one-row forward: a long first verify would hold it back.
         first = FIRST_DRAFT_STREAMED if req.stream else None
@@ -176,15 +198,21 @@ class Service:
             fields["constraint"] = made
         return fields
 
-    def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
+    def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop, rest: bool = False) -> Prepared:
         """Check a chat request and make its job.
+
+        Args:
+            req: The chat request.
+            loop: The HTTP side's event loop.
+            rest: Without a limit in the request, generate up to the rest of the context (the Responses
+                API's reading: Codex sets none) instead of the server's ``--max-tokens``.
 
         Raises:
             ApiError: A 4xx naming the field at fault.
         """
         rendered, tools = self.render_chat(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages")
+        request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages", rest)
         return self._prepared("chat", req, request, loop, tools, chat=True)
 
     def render_chat(self, req: ChatRequest) -> tuple[Rendered, Optional[list]]:
