@@ -758,15 +758,17 @@ TRAINING = "Training"
 )
 def distill(
     out: Annotated[Optional[str], typer.Option(
-        "--out", metavar="DIR", help="Folder for the head: new, empty, or an earlier head's (replaced).", rich_help_panel=MODEL, show_default=False)] = None,
+        "--out", metavar="DIR", help="Folder for the head: new, empty, or an earlier head's (replaced).",
+        rich_help_panel=MODEL, show_default=False)] = None,
     model: ModelOpt = None,
     dtype: DTypeOpt = DType.auto,
     data: Annotated[Optional[str], _opt(
-        "--data", metavar="PATH", help="Training text: text files, a directory of them, or JSONL lines with \"prompt\" or "
-        "\"messages\" (the model answers them) or \"text\".", rich_help_panel=TRAINING,
+        "--data", metavar="PATH", help="Training text: text files, a directory of them, or JSONL lines with "
+        "\"prompt\" or \"messages\" (the model answers them) or \"text\".", rich_help_panel=TRAINING,
         **_default("the model's own answers to built-in seed prompts"))] = None,
     data_tokens: Annotated[int, typer.Option(
-        "--data-tokens", metavar="N", min=256, max=10_000_000, help="Corpus size in tokens.", rich_help_panel=TRAINING)] = DISTILL["data_tokens"],
+        "--data-tokens", metavar="N", min=256, max=10_000_000, help="Corpus size in tokens.",
+        rich_help_panel=TRAINING)] = DISTILL["data_tokens"],
     steps: Annotated[int, typer.Option("--steps", metavar="N", min=1, max=1_000_000, help="Optimizer steps.",
                                        rich_help_panel=TRAINING)] = DISTILL["steps"],
     batch_size: Annotated[int, typer.Option("--batch-size", metavar="N", min=1, max=1024, help="Windows per step.",
@@ -776,16 +778,18 @@ def distill(
     lr: Annotated[float, typer.Option("--lr", metavar="X", min=1e-7, max=1.0, callback=_finite,
                                       help="Peak learning rate (AdamW, warm-up then cosine decay).",
                                       rich_help_panel=TRAINING)] = DISTILL["lr"],
-    seed: Annotated[int, typer.Option("--seed", metavar="N", min=0, help="Seed of the data, the initialisation and the "
-                                      "window order.", rich_help_panel=TRAINING)] = DISTILL["seed"],
-    depth: Annotated[int, typer.Option("--depth", metavar="N", min=1, max=8, help="Chained draft positions trained (drafting "
-                                       "feeds the head its own outputs).", rich_help_panel=TRAINING)] = DISTILL["depth"],
+    seed: Annotated[int, typer.Option("--seed", metavar="N", min=0, help="Seed of the data, the initialisation "
+                                      "and the window order.", rich_help_panel=TRAINING)] = DISTILL["seed"],
+    depth: Annotated[int, typer.Option("--depth", metavar="N", min=1, max=8, help="Chained draft positions trained "
+                                       "(drafting feeds the head its own outputs).",
+                                       rich_help_panel=TRAINING)] = DISTILL["depth"],
     draft_vocab: Annotated[int, typer.Option(
-        "--draft-vocab", metavar="N", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the training text "
-        "(the head's lm_head costs N/V as much); 0: the whole vocabulary.", rich_help_panel=TRAINING)] = DISTILL["draft_vocab"],
+        "--draft-vocab", metavar="N", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the "
+        "training text (the head's lm_head costs N/V as much); 0: the whole vocabulary.",
+        rich_help_panel=TRAINING)] = DISTILL["draft_vocab"],
     measure: Annotated[bool, typer.Option(
-        "--measure/--no-measure", metavar="", help="Measure the head's acceptance on held-out prompts after training.",
-        rich_help_panel=DIAGNOSTICS)] = True,
+        "--measure/--no-measure", metavar="", help="Measure the head's acceptance on held-out prompts after "
+        "training.", rich_help_panel=DIAGNOSTICS)] = True,
     debug: DebugOpt = False,
     trust_remote_code: TrustOpt = False,
     force_download: ForceDownloadOpt = False,

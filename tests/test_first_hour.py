@@ -150,7 +150,8 @@ def test_sweep_measures_generates_default_as_a_row_of_its_own(models):
     # A draft model's default block size is 4; prompt lookup's (no drafter named) 64.
     result = CliRunner().invoke(app, [*common, "--draft-model", draft])
     assert result.exit_code == 0, result.output
-    assert re.search(r"^│\s+default \(adaptive, block 4\)\s+│.*│\s+(yes|tie)\s+│$", result.stdout, re.M), result.stdout
+    row = re.search(r"^│\s+default \(adaptive, block 4\)\s+│.*│\s+(yes|tie)\s+│$", result.stdout, re.M)
+    assert row, result.stdout
     assert "default: what generate runs without --block-size or --no-adaptive" in result.stdout
     assert "best block size: " in result.stderr  # still a fixed size to pass as --block-size
     report = json.loads(CliRunner().invoke(app, [*common, "--json"]).stdout)
