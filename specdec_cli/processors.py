@@ -268,7 +268,10 @@ def grammar_text(constraint: Constraint, tokenizer) -> str:
             raise ConstraintError("the JSON schema is not valid JSON") from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError("a JSON schema is an object (or true / false)")
-        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if schema is False:
+            raise ConstraintError("the schema false matches no value: give a schema an answer can meet")
+        # true is any JSON value: the empty schema (llguidance takes only an object to apply its options to).
+        return llg.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=JSON_OPTIONS)
     if constraint.kind == "tool_call":
         return _tool_grammar(constraint, tokenizer)
     raise ConstraintError(f"unknown constraint {constraint.kind!r}")

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import SpecdecError
 from . import anthropic, responses
-from .protocol import ApiError, ChatRequest, CompletionRequest, error_body
+from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, validation_error
 from .service import Prepared, Service
 from .scheduler import Busy, Done, Failed
 
@@ -39,6 +39,8 @@ MAX_BODY_BYTES = 32 * 2**20
 BODY_TIMEOUT_S = 60.0
 # Where errors answer in Anthropic's shape (the Messages API's routes).
 ANTHROPIC_PATHS = "/v1/messages"
+# The one route open without the API key (load balancers and the tests' start-up wait poll it).
+HEALTH_PATH = "/health"
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -55,7 +57,9 @@ class _BodyLimit:
     """Read the whole body first, refusing one over ``limit`` bytes with a 413 (sent chunked or not).
 
     The app then reads the buffered body, and every later ``receive`` goes to
-    the server's own, so a handler still sees the client's disconnect.
+    the server's own, so a handler still sees the client's disconnect. A
+    body is JSON whatever its content-type says (curl's ``-d`` says a form;
+    mlx_lm.server reads JSON the same way).
     """
 
     def __init__(self, app: ASGIApp, limit: int):
@@ -85,6 +89,9 @@ class _BodyLimit:
             if not message.get("more_body", False):
                 break
         body: Optional[bytes] = b"".join(parts)
+        if scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
 
         async def replay() -> Message:
             nonlocal body
@@ -97,9 +104,10 @@ class _BodyLimit:
 
 
 class _ApiKey:
-    """With a key set, every ``/v1`` request needs it: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
+    """With a key set, every request but ``GET /health`` needs it: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
 
-    A plain ASGI middleware (Starlette's ``BaseHTTPMiddleware`` wraps ``receive``
+    Unknown paths too (a 401, not a 404 listing the routes), and the routes without
+    ``/v1``. A plain ASGI middleware (Starlette's ``BaseHTTPMiddleware`` wraps ``receive``
     so that a handler never saw its client go away).
     """
 
@@ -107,7 +115,7 @@ class _ApiKey:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if scope["type"] == "http" and scope.get("path") != HEALTH_PATH:
             headers = dict(scope.get("headers") or [])
             bearer = headers.get(b"authorization", b"")
             given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
@@ -158,7 +166,7 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
 
     Args:
         service: The session behind the API.
-        api_key: When set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+        api_key: When set, every request but ``GET /health`` needs ``Authorization: Bearer <api_key>``.
         max_body_bytes: Larger request bodies get a 413.
     """
 
@@ -179,13 +187,9 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(where) or None
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON", code="invalid_json")
-        # pydantic prefixes the text of a validator's ValueError; the client needs only the text.
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return _error(400, f"{param}: {message}" if param else message, param, "invalid_value")
+        return _answer_error(validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -209,9 +213,15 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         app.add_middleware(_ApiKey, key=api_key)
     app.add_middleware(_AnthropicErrors)  # outermost: it sees every error answer
 
-    @app.get("/health")
-    async def health() -> dict:
-        return service.health()
+    @app.get(HEALTH_PATH)
+    async def health():
+        if service.scheduler.fault is not None:  # nothing would be generated: not healthy
+            return _error(503, service.scheduler.dead, code="generation_stopped")
+        body = service.health()
+        cache = service.session.prompt_cache
+        body.update(prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+                    prompt_cache_max_bytes=cache.max_bytes if cache is not None else 0)
+        return body
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -273,6 +283,8 @@ def _failure(e: BaseException) -> ApiError:
 async def _answer(service: Service, prepared: Prepared, stream: bool, request: Request, shape=None):
     """Queue a prepared request and answer it: in OpenAI's chat or text shapes, or through ``shape``
     (a dialect's: ``start``/``piece``/``done``/``failed``/``keepalive`` events, or ``whole``)."""
+    if service.scheduler.fault is not None:  # no thread would take it: refused now, not left to hang
+        return _error(503, service.scheduler.dead, code="generation_stopped")
     try:
         service.scheduler.submit(prepared.job)
     except Busy as e:

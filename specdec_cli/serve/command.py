@@ -17,6 +17,7 @@ from .. import bundled
 from ..batch_cache import batch_problem
 from ..display import print_stderr
 from ..errors import OptionError
+from ..limits import gb
 from ..session import (
     PromptCache,
     RunOptions,
@@ -117,7 +118,9 @@ def serve_command(opts: ServeOptions) -> int:
         if problem:
             batching = f"note: requests are decoded one at a time: {problem}"
             opts.decode_concurrency = 1
-    cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if opts.prompt_cache_size else None
+    # --prompt-cache-bytes 0 turns the cache off as --prompt-cache-size 0 does (nothing could be kept).
+    on = opts.prompt_cache_size > 0 and opts.prompt_cache_bytes != 0
+    cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if on else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
     # The id clients send back: what --model named, or the bundled model's own name.
     name = opts.model if opts.model is not None else bundled.NAME
@@ -126,7 +129,8 @@ def serve_command(opts: ServeOptions) -> int:
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []) + ([batching] if batching else []))
-    cached = f"prompt cache {opts.prompt_cache_size} entries" if cache is not None else "no prompt cache"
+    cached = f"prompt cache {cache.max_entries} entries, up to {gb(cache.max_bytes)}" if cache is not None \
+        else "no prompt cache"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
                   f"{block_size}; {cached}; up to {opts.decode_concurrency} requests decoded together",
                   f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])

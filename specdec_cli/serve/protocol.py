@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..stats import Stats
 
@@ -53,6 +53,26 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
                code: Optional[str] = None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# What pydantic puts before the text of an error a validator raised; the client needs only the text.
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def validation_error(e: ValidationError, skip: tuple = ("body",)) -> ApiError:
+    """A pydantic validation error as one 400 line naming its field (the first error; pydantic's prefix dropped).
+
+    Args:
+        e: The error (pydantic's, or FastAPI's ``RequestValidationError``: anything with ``errors()``).
+        skip: Location parts that name no field (FastAPI's ``body``).
+    """
+    errors = e.errors()
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p not in skip) or None
+    message = " ".join(str(first.get("msg", "invalid request")).split())
+    for prefix in _PYDANTIC_PREFIXES:
+        message = message.removeprefix(prefix)
+    return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
 
 
 class StrictModel(BaseModel):
@@ -329,6 +349,9 @@ def constraint(req: ChatRequest) -> Optional[tuple]:
         if not isinstance(schema, (dict, bool)):
             raise ApiError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
                            "response_format.json_schema.schema", "invalid_value")
+        if schema is False:
+            raise ApiError(400, "the schema false matches no value, so no answer can meet it: give a schema object "
+                           "(true: any JSON value)", "response_format.json_schema.schema", "invalid_value")
         out = ("json_schema", schema)
     elif kind != "text":
         raise ApiError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",

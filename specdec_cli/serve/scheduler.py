@@ -9,6 +9,11 @@ or whose client went away leaves at the next block boundary, and its caches
 go to the prompt cache. MLX work stays on this thread; each :class:`Job`
 hands what it produces to the HTTP side through an asyncio queue of its own.
 No HTTP here.
+
+A fault while handling one request's text fails that request alone; any
+other fault fails the requests in flight and the thread goes on serving. If
+the thread ends anyway, :attr:`Scheduler.fault` says why, every request it
+held is failed and :meth:`Scheduler.submit` refuses new ones.
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ class Scheduler:
         self._held: Optional[tuple[Job, Reply]] = None
         self.engine: Optional[Engine] = None
         self._tap: Optional[HiddenTap] = None
+        # Why the thread ended though nobody stopped it (None: it runs, or it was stopped).
+        self.fault: Optional[BaseException] = None
 
     def start(self) -> None:
         self._thread.start()
@@ -136,12 +143,21 @@ class Scheduler:
         Raises:
             Busy: The queue is full, or the server is shutting down.
         """
+        if self.fault is not None:
+            raise Busy(self.dead)
         if self._stopping.is_set():
             raise Busy("the server is shutting down")
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
             raise Busy(f"{self._jobs.maxsize} requests are already waiting") from None
+        if self.fault is not None:  # the thread ended while this was queued: nobody would take it
+            self._drain(Busy(self.dead))
+
+    @property
+    def dead(self) -> str:
+        """What a client is told once the generation thread has ended."""
+        return "the server's generation thread has stopped (its log says why): restart the server"
 
     def stop(self, timeout: float = 1.5) -> None:
         """Cancel every job (each gets a :class:`Busy` failure) and end the thread (waits up to ``timeout`` s)."""
@@ -153,14 +169,7 @@ class Scheduler:
         for flight in list(self._flights):
             flight.job.cancel()
             flight.job.send(Failed(Busy("the server is shutting down")))
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job.send(Failed(Busy("the server is shutting down")))
+        self._drain(Busy("the server is shutting down"))
         try:
             self._jobs.put_nowait(None)  # wakes the thread if it waits for work
         except queue.Full:
@@ -170,24 +179,73 @@ class Scheduler:
 
     # -- the thread ---------------------------------------------------------------------------------
 
+    def _drain(self, error: BaseException) -> None:
+        """Fail every queued job with ``error``."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.send(Failed(error))
+
     def _run(self) -> None:
-        session = self.session
-        spec = session.tap_spec()
-        self._tap = HiddenTap(session.model, spec) if spec is not None else None
-        self.engine = Engine(session.model, tap=self._tap, planner=self._planner())
+        ended: BaseException = RuntimeError("it returned")
         try:
+            session = self.session
+            spec = session.tap_spec()
+            self._tap = HiddenTap(session.model, spec) if spec is not None else None
+            self.engine = self._new_engine()
             while not self._stopping.is_set():
-                if not self._take_jobs():
-                    break
-                self._drop_cancelled()
-                self._prefill_one()
-                if self.engine.rows:
-                    self._step()
+                try:
+                    if not self._take_jobs():
+                        break
+                    self._drop_cancelled()
+                    self._prefill_one()
+                    if self.engine.rows:
+                        self._step()
+                except Exception as e:
+                    self._recover(e)
+        except BaseException as e:
+            ended = e
+            raise
         finally:
-            for flight in list(self._flights):
+            self._end(ended)
+
+    def _new_engine(self) -> Engine:
+        return Engine(self.session.model, tap=self._tap, planner=self._planner())
+
+    def _recover(self, error: Exception) -> None:
+        """A fault outside any one request's handling: the requests in flight fail, the thread serves on."""
+        log.error("generation failed between requests' blocks: %s", error, exc_info=error)
+        self._fail(list(self._flights), error)
+        if self.engine is not None and self.engine.rows:
+            self.engine = self._new_engine()  # rows no request owns: start the engine afresh
+
+    def _end(self, ended: BaseException) -> None:
+        """The thread ends: whatever it held is failed (each stopped request was told so already)."""
+        stopped = self._stopping.is_set()
+        if not stopped:
+            self.fault = ended
+            log.critical("the generation thread stopped (%s: %s): requests fail until the server is restarted",
+                         type(ended).__name__, ended)
+        # Requests it held were accepted: their failure is the server's (a 500), not a busy server's.
+        error = Busy("the server is shutting down") if stopped else RuntimeError(self.dead)
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].send(Failed(error))
+        for flight in list(self._flights):
+            try:
                 self._leave(flight, keep=False)
-            if self._tap is not None:
-                self._tap.close()
+            except Exception:
+                if flight in self._flights:
+                    self._flights.remove(flight)
+            if not stopped:
+                flight.job.send(Failed(error))
+        self._drain(error)
+        if self._tap is not None:
+            self._tap.close()
 
     def _planner(self) -> Optional[BatchPlanner]:
         """Weighs a batch's drafts against its forward's cost, measured when rows first share a block."""
@@ -226,7 +284,12 @@ class Scheduler:
             except Exception as e:  # the HTTP side decides what the client sees
                 job.send(Failed(e))
                 continue
-            if not self._fits(reply):
+            try:
+                fits = self._fits(reply)
+            except Exception as e:
+                job.send(Failed(e))
+                continue
+            if not fits:
                 self._held = (job, reply)  # its turn comes when rows have finished
                 return True
             self._open(job, reply)
@@ -293,12 +356,17 @@ class Scheduler:
                       max(b.verify_len for _, b in blocks), 1000 * seconds,
                       sum(len(b.tokens) for _, b in blocks))
         for row, block in blocks:
-            flight = next(f for f in self._flights if f.row is row)
-            piece = flight.reply.take(Step(block, seconds))
-            if piece:
-                flight.job.send(piece)
-            if flight.reply.stopped or row.finish is not None or row.room <= 0:
-                self._finish(flight)
+            flight = next((f for f in self._flights if f.row is row), None)
+            if flight is None:  # a failed request's row that could not leave: the thread starts the engine afresh
+                raise RuntimeError("a row in the engine belongs to no request")
+            try:
+                piece = flight.reply.take(Step(block, seconds))
+                if piece:
+                    flight.job.send(piece)
+                if flight.reply.stopped or row.finish is not None or row.room <= 0:
+                    self._finish(flight)
+            except Exception as e:  # this request's text or its end: it fails alone, the others go on
+                self._fail([flight], e)
 
     def _finish(self, flight: _Flight) -> None:
         self._leave(flight)
@@ -310,7 +378,13 @@ class Scheduler:
 
     def _fail(self, flights: list[_Flight], error: Exception) -> None:
         for flight in flights:
-            self._leave(flight, keep=False)
+            if flight in self._flights:  # it may have left already (a fault as it finished)
+                try:
+                    self._leave(flight, keep=False)
+                except Exception as e:
+                    log.error("a failed request's row could not leave the engine: %s", e, exc_info=e)
+                    if flight in self._flights:
+                        self._flights.remove(flight)
             flight.job.send(Failed(error))
 
     def _leave(self, flight: _Flight, keep: bool = True) -> None:

@@ -7,20 +7,45 @@ that read them). A new prompt resumes from the entry that gives the most
 tokens: attention layers trim to the shared prefix; recurrent layers resume
 only where a state was kept (the end of an entry, or a snapshot taken at a
 boundary on the way), so a hybrid model gets exact reuse too. Entries are
-dropped least recently used first, past ``max_entries`` or ``max_bytes``.
+dropped least recently used first, past ``max_entries`` or ``max_bytes``
+(by default a share of the machine's memory: :func:`default_max_bytes`), and
+MLX is asked to give their memory back.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from ..caches import ModelCache
 from ..hooks import Hidden
 from .state import SavedCache
+
+
+# The default byte bound: an eighth of the machine's memory, at most 8 GiB. The weights and the rows
+# being decoded need the rest; 8 GiB keeps some thirty 5.4k-token prompts of the 135M model (~250 MB
+# each), more than the 10 entries a handful of conversations resume from.
+DEFAULT_SHARE = 8
+DEFAULT_MAX_BYTES = 8 * 2**30
+
+
+def total_memory() -> Optional[int]:
+    """The machine's memory in bytes (unified memory on Apple silicon); None when unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def default_max_bytes() -> int:
+    """The prompt cache's byte bound when none is given: ``min(8 GiB, memory / 8)``."""
+    total = total_memory()
+    return DEFAULT_MAX_BYTES if not total else min(DEFAULT_MAX_BYTES, total // DEFAULT_SHARE)
 
 
 @dataclass
@@ -89,13 +114,17 @@ class PromptCache:
 
     Args:
         max_entries: Most entries kept (0 turns the cache off).
-        max_bytes: Most bytes kept over all entries (None: no bound).
+        max_bytes: Most bytes kept over all entries (None: :func:`default_max_bytes`).
     """
 
     def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
         self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self._entries: OrderedDict[int, Entry] = OrderedDict()
+        # Each entry's bytes when it came (an entry is not written while kept), and their sum: read
+        # by /health on the HTTP thread while the generation thread changes the entries.
+        self._sizes: dict[int, int] = {}
+        self._bytes = 0
         self._next = 0
 
     def __len__(self) -> int:
@@ -103,10 +132,19 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        """Bytes of the arrays the entries hold (as :attr:`Entry.nbytes` counts them)."""
+        return self._bytes
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sizes.clear()
+        self._bytes = 0
+        mx.clear_cache()
+
+    def _drop(self, key: int) -> Entry:
+        entry = self._entries.pop(key)
+        self._bytes -= self._sizes.pop(key)
+        return entry
 
     def fetch(self, prompt: Sequence[int], target_model, draft_model=None, need_hidden: bool = False) -> Optional[Hit]:
         """The entry that spares the most prefill of ``prompt``, resumed; None when none helps.
@@ -132,7 +170,7 @@ class PromptCache:
         # its caches are handed over (no copy) instead of copied on the first write.
         move = shared == len(entry.tokens) and n == entry.target.length
         if move:
-            del self._entries[key]
+            self._drop(key)
         draft = None
         if entry.draft is not None and draft_model is not None:
             m = entry.draft.best(shared)
@@ -147,12 +185,18 @@ class PromptCache:
         """Add ``entry`` as the most recent; drop the entries it makes redundant, then the oldest past the bounds."""
         if self.max_entries <= 0 or entry.target.length == 0:
             return
-        for key in [k for k, e in self._entries.items() if e.dominated_by(entry)]:
-            del self._entries[key]
-        self._entries[self._next] = entry
-        self._next += 1
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-        if self.max_bytes is not None:
-            while self._entries and self.nbytes > self.max_bytes:
-                self._entries.popitem(last=False)
+        dropped = [k for k, e in self._entries.items() if e.dominated_by(entry)]
+        for key in dropped:
+            self._drop(key)
+        size = entry.nbytes
+        if size <= self.max_bytes:  # one over the bound alone is not kept (nor does it empty the cache)
+            self._entries[self._next] = entry
+            self._sizes[self._next] = size
+            self._bytes += size
+            self._next += 1
+        while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+            self._drop(next(iter(self._entries)))
+            dropped.append(None)
+        if dropped:
+            # MLX keeps freed buffers for its next allocations; what the cache let go goes back to the system.
+            mx.clear_cache()

@@ -101,17 +101,23 @@ class TextStream:
             self.detok.add_token(t)
         return self._raw(self.detok.last_segment, final=False)
 
-    def finish(self) -> Piece:
-        """The reply ended: flush what was held back (a stop string found now still cuts it)."""
+    def finish(self, cut: bool = False) -> Piece:
+        """The reply ended: flush what was held back (a stop string found now still cuts it).
+
+        Args:
+            cut: It ended at its token limit: a tool call still open is the model's unfinished text.
+        """
         if self.stopped:
-            return Piece()
-        self.detok.finalize()
-        piece = self._raw(self.detok.last_segment, final=True)
+            piece = Piece()  # the text before the stop string went out; the split may still hold some
+        else:
+            self.detok.finalize()
+            piece = self._raw(self.detok.last_segment, final=True)
         if self._machine is not None:
             self._machine, rest, state = TextStateMachine.flush(self._machine)
             self._route(piece, state, rest)
-            if self._tool_text:
-                self._close_tool(piece)
+            if self._tool_text or state == "tool":
+                # No end marker came: a cut call is shown as written; one ended by EOS may still parse.
+                self._close_tool(piece, closed=False, parse=not (cut or self.stopped))
         return piece
 
     def _raw(self, segment: str, final: bool) -> Piece:
@@ -151,19 +157,32 @@ class TextStream:
         else:
             piece.content += text
 
-    def _close_tool(self, piece: Piece) -> None:
-        """A tool call's text ended: parse it with mlx-lm's parser for this model."""
+    def _close_tool(self, piece: Piece, closed: bool = True, parse: bool = True) -> None:
+        """A tool call's text ended: parse it with mlx-lm's parser for this model.
+
+        ``closed``: its end marker came (it is part of what the model wrote); ``parse``: try it as a call.
+        """
         text, self._tool_text = self._tool_text, ""
+        end = (self.tokenizer.tool_call_end or "") if closed else ""
+        # Never lose model output: a call that is not one is shown as the text the model wrote.
+        written = f"{self.tokenizer.tool_call_start}{text}{end}"
+        if not parse:
+            piece.content += written
+            return
         try:
             parsed = self.tokenizer.tool_parser(text, self.tools)
         except Exception as e:  # parsers raise what their format's library raises
-            # Never lose model output: a call that does not parse is shown as text.
             log.warning("a tool call did not parse (%s); it is returned as text", " ".join(str(e).split()))
-            piece.content += f"{self.tokenizer.tool_call_start}{text}{self.tokenizer.tool_call_end or ''}"
+            piece.content += written
             return
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            piece.tool_calls.append(_tool_call(call))
-            self._calls += 1
+        calls = [_tool_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
+        if not calls or None in calls:
+            log.warning("a tool call is not a JSON object with a name (%s); it is returned as text",
+                        type(parsed).__name__)
+            piece.content += written
+            return
+        piece.tool_calls += calls
+        self._calls += len(calls)
 
     @property
     def made_tool_calls(self) -> bool:
@@ -200,13 +219,17 @@ def _is_special(hf, token: int) -> bool:
         token in getattr(hf, "added_tokens_decoder", {})
 
 
-def _tool_call(call: dict) -> dict:
-    """One parsed call in OpenAI's shape (arguments as a JSON string)."""
+def _tool_call(call) -> Optional[dict]:
+    """One parsed call in OpenAI's shape (arguments as a JSON string); None when it is no call (not an object
+    naming a function: ``42``, ``null``, ``[1]``)."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
     arguments = call.get("arguments", {})
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.get("name", ""), "arguments": arguments}}
+    given = call.get("id")
+    return {"id": given if isinstance(given, str) and given else f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function", "function": {"name": call["name"], "arguments": arguments}}
 
 
 class Reply:
@@ -267,7 +290,7 @@ class Reply:
 
     def end(self) -> Piece:
         """The generation ended: the text held back until now, and the finish reason set."""
-        piece = self.stream.finish()
+        piece = self.stream.finish(cut=self.stats.finish_reason == "length")
         self.finish_reason = self._reason()
         return piece
 

@@ -1,0 +1,520 @@
+"""``specdec serve`` defects, each held by a test: a model's answer that stopped all generation, the API key's
+reach, boolean JSON schemas, a cut forced tool call, the prompt cache's bytes, pydantic's prefixes, JSON bodies
+sent as forms.
+
+Real server processes (tests/server.py) where the defect shows over HTTP; the scheduler, the text stream and the
+prompt cache in this process where a fault must be injected or memory counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import weakref
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+
+from server import TOOL_ANSWER, TOOL_QUESTION, WEATHER_TOOL, Server, _says, tool_model_dir, tools_tokenizer
+from specdec_cli.processors import Constraint, ConstraintError, Grammar, grammar_text
+from specdec_cli.serve import protocol
+from specdec_cli.serve.scheduler import Busy, Done, Failed, Job, Scheduler
+from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
+from specdec_cli.session import prompt_cache as prompt_cache_module
+from specdec_cli.session.reply import Reply, TextStream
+from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, make_model_dir, save_model_dir
+
+KEY = "sk-test-key"
+# A tool call whose JSON is a number: mlx-lm's json_tools parser returns 42, not a call.
+BAD_CALL = "<tool_call> 42 </tool_call>"
+HELLO = [{"role": "user", "content": "Hello there"}]
+# A hang guard only: an answer on a loaded machine comes in seconds.
+ANSWER_S = 120
+
+
+def said_model_dir(path, answer: str, steps: int = 400):
+    """A tiny llama trained (seconds) to answer ``TOOL_QUESTION``, with the weather tool, with ``answer``, then EOS."""
+    from specdec_cli.prompts import render_messages
+
+    config = TINY_CONFIGS["llama"]
+    model = build_model(config, seed=3)
+    save_model_dir(path, model, config)
+    tokenizer = tools_tokenizer(path)
+    prompt = render_messages(tokenizer, TOOL_QUESTION, tools=[WEATHER_TOOL]).ids
+    target = tokenizer.encode(answer, add_special_tokens=False) + [EOS_ID]
+    ids = mx.array(prompt + target[:-1], dtype=mx.uint32)[None]
+    labels = mx.array(target, dtype=mx.uint32)
+
+    def loss_fn(m):
+        return nn.losses.cross_entropy(m(ids)[0, -len(target):], labels).mean()
+
+    opt = optim.Adam(learning_rate=3e-3)
+    grad = nn.value_and_grad(model, loss_fn)
+    model.train()
+    for step in range(steps):
+        _, g = grad(model)
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+        if step % 25 == 24 and _says(model, prompt, target):
+            break
+    model.eval()
+    assert _says(model, prompt, target), "the tiny model did not learn its answer"
+    save_model_dir(path, model, config, tokenizer=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("defects")
+
+
+@pytest.fixture(scope="module")
+def llama(root):
+    return make_model_dir(root / "llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def bad_server(root):
+    s = Server("--model", said_model_dir(root / "bad", BAD_CALL))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tools_server(root):
+    s = Server("--model", tool_model_dir(root / "tools"), "--prompt-cache-bytes", "300K")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(llama):
+    s = Server("--model", llama, "--api-key", KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(root):
+    return tools_tokenizer(root / "tok")
+
+
+def post(server: Server, path: str, body, **kw) -> httpx.Response:
+    r = server.post(path, body, **kw)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}, r.text
+        assert "Traceback" not in r.text
+    return r
+
+
+def health(server: Server) -> httpx.Response:
+    return httpx.get(f"{server.url}/health", timeout=30)
+
+
+# --- 1. a tool call that is not a JSON object -----------------------------------------------------------
+
+@pytest.mark.parametrize("inner", [" 42 ", ' "x" ', " null ", " [1] ", " [] ", " true ",
+                                   '\n[{"name": "get_weather", "arguments": {}}, 3]\n',
+                                   '\n{"arguments": {"city": "Paris"}}\n'])
+def test_a_tool_call_that_is_not_an_object_is_returned_as_text(tok, inner):
+    text = f"Sure. <tool_call>{inner}</tool_call> Done."
+    for step in (1, 1000):
+        stream, content, calls = TextStream(tok), "", []
+        ids = tok.encode(text, add_special_tokens=False)
+        for i in range(0, len(ids), step):
+            piece = stream.add(ids[i: i + step])
+            content, calls = content + piece.content, calls + piece.tool_calls
+        piece = stream.finish()
+        content, calls = content + piece.content, calls + piece.tool_calls
+        assert content == text and calls == [] and not stream.made_tool_calls
+
+
+def test_a_list_of_objects_is_still_several_calls(tok):
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    stream = TextStream(tok)
+    piece = stream.add(tok.encode(f"<tool_call>\n[{call}, {call}]\n</tool_call>", add_special_tokens=False))
+    piece.tool_calls += stream.finish().tool_calls
+    assert [c["function"]["name"] for c in piece.tool_calls] == ["get_weather", "get_weather"]
+
+
+def test_a_model_that_calls_with_a_number_is_answered_and_the_server_serves_on(bad_server):
+    body = {"messages": TOOL_QUESTION, "tools": [WEATHER_TOOL], "max_tokens": 40}
+    client = bad_server.client(timeout=ANSWER_S)
+    for _ in range(2):  # the second request is served too: the generation thread lives
+        out = client.chat.completions.create(model="default_model", **body)
+        choice = out.choices[0]
+        assert choice.message.content == BAD_CALL and not choice.message.tool_calls
+        assert choice.finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="default_model", stream=True, **body))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == BAD_CALL
+    assert health(bad_server).json()["status"] == "ok"
+    assert client.chat.completions.create(model="default_model", messages=HELLO, max_tokens=5).choices
+
+
+# --- 1b. the generation thread: one row's fault fails that row, nothing ends the thread ------------------
+
+PROMPTS = [list(b"The quick brown fox jumps over the lazy dog."), list(b"abc abc abc abc abc abc"),
+           list(b"Hello there, how are you?")]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def setup(llama):
+    return load_setup(ModelOptions(model=str(llama), dtype="float32"), "lookup")
+
+
+class _Broken(Reply):
+    """A reply whose handling raises once its first text has come (what a bad tool call did)."""
+
+    def take(self, event):
+        piece = super().take(event)
+        if self.tokens:
+            raise ValueError("this row's text could not be handled")
+        return piece
+
+
+class _Fatal(BaseException):
+    """Not an Exception: nothing in the thread may catch it, so the thread ends."""
+
+
+def run_jobs(scheduler: Scheduler, makers: list, start: bool = True) -> list:
+    """Submit a job per maker at once; returns what each ended with (Done or Failed)."""
+    loop = asyncio.new_event_loop()
+
+    async def go() -> list:
+        jobs = [Job(make, loop) for make in makers]
+        for job in jobs:
+            scheduler.submit(job)
+
+        async def end(job: Job):
+            while True:
+                item = await asyncio.wait_for(job.out.get(), ANSWER_S)
+                if isinstance(item, (Done, Failed)):
+                    return item
+
+        return await asyncio.gather(*(end(j) for j in jobs))
+
+    if start:
+        scheduler.start()
+    try:
+        return loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def maker(session: Session, prompt, kind=Reply):
+    return lambda: kind(session, Request(prompt, N), TextStream(session.setup.tokenizer, chat=False))
+
+
+def alone(setup, prompt) -> list[int]:
+    reply = Reply(Session(setup, 8), Request(prompt, N), TextStream(setup.tokenizer, chat=False))
+    list(reply)
+    return reply.tokens
+
+
+def test_a_fault_handling_one_rows_text_fails_that_row_alone(setup):
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=4)
+    try:
+        ends = run_jobs(scheduler, [maker(session, PROMPTS[0]), maker(session, PROMPTS[1], _Broken),
+                                    maker(session, PROMPTS[2])])
+        assert isinstance(ends[1], Failed) and "could not be handled" in str(ends[1].error)
+        assert [e.reply.tokens for e in (ends[0], ends[2])] == [alone(setup, PROMPTS[0]), alone(setup, PROMPTS[2])]
+        (again,) = run_jobs(scheduler, [maker(session, PROMPTS[1])], start=False)
+        assert again.reply.tokens == alone(setup, PROMPTS[1]) and scheduler.fault is None
+    finally:
+        scheduler.stop()
+
+
+def test_a_fault_outside_any_row_fails_the_rows_in_flight_and_the_thread_serves_on(setup, monkeypatch):
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=4)
+    drop = scheduler._drop_cancelled
+    faults = []
+
+    def faulty():
+        if scheduler.decoding and not faults:
+            faults.append(1)
+            raise RuntimeError("a fault between blocks")
+        drop()
+
+    monkeypatch.setattr(scheduler, "_drop_cancelled", faulty)
+    try:
+        ends = run_jobs(scheduler, [maker(session, p) for p in PROMPTS])
+        assert faults and any(isinstance(e, Failed) for e in ends)
+        assert all(isinstance(e, Done) or "between blocks" in str(e.error) for e in ends)
+        (again,) = run_jobs(scheduler, [maker(session, PROMPTS[0])], start=False)
+        assert isinstance(again, Done) and again.reply.tokens == alone(setup, PROMPTS[0])
+        assert scheduler.fault is None
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_generation_thread_that_ended_fails_its_requests_and_health_says_503(setup, monkeypatch):
+    from specdec_cli.serve.app import create_app
+    from specdec_cli.serve.command import ServeOptions
+    from specdec_cli.serve.service import Service
+
+    session = Session(setup, 8, prompt_cache=PromptCache())
+    service = Service(session, "tiny", ServeOptions(), max_rows=2)
+    scheduler = service.scheduler
+    step = scheduler._step
+
+    def fatal():
+        if scheduler.decoding:
+            raise _Fatal("the thread's end")
+        step()
+
+    monkeypatch.setattr(scheduler, "_step", fatal)
+    body = {"messages": HELLO, "max_tokens": 8}
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            # In flight when the thread ended: answered, not left to hang.
+            r = await asyncio.wait_for(http.post("/v1/chat/completions", json=body), ANSWER_S)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            await asyncio.to_thread(scheduler._thread.join, ANSWER_S)
+            assert scheduler.fault is not None
+            r = await http.get("/health")
+            assert r.status_code == 503 and "generation thread has stopped" in r.json()["error"]["message"]
+            r = await asyncio.wait_for(http.post("/v1/chat/completions", json=body), ANSWER_S)
+            assert r.status_code == 503 and "generation thread has stopped" in r.json()["error"]["message"]
+        with pytest.raises(Busy):
+            scheduler.submit(Job(maker(session, PROMPTS[0]), asyncio.get_running_loop()))
+
+    scheduler.start()  # as the app's lifespan does (the transport runs none)
+    try:
+        asyncio.run(go())
+    finally:
+        scheduler.stop()
+
+
+# --- 2. the API key guards every route but /health ------------------------------------------------------
+
+PROTECTED = [("POST", "/v1/chat/completions"), ("POST", "/chat/completions"), ("POST", "/completions"),
+             ("POST", "/v1/completions"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+             ("POST", "/v1/responses"), ("GET", "/v1/models"), ("GET", "/v1/models/default_model"),
+             ("GET", "/"), ("HEAD", "/"), ("GET", "/nowhere"), ("HEAD", "/v1/nowhere"), ("GET", "/docs"),
+             ("GET", "/openapi.json"), ("OPTIONS", "/chat/completions"), ("PUT", "/health/x"), ("GET", "/healthz")]
+CHAT = {"messages": HELLO, "max_tokens": 3}
+
+
+def test_every_route_but_health_needs_the_key(keyed):
+    with httpx.Client(base_url=keyed.url, timeout=ANSWER_S) as http:
+        for method, path in PROTECTED:
+            body = json.dumps(CHAT if method == "POST" else {}) if method in ("POST", "PUT") else None
+            r = http.request(method, path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+            if method != "HEAD":
+                error = r.json()["error"]  # in Anthropic's shape on /v1/messages
+                assert error.get("code", "invalid_api_key") == "invalid_api_key" and "API key" in error["message"]
+                assert "/v1/" not in r.text  # nothing about what the server answers
+        r = http.post("/chat/completions", json=CHAT, headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert http.get("/health").status_code == 200
+        for path in ("/chat/completions", "/completions"):
+            body = CHAT if path == "/chat/completions" else {"prompt": "Hello", "max_tokens": 3}
+            assert http.post(path, json=body, headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+            assert http.post(path, json=body, headers={"x-api-key": KEY}).status_code == 200
+        r = http.get("/nowhere", headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 404 and r.json()["error"]["message"]
+        assert http.head("/nowhere", headers={"authorization": f"Bearer {KEY}"}).status_code in (404, 405)
+
+
+# --- 3. boolean JSON schemas -----------------------------------------------------------------------------
+
+def accepts(grammar: Grammar, tokenizer, text: str) -> bool:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if grammar.matcher.validate_tokens(ids) != len(ids):
+        return False
+    grammar.matcher.consume_tokens(ids)
+    try:
+        return grammar.matcher.is_accepting()
+    finally:
+        grammar.matcher.rollback(len(ids))
+
+
+def test_a_schema_of_true_is_any_json_value_and_false_is_refused(tok):
+    for schema in (True, "true"):
+        grammar = Grammar(tok, grammar_text(Constraint.json_schema(schema), tok))
+        for text in ("42", '"x"', "null", "[1, 2]", '{"a": {"b": [true]}}'):
+            assert accepts(grammar, tok, text), text
+        for text in ("abc", "{a}", "[1,"):
+            assert not accepts(grammar, tok, text), text
+    with pytest.raises(ConstraintError, match="false"):
+        grammar_text(Constraint.json_schema(False), tok)
+
+
+def test_a_schema_of_true_answers_and_false_is_a_400_naming_the_schema(tools_server):
+    def ask(schema):
+        return post(tools_server, "/v1/chat/completions", {**CHAT, "max_tokens": 30, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+
+    r = ask(True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        json.loads(choice["message"]["content"])
+    r = ask(False)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema" and error["type"] == "invalid_request_error"
+    assert "false" in error["message"]
+
+
+# --- 4a. a forced tool call cut by max_tokens --------------------------------------------------------------
+
+def test_a_tool_call_cut_or_unclosed_is_returned_as_the_model_wrote_it(tok):
+    ids = tok.encode(TOOL_ANSWER, add_special_tokens=False)
+    for n in range(1, len(ids)):
+        written = tok.decode(ids[:n])
+        for cut in (True, False):
+            stream = TextStream(tok)
+            content = stream.add(ids[:n]).content
+            piece = stream.finish(cut=cut)
+            if piece.tool_calls:  # ended (not cut) after a whole call, before its end marker: still a call
+                assert not cut and not content + piece.content and written.rstrip().endswith("}"), n
+            else:
+                assert content + piece.content == written, (n, cut)
+    # A stop string inside a call: what came before it is the answer, as text.
+    stream = TextStream(tok, stop=["Paris"])
+    content = stream.add(ids).content + stream.finish().content
+    assert content == TOOL_ANSWER[: TOOL_ANSWER.index("Paris")] and stream.stopped
+
+
+# Tokens of the call the server is asked for: its start marker and a little of its JSON.
+CUT = 15
+
+
+def test_a_forced_tool_call_cut_by_max_tokens_returns_what_the_model_wrote(tools_server):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for stream in (False, True):
+            body = {"messages": TOOL_QUESTION, "tools": [WEATHER_TOOL], "tool_choice": choice, "max_tokens": CUT,
+                    "logprobs": True, "stream": stream}
+            if not stream:
+                out = post(tools_server, "/v1/chat/completions", body).json()["choices"][0]
+                content, entries, calls = out["message"]["content"], out["logprobs"]["content"], \
+                    out["message"].get("tool_calls")
+                finish = out["finish_reason"]
+            else:
+                client = tools_server.client(timeout=ANSWER_S)
+                chunks = [c.choices[0] for c in client.chat.completions.create(model="default_model", **body)
+                          if c.choices]
+                content = "".join(c.delta.content or "" for c in chunks)
+                entries = [e.model_dump() for c in chunks if c.logprobs for e in c.logprobs.content]
+                calls = [t for c in chunks for t in c.delta.tool_calls or []]
+                finish = chunks[-1].finish_reason
+            written = b"".join(bytes(e["bytes"]) for e in entries).decode()
+            assert len(entries) == CUT and content == written and not calls and finish == "length", (content, written)
+            assert written.startswith("<tool_call>") and "</tool_call>" not in content
+
+
+# --- 5. the prompt cache is bounded by bytes, and what it drops is freed -----------------------------------
+
+def test_the_default_byte_bound_comes_from_the_machines_memory():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert prompt_cache_module.default_max_bytes() == min(8 * 2**30, total // 8)
+    assert PromptCache().max_bytes == prompt_cache_module.default_max_bytes()
+
+
+def test_the_prompt_cache_stays_within_its_bytes_and_frees_what_it_drops(setup, monkeypatch):
+    cleared, inserting = [], []
+    clear = mx.clear_cache
+    # MLX's buffers cleared as the cache drops entries (a prefill clears them too: those are not counted).
+    monkeypatch.setattr(mx, "clear_cache", lambda: (cleared.extend(inserting), clear()))
+    prompts = [list(f"prompt {i}: ".encode()) + list(b"words and more words " * (1 + i % 3)) for i in range(8)]
+    cache = PromptCache(max_entries=10, max_bytes=None)
+    session = Session(setup, 8, prompt_cache=cache)
+    list(Reply(session, Request(prompts[0], N), TextStream(setup.tokenizer, chat=False)))
+    cache.max_bytes, cache_kept = int(2.5 * cache.nbytes), []
+    cache.clear()
+    insert = cache.insert
+
+    def noted(entry):
+        cache_kept.append(weakref.ref(entry))
+        inserting.append(1)
+        try:
+            insert(entry)
+        finally:
+            inserting.clear()
+
+    monkeypatch.setattr(cache, "insert", noted)
+    scheduler = Scheduler(session, max_rows=2)
+    gc.disable()  # what is dropped must go at once, not when the collector finds a cycle
+    try:
+        ends = run_jobs(scheduler, [maker(session, p) for p in prompts[:4]])
+        for p in prompts[4:]:  # a prompt and its prefix: one resumes from the other's entry
+            ends += run_jobs(scheduler, [maker(session, p), maker(session, p[:-3])], start=False)
+            assert 0 < cache.nbytes <= cache.max_bytes
+        scheduler.stop()
+        assert all(isinstance(e, Done) for e in ends)
+        del ends
+        assert cache.nbytes == sum(e.nbytes for e in cache._entries.values())
+        assert len(cache) < len(cache_kept) and cleared
+        # Every entry it dropped is gone: no request, snapshot or checkpoint holds it on.
+        held = {id(e) for e in cache._entries.values()}
+        assert all(ref() is None or id(ref()) in held for ref in cache_kept)
+    finally:
+        gc.enable()
+        scheduler.stop()
+
+
+def test_health_reports_the_prompt_cache_bytes_and_its_bound(tools_server, keyed):
+    for i in range(4):
+        r = post(tools_server, "/v1/completions", {"prompt": f"{i} " + "to be or not to be " * (3 + 4 * i),
+                                                   "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        h = health(tools_server).json()
+        assert h["prompt_cache_max_bytes"] == 300 * 2**10
+        assert 0 < h["prompt_cache_bytes"] <= h["prompt_cache_max_bytes"]
+    assert health(keyed).json()["prompt_cache_max_bytes"] == prompt_cache_module.default_max_bytes()
+
+
+# --- 6a. pydantic's "Value error, " never reaches a client ------------------------------------------------
+
+def test_a_validation_error_becomes_one_clean_line():
+    from pydantic import ValidationError
+
+    for body, param in (({"messages": HELLO, "seed": -1}, "seed"), ({"messages": HELLO, "x": "\ud800"}, None)):
+        with pytest.raises(ValidationError) as e:
+            protocol.ChatRequest.model_validate(body)
+        err = protocol.validation_error(e.value)
+        assert err.status == 400 and err.param == param and "Value error" not in err.message, err.message
+        assert err.message.startswith(f"{param}: ") if param else "surrogate" in err.message
+
+
+def test_no_client_message_carries_pydantics_prefix(tools_server):
+    for path, body in (("/v1/chat/completions", {**CHAT, "seed": -1}),
+                       ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}),
+                       ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]})):
+        r = post(tools_server, path, body)
+        assert r.status_code == 400 and "Value error" not in r.text and "\n" not in r.json()["error"]["message"]
+
+
+# --- 6d. a JSON body is JSON whatever its content-type says ----------------------------------------------
+
+ROUTES = [("/v1/chat/completions", CHAT), ("/chat/completions", CHAT),
+          ("/v1/completions", {"prompt": "Hello", "max_tokens": 3}),
+          ("/completions", {"prompt": "Hi", "max_tokens": 3}),
+          ("/v1/messages", {"model": "default_model", "max_tokens": 3, "messages": HELLO}),
+          ("/v1/messages/count_tokens", {"model": "default_model", "messages": HELLO}),
+          ("/v1/responses", {"input": "Hello", "max_output_tokens": 3})]
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", None, "text/plain"])
+def test_a_json_body_is_read_as_json_whatever_its_content_type(tools_server, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    for path, body in ROUTES:
+        r = httpx.post(f"{tools_server.url}{path}", content=json.dumps(body).encode(), headers=headers,
+                       timeout=ANSWER_S)
+        assert r.status_code == 200, (path, r.text)
+    r = httpx.post(f"{tools_server.url}/v1/chat/completions", content=b"a=1&b=2", headers=headers, timeout=ANSWER_S)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
