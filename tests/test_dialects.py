@@ -750,3 +750,39 @@ def test_without_max_output_tokens_a_response_runs_to_its_end(tmp_path):
         assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 1
     finally:
         started.stop()
+
+
+def test_a_responses_stream_keeps_a_waiting_client_alive_with_events():
+    # Codex's idle timeout counts events, not SSE comment lines: a long prefill sends response.in_progress.
+    shape = responses_api.ResponseShape(responses_api.ResponsesRequest.model_validate({"input": "hi"}), "m",
+                                        timings=lambda reply: {})
+    events = shape.start() + [shape.keepalive(), shape.keepalive()] + shape.piece(Piece(content="Hi"))
+    assert [e["type"] for e in events[:4]] == ["response.created"] + ["response.in_progress"] * 3
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[3]["response"]["status"] == "in_progress" and events[3]["response"]["id"] == shape.id
+
+
+def test_text_between_two_calls_keeps_its_place(tmp_path):
+    from server import tools_tokenizer
+    from specdec_cli.session.reply import TextStream
+
+    tokenizer = tools_tokenizer(tmp_path)
+    written = ('First.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+               'Then.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    stream = TextStream(tokenizer, tools=[WEATHER_TOOL])
+    piece = stream.add(tokenizer.encode(written, add_special_tokens=False))
+    end = stream.finish()
+    parts = piece.in_order() + end.in_order()
+    assert [k for k, _ in parts] == ["content", "call", "content", "call"], parts
+    # Anthropic: blocks in that order (once put every text before the calls).
+    shape = messages_api.MessageShape("m", 3, timings=lambda reply: {})
+    events = shape.piece(piece) + shape.piece(end)
+    blocks = [(b["type"], b.get("text") or b.get("input", {}).get("city")) for b in shape.blocks]
+    assert blocks == [("text", "First."), ("tool_use", "Paris"), ("text", "Then."), ("tool_use", "Rome")]
+    assert [e["index"] for e in events if e["type"] == "content_block_start"] == [0, 1, 2, 3]
+    # Responses: items in that order.
+    shape = responses_api.ResponseShape(responses_api.ResponsesRequest.model_validate({"input": "hi"}), "m",
+                                        timings=lambda reply: {})
+    shape.piece(piece)
+    shape.piece(end)
+    assert [item["type"] for item in shape.output] == ["message", "function_call", "message", "function_call"]

@@ -366,28 +366,33 @@ class MessageShape:
 
     def piece(self, piece: Piece) -> list[dict]:
         events = []
-        if piece.reasoning:
-            events += self._add("thinking", piece.reasoning)
-        if piece.content:
-            events += self._add("text", piece.content)
-        for call in piece.tool_calls:
-            fn = call["function"]
-            try:
-                arguments = json.loads(fn["arguments"])
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):  # never lose model output: shown as text
-                events += self._add("text", f"{fn['name']}({fn['arguments']})")
-                continue
-            events += self._close()
-            self.blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": arguments})
-            index = len(self.blocks) - 1
-            events += [{"type": "content_block_start", "index": index,
-                        "content_block": {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}},
-                       {"type": "content_block_delta", "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}},
-                       {"type": "content_block_stop", "index": index}]
+        for kind, value in piece.in_order():  # blocks in the order the model wrote them
+            if kind == "reasoning":
+                events += self._add("thinking", value)
+            elif kind == "content":
+                events += self._add("text", value)
+            else:
+                events += self._tool_use(value)
         return events
+
+    def _tool_use(self, call: dict) -> list[dict]:
+        """A call as a ``tool_use`` block (one whose arguments are not an object stays the text written)."""
+        fn = call["function"]
+        try:
+            arguments = json.loads(fn["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):  # never lose model output: shown as text
+            return self._add("text", f"{fn['name']}({fn['arguments']})")
+        events = self._close()
+        self.blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": arguments})
+        index = len(self.blocks) - 1
+        return events + [
+            {"type": "content_block_start", "index": index,
+             "content_block": {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}},
+            {"type": "content_block_delta", "index": index,
+             "delta": {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}},
+            {"type": "content_block_stop", "index": index}]
 
     def done(self, reply) -> list[dict]:
         events = self._close()

@@ -409,7 +409,8 @@ class ResponseShape:
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
     def keepalive(self) -> Optional[dict]:
-        return None  # the API has no such event: a comment line
+        # The API has no ping; clients (Codex) count only events against their idle timeout, not comment lines.
+        return self._event("response.in_progress", response=self._response("in_progress"))
 
     def _close(self, status: str = "completed") -> list[dict]:
         if not self._open:
@@ -460,13 +461,18 @@ class ResponseShape:
     def piece(self, piece: Piece) -> list[dict]:
         events = []
         logprobs = self.logprobs(piece.logprobs) if self.logprobs is not None and piece.logprobs else []
-        if piece.reasoning:
-            events += self._add("reasoning", piece.reasoning)
-        if piece.content or (logprobs and not piece.reasoning and not piece.tool_calls):
-            events += self._add("message", piece.content, logprobs)
-        for call in piece.tool_calls:
-            events += self._close()
-            events += self._call(call)
+        parts = piece.in_order()  # items in the order the model wrote them
+        if logprobs and not parts:  # tokens whose text is still held back: their log-probabilities go now
+            parts = [("content", "")]
+        for kind, value in parts:
+            if kind == "reasoning":
+                events += self._add("reasoning", value)
+            elif kind == "content":
+                events += self._add("message", value, logprobs)
+                logprobs = []
+            else:
+                events += self._close()
+                events += self._call(value)
         return events
 
     def _call(self, call: dict) -> list[dict]:

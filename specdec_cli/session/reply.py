@@ -14,7 +14,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
@@ -43,9 +43,31 @@ class Piece:
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
     logprobs: list[tuple] = field(default_factory=list)
+    # The same text and calls in the order the model wrote them: ("content" | "reasoning", text) or ("call", call).
+    parts: list[tuple[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
+
+    def add(self, kind: str, value: Any) -> None:
+        """Text of a kind (``content``, ``reasoning``) or a tool call (``call``), after what came before."""
+        if not value:
+            return
+        if kind == "call":
+            self.tool_calls.append(value)
+        else:
+            setattr(self, kind, getattr(self, kind) + value)
+        if self.parts and self.parts[-1][0] == kind != "call":
+            self.parts[-1] = (kind, self.parts[-1][1] + value)
+        else:
+            self.parts.append((kind, value))
+
+    def in_order(self) -> list[tuple[str, Any]]:
+        """Its text and calls in the order written (a piece made by hand: reasoning, content, then calls)."""
+        if self.parts:
+            return list(self.parts)
+        return [(k, v) for k, v in (("reasoning", self.reasoning), ("content", self.content)) if v] + \
+            [("call", c) for c in self.tool_calls]
 
 
 def _held(text: str, stops: Sequence[str]) -> int:
@@ -139,7 +161,7 @@ class TextStream:
     def _split(self, text: str) -> Piece:
         piece = Piece()
         if self._machine is None:
-            piece.content = text
+            piece.add("content", text)
             return piece
         self._machine, segments = TextStateMachine.split(self._machine, text)
         for state, part in segments:
@@ -153,9 +175,9 @@ class TextStream:
         if state == "tool":
             self._tool_text += text
         elif state == "reasoning":
-            piece.reasoning += text
+            piece.add("reasoning", text)
         else:
-            piece.content += text
+            piece.add("content", text)
 
     def _close_tool(self, piece: Piece, closed: bool = True, parse: bool = True) -> None:
         """A tool call's text ended: parse it with mlx-lm's parser for this model.
@@ -167,21 +189,22 @@ class TextStream:
         # Never lose model output: a call that is not one is shown as the text the model wrote.
         written = f"{self.tokenizer.tool_call_start}{text}{end}"
         if not parse:
-            piece.content += written
+            piece.add("content", written)
             return
         try:
             parsed = self.tokenizer.tool_parser(text, self.tools)
         except Exception as e:  # parsers raise what their format's library raises
             log.warning("a tool call did not parse (%s); it is returned as text", " ".join(str(e).split()))
-            piece.content += written
+            piece.add("content", written)
             return
         calls = [_tool_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
         if not calls or None in calls:
             log.warning("a tool call is not a JSON object with a name (%s); it is returned as text",
                         type(parsed).__name__)
-            piece.content += written
+            piece.add("content", written)
             return
-        piece.tool_calls += calls
+        for call in calls:
+            piece.add("call", call)
         self._calls += len(calls)
 
     @property
