@@ -618,16 +618,16 @@ HostOpt = Annotated[str, _opt("--host", metavar="ADDR", help="Address to listen 
 PortOpt = Annotated[int, _opt("--port", metavar="PORT", min=0, max=65535, help="Port to listen on (0: any free "
                               "one, printed at start).", rich_help_panel=SERVER)]
 ApiKeyOpt = Annotated[Optional[str], _opt(
-    "--api-key", metavar="KEY", envvar="SPECDEC_API_KEY", help="Require this key (a bearer token) on every /v1 "
-    "request.", rich_help_panel=SERVER, **UNSET)]
+    "--api-key", metavar="KEY", envvar="SPECDEC_API_KEY", help="Require this key (a bearer token) on every request "
+    "but /health.", rich_help_panel=SERVER, **UNSET)]
 NoApiKeyOpt = Annotated[bool, _opt(
     "--no-api-key", help="Serve a non-loopback --host to anyone, without a key.", rich_help_panel=SERVER, **FLAG)]
 PromptCacheSizeOpt = Annotated[int, _opt(
     "--prompt-cache-size", metavar="N", min=0, max=1 << 16, help="Most prompt caches kept (0: none).",
     rich_help_panel=LIMITS)]
 PromptCacheBytesOpt = Annotated[Optional[str], _opt(
-    "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes they may hold (e.g. 4G).",
-    rich_help_panel=LIMITS, **_default("no bound"))]
+    "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes they may hold (e.g. 4G; 0: none).",
+    rich_help_panel=LIMITS, **_default("min(8G, RAM/8)"))]
 QueueOpt = Annotated[int, _opt(
     "--queue-size", metavar="N", min=1, max=1 << 16, help="Requests that may wait; more get 503.",
     rich_help_panel=LIMITS)]

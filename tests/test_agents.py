@@ -15,9 +15,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
-from agents import ANSWER, agent_bin, hello_model_dir
+from agents import ANSWER, CONTEXT, agent_bin, hello_model_dir
 from server import Server
 
 KEY = "agent-key"
@@ -51,13 +52,21 @@ def _run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, timeout=RUN_TIMEOUT_S)
 
 
+def _context(server) -> int:
+    # The served model's context, as README tells users to read it for the agents' settings.
+    card = httpx.get(f"{server.url}/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()["data"][0]
+    assert card["context_length"] == CONTEXT
+    return card["context_length"]
+
+
 def test_codex_exec_ends_with_the_answer(server, tmp_path):
     codex = _agent("codex")
     home = tmp_path / "codex-home"
     home.mkdir()
-    # A provider of our own, as README tells users; the key comes from the variable env_key names.
+    # README's provider; the key comes from the variable env_key names.
     (home / "config.toml").write_text(
-        'model = "default_model"\nmodel_provider = "specdec"\n\n[model_providers.specdec]\nname = "specdec"\n'
+        f'model = "default_model"\nmodel_provider = "specdec"\nmodel_context_window = {_context(server)}\n\n'
+        '[model_providers.specdec]\nname = "specdec"\n'
         f'base_url = "{server.url}/v1"\nwire_api = "responses"\nenv_key = "SPECDEC_API_KEY"\n')
     work = tmp_path / "work"
     work.mkdir()
@@ -76,7 +85,9 @@ def test_claude_p_ends_with_the_answer(server, tmp_path):
     work.mkdir()
     done = _run([claude, "-p", "Say hello."], work, {
         "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_AUTH_TOKEN": KEY,
-        # Claude Code asks for claude-* models by default: the server answers to any of those names.
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"})
+        # No ANTHROPIC_MODEL: Claude Code asks for claude-* models, and the server answers to those names.
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(_context(server)), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"})
     assert done.returncode == 0, f"{server.template}\n{done.stdout}\n{done.stderr}\n{server.log[-3000:]}"
     assert ANSWER in done.stdout, done.stdout
+    # Told the served model's context, it does not assume one of its own.
+    assert "context window" not in done.stdout + done.stderr

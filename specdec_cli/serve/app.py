@@ -260,7 +260,7 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request):
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.to_thread(service.prepare_chat, responses.to_chat(body), loop)
+        prepared = await asyncio.to_thread(service.prepare_chat, responses.to_chat(body), loop, True)
         shape = responses.ResponseShape(body, service.model_id, lambda reply: service.timings(prepared, reply),
                                         service.chat_logprobs)
         return await _answer(service, prepared, body.stream, request, shape)

@@ -15,7 +15,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import bundled
 from ..batch_cache import batch_problem
-from ..display import print_stderr
+from ..display import print_loading, print_stderr
 from ..errors import OptionError
 from ..limits import gb
 from ..session import (
@@ -109,6 +109,7 @@ def serve_command(opts: ServeOptions) -> int:
         raise OptionError("--prompt-cache-size and --prompt-cache-bytes must be >= 0")
     warning = check_access(opts)
     sock = bind(opts.host, opts.port)
+    print_loading(opts.model, opts.draft_model)
     setup = load_setup(opts, kind)
     setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
     block_size = setup.run_block_size(block_size)

@@ -99,7 +99,11 @@ class Service:
                            "(GET /v1/models)", "model", "model_not_found")
 
     def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": protocol.now(), "owned_by": "specdec"}
+        card = {"id": self.model_id, "object": "model", "created": protocol.now(), "owned_by": "specdec"}
+        found = self.session.setup.context()
+        if found is not None:  # what agents must be told (Claude Code's CLAUDE_CODE_MAX_CONTEXT_TOKENS, ...)
+            card["context_length"] = found[0]
+        return card
 
     def health(self) -> dict:
         cache = self.session.prompt_cache
