@@ -136,6 +136,12 @@ def tool_model_dir(path: Path, steps: int = 300) -> Path:
     Its chat template renders tools the way Qwen2.5's does, so mlx-lm infers
     its json_tools parser; greedy decoding reproduces the call exactly (checked).
     """
+    return said_model_dir(path, TOOL_ANSWER, steps)
+
+
+def said_model_dir(path: Path, answer: str, steps: int = 300) -> Path:
+    """A tiny llama trained (seconds) to answer ``TOOL_QUESTION``, with the weather tool offered, with
+    ``answer`` then EOS (greedy decoding reproduces it exactly: checked)."""
     from specdec_cli.prompts import render_messages
 
     config = TINY_CONFIGS["llama"]
@@ -143,10 +149,10 @@ def tool_model_dir(path: Path, steps: int = 300) -> Path:
     save_model_dir(path, model, config)
     tokenizer = tools_tokenizer(path)
     prompt = render_messages(tokenizer, TOOL_QUESTION, tools=[WEATHER_TOOL]).ids
-    answer = tokenizer.encode(TOOL_ANSWER, add_special_tokens=False) + [EOS_ID]
-    ids = mx.array(prompt + answer[:-1], dtype=mx.uint32)[None]
-    labels = mx.array(answer, dtype=mx.uint32)
-    n = len(answer)
+    target = tokenizer.encode(answer, add_special_tokens=False) + [EOS_ID]
+    ids = mx.array(prompt + target[:-1], dtype=mx.uint32)[None]
+    labels = mx.array(target, dtype=mx.uint32)
+    n = len(target)
 
     def loss_fn(m):
         logits = m(ids)[0, -n:]
@@ -159,10 +165,10 @@ def tool_model_dir(path: Path, steps: int = 300) -> Path:
         _, g = grad(model)
         opt.update(model, g)
         mx.eval(model.parameters(), opt.state)
-        if step % 25 == 24 and _says(model, prompt, answer):
+        if step % 25 == 24 and _says(model, prompt, target):
             break
     model.eval()
-    assert _says(model, prompt, answer), "the tiny model did not learn its tool call"
+    assert _says(model, prompt, target), f"the tiny model did not learn to say {answer!r}"
     save_model_dir(path, model, config, tokenizer=False)
     return path
 

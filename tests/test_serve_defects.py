@@ -16,18 +16,16 @@ import weakref
 
 import httpx
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 import pytest
 
-from server import TOOL_ANSWER, TOOL_QUESTION, WEATHER_TOOL, Server, _says, tool_model_dir, tools_tokenizer
+from server import TOOL_ANSWER, TOOL_QUESTION, WEATHER_TOOL, Server, said_model_dir, tool_model_dir, tools_tokenizer
 from specdec_cli.processors import Constraint, ConstraintError, Grammar, grammar_text
 from specdec_cli.serve import protocol
 from specdec_cli.serve.scheduler import Busy, Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
 from specdec_cli.session import prompt_cache as prompt_cache_module
 from specdec_cli.session.reply import Reply, TextStream
-from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, make_model_dir, save_model_dir
+from specdec_cli.synthetic import make_model_dir
 
 KEY = "sk-test-key"
 # A tool call whose JSON is a number: mlx-lm's json_tools parser returns 42, not a call.
@@ -35,37 +33,6 @@ BAD_CALL = "<tool_call> 42 </tool_call>"
 HELLO = [{"role": "user", "content": "Hello there"}]
 # A hang guard only: an answer on a loaded machine comes in seconds.
 ANSWER_S = 120
-
-
-def said_model_dir(path, answer: str, steps: int = 400):
-    """A tiny llama trained (seconds) to answer ``TOOL_QUESTION``, with the weather tool, with ``answer``, then EOS."""
-    from specdec_cli.prompts import render_messages
-
-    config = TINY_CONFIGS["llama"]
-    model = build_model(config, seed=3)
-    save_model_dir(path, model, config)
-    tokenizer = tools_tokenizer(path)
-    prompt = render_messages(tokenizer, TOOL_QUESTION, tools=[WEATHER_TOOL]).ids
-    target = tokenizer.encode(answer, add_special_tokens=False) + [EOS_ID]
-    ids = mx.array(prompt + target[:-1], dtype=mx.uint32)[None]
-    labels = mx.array(target, dtype=mx.uint32)
-
-    def loss_fn(m):
-        return nn.losses.cross_entropy(m(ids)[0, -len(target):], labels).mean()
-
-    opt = optim.Adam(learning_rate=3e-3)
-    grad = nn.value_and_grad(model, loss_fn)
-    model.train()
-    for step in range(steps):
-        _, g = grad(model)
-        opt.update(model, g)
-        mx.eval(model.parameters(), opt.state)
-        if step % 25 == 24 and _says(model, prompt, target):
-            break
-    model.eval()
-    assert _says(model, prompt, target), "the tiny model did not learn its answer"
-    save_model_dir(path, model, config, tokenizer=False)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +47,7 @@ def llama(root):
 
 @pytest.fixture(scope="module")
 def bad_server(root):
-    s = Server("--model", said_model_dir(root / "bad", BAD_CALL))
+    s = Server("--model", said_model_dir(root / "bad", BAD_CALL, steps=400))
     yield s
     s.stop()
 
