@@ -78,7 +78,6 @@ from specdec_cli import bundled
 from specdec_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_io import load_head
-from specdec_cli.hooks import Hidden, HiddenTap, target_parts
 from specdec_cli.loading import read_config
 from specdec_cli.engine import MAX_CARRY
 from specdec_cli.loading import load
@@ -86,6 +85,7 @@ from specdec_cli.measure import measure
 from specdec_cli.runner import collect, run
 from specdec_cli.sampling import GREEDY, SamplingParams
 from specdec_cli.synthetic import build_model
+from specdec_cli.taps import Hidden, HiddenTap, target_parts
 
 CATEGORIES = {
     "code_python": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and type hints.",

@@ -46,8 +46,8 @@ from bench import provenance  # noqa: E402
 
 from specdec_cli.caches import ModelCache  # noqa: E402
 from specdec_cli.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_target_layer_ids  # noqa: E402
-from specdec_cli.hooks import Hidden, HiddenTap, TapSpec, target_parts  # noqa: E402
 from specdec_cli.synthetic import build_model, dflash_config  # noqa: E402
+from specdec_cli.taps import Hidden, HiddenTap, TapSpec, target_parts  # noqa: E402
 
 
 def target_config(family: str, hidden: int, layers: int, vocab: int) -> dict:

@@ -52,10 +52,10 @@ from specdec_cli.caches import ModelCache
 from specdec_cli.drafters.base import Draft
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_head import MTPConfig, random_head
-from specdec_cli.hooks import Hidden, HiddenTap, TapSpec, target_parts
 from specdec_cli.runner import collect, run
 from specdec_cli.sampling import GREEDY
 from specdec_cli.synthetic import build_model
+from specdec_cli.taps import Hidden, HiddenTap, TapSpec, target_parts
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).with_name("bench.py"))
 bench = importlib.util.module_from_spec(_spec)

@@ -43,9 +43,9 @@ from specdec_cli.distill_command import EVAL_PROMPTS
 from specdec_cli.drafters.history import tokenizer_fingerprint
 from specdec_cli.drafters.mtp_head import MTPHead
 from specdec_cli.drafters.mtp_io import load_head
-from specdec_cli.hooks import target_parts
 from specdec_cli.loading import load, read_config
 from specdec_cli.runner import collect, run
+from specdec_cli.taps import target_parts
 
 import bench  # noqa: E402  (this script's folder is first on sys.path)
 

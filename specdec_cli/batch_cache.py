@@ -34,7 +34,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, _leaves, rebuild
 from .errors import UnsupportedModelError
-from .hooks import StepRecord
+from .recurrent import StepRecord
 
 
 class RowsKVCache:

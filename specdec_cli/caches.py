@@ -37,7 +37,7 @@ from mlx_lm.models.cache import (
 )
 
 from .errors import Cancelled, UnsupportedModelError
-from .hooks import RecurrentSteps, StepRecord, recurrent_steps
+from .recurrent import RecurrentSteps, StepRecord, recurrent_steps
 
 # How far (in tokens) a restore may go below the offset at which the latest
 # forward started, unless a user of the cache asks for more (ensure_reach).
@@ -473,7 +473,7 @@ class ModelCache:
 
         The recurrent layers' several-token recurrence is checked against its
         one-token steps at every row count (see
-        :meth:`~specdec_cli.hooks.RecurrentSteps.check_rows`); where it differs
+        :meth:`~specdec_cli.recurrent.RecurrentSteps.check_rows`); where it differs
         the hooks compute it one token at a time.
 
         Raises:
@@ -511,7 +511,7 @@ class ModelCache:
         Args:
             tokens: Token ids.
             step_size: Tokens per chunk (the most, when sized by time).
-            tap: A :class:`~specdec_cli.hooks.HiddenTap` on the model, or None.
+            tap: A :class:`~specdec_cli.taps.HiddenTap` on the model, or None.
             seconds: Aim each chunk's evaluation at about this long: the size
                 adapts to the measured speed (which falls as the context
                 grows), so no single evaluation keeps the host waiting long.

@@ -19,8 +19,8 @@ from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training
 from .distill.train import Step, TrainConfig
 from .drafters.mtp_io import SPECDEC_TYPE
 from .errors import EXIT_INTERRUPTED, OptionError
-from .hooks import target_parts
 from .limits import gb
+from .taps import target_parts
 
 # Held-out prompts for the acceptance measured after training: in no seed prompt.
 EVAL_PROMPTS = (

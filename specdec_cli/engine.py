@@ -26,9 +26,9 @@ from .drafters import Draft, Drafter, no_draft
 from .drafters.model_batch import DraftBatch
 from .drafters.mtp_batch import MTPBatch
 from .errors import UnsupportedModelError
-from .hooks import Hidden, HiddenTap
 from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
+from .taps import Hidden, HiddenTap
 
 if TYPE_CHECKING:
     from .distributed import Ranks

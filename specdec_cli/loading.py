@@ -418,7 +418,7 @@ def load_mtp(name: Optional[str], path: Optional[Path], target: Loaded, dtype: O
         UnsupportedModelError: No head, several MTP layers, or a head for another model.
     """
     from .drafters.mtp_io import load_head
-    from .hooks import target_parts
+    from .taps import target_parts
 
     path = target.path if name is None else (path or resolve(name))
     config = read_config(path)

@@ -16,9 +16,9 @@ from .blocks import Block
 from .caches import ModelCache
 from .drafters import Drafter
 from .engine import verify_rows
-from .hooks import HiddenTap
 from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, choose, greedy, log_probs
+from .taps import HiddenTap
 
 if TYPE_CHECKING:
     from .distributed import Ranks

@@ -21,11 +21,11 @@ from .drafters import Drafter
 from .blocks import Block
 from .engine import speculative_generate_step, verify_rows
 from .plain import Warmup, plain_generate_step, warm_up
-from .hooks import Hidden, HiddenTap
 from .errors import OptionError
 from .rollback import RollbackChoice, choose
 from .sampling import GREEDY, SamplingParams
 from .stats import Stats
+from .taps import Hidden, HiddenTap
 
 if TYPE_CHECKING:
     from .distributed import Ranks

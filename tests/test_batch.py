@@ -476,7 +476,7 @@ def _mtp_run(model, head, parts, specs, monkeypatch=None, interrupt_at=None):
     """Rows with MTP drafters of one head (``specs``: prompt, k, joins after n blocks); returns rows, drafters,
     each row's tokens and the row counts of every head forward in blocks where rows shared the batch."""
     from specdec_cli.drafters.mtp import MTPDrafter
-    from specdec_cli.hooks import Hidden, HiddenTap
+    from specdec_cli.taps import Hidden, HiddenTap
 
     drafters = [MTPDrafter(head, parts) for _ in specs]
     shapes, shared, fired = [], [], []
@@ -531,7 +531,7 @@ def test_mtp_heads_of_one_head_draft_every_row_in_one_forward(monkeypatch):
     from mtp_fixtures import target as mtp_target
 
     from specdec_cli.drafters.mtp import MTPDrafter
-    from specdec_cli.hooks import target_parts
+    from specdec_cli.taps import target_parts
 
     # A row that drafts nothing feeds its waiting pairs after 4 blocks (the batch's first forward does it).
     monkeypatch.setattr(MTPDrafter, "MAX_PENDING", 4)
@@ -556,7 +556,7 @@ def test_an_interrupt_inside_a_batched_mtp_draft_leaves_every_row_as_it_was(monk
     from mtp_fixtures import fitted_head
     from mtp_fixtures import target as mtp_target
 
-    from specdec_cli.hooks import target_parts
+    from specdec_cli.taps import target_parts
 
     model = mtp_target("qwen3_5")
     parts, head = target_parts(model), fitted_head("qwen3_5")

@@ -20,10 +20,10 @@ from helpers import PROMPT
 
 from specdec_cli.drafters.dflash import DFlashConfig, DFlashDrafter, check_target, default_target_layer_ids
 from specdec_cli.errors import ModelLoadError, UnsupportedModelError
-from specdec_cli.hooks import Hidden, HiddenTap, TapSpec, _backbone, target_parts
 from specdec_cli.loading import load_dflash
 from specdec_cli.runner import collect, run
 from specdec_cli.synthetic import TINY_CONFIGS, build_model, dflash_config, save_dflash_dir
+from specdec_cli.taps import Hidden, HiddenTap, TapSpec, _backbone, target_parts
 
 YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 ATTENTION = {

@@ -28,10 +28,10 @@ from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_head import MTPHead, random_head
 from specdec_cli.drafters.mtp_io import build_head, embedding_probe, load_head
 from specdec_cli.errors import OptionError, UnsupportedModelError
-from specdec_cli.hooks import target_parts
 from specdec_cli.loading import read_config
 from specdec_cli.runner import collect, run
 from specdec_cli.synthetic import build_model, make_model_dir, TINY_CONFIGS
+from specdec_cli.taps import target_parts
 
 from helpers import PROMPT, target
 

@@ -4,7 +4,7 @@ Tolerances. On the CPU with MLX's bundled BLAS, a batched verify and a
 one-token decode give bit-identical results for every family here, the Mamba2
 layers of nemotron_h included: mlx-lm computes T > 1 tokens with a chunked SSD
 formula that differs from its one-token formula in the last bit, so specdec's
-recurrent hooks (specdec_cli/hooks.py) compute every token after the prompt
+recurrent hooks (specdec_cli/recurrent.py) compute every token after the prompt
 with the one-token formula. With an optimised BLAS (OpenBLAS) float32 matmul
 results depend on the row count (~1e-6 on logits), so float32 comparisons
 allow 1e-5; bfloat16 ones allow nothing. Token sequences must match exactly.

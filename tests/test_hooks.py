@@ -1,8 +1,9 @@
-"""The hooks into mlx-lm model internals (``specdec_cli/hooks.py``).
+"""The hooks into mlx-lm model internals (``specdec_cli/taps.py``, ``specdec_cli/recurrent.py``).
 
 These fail loudly when the pinned mlx-lm moves what the hooks rely on: where
 the decoder layers, the final norm, the embedding and the lm_head live, and
-that a decoder layer's output is the residual stream.
+that a decoder layer's output is the residual stream. And an installation
+that fails midway leaves every instance with its own class.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import pytest
 from helpers import PROMPT, target
 
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.hooks import Hidden, HiddenTap, TapSpec, target_parts
 from specdec_cli.runner import collect, run
+from specdec_cli.taps import Hidden, HiddenTap, TapSpec, target_parts
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"]
 
@@ -41,7 +42,7 @@ def test_final_state_through_the_lm_head_is_the_logits(family):
 def test_last_layer_output_is_the_residual_stream_before_the_final_norm(family):
     # norm(output of the last decoder layer) == the final-normed state: the
     # layer tap sits where Hugging Face's hidden_states[id + 1] does.
-    from specdec_cli.hooks import _backbone
+    from specdec_cli.taps import _backbone
 
     model = target(family, "float32")
     stack, layers, norm, _ = _backbone(model)
@@ -72,6 +73,30 @@ def test_bad_layer_id_is_refused():
     with pytest.raises(UnsupportedModelError, match="layer 99"):
         HiddenTap(model, TapSpec(layers=(99,)))
     assert type(model.model.layers[0]).__name__ == "TransformerBlock"
+
+
+def classes(model) -> list[type]:
+    return [type(m) for m in model.modules()]
+
+
+def test_a_tap_that_fails_midway_leaves_every_layer_its_own_class(monkeypatch):
+    import specdec_cli.taps as taps
+
+    model = target("llama", "float32")
+    before = classes(model)
+    real, installed = taps._tap, []
+
+    def tap_then_fail(module, sink):
+        if installed:
+            raise RuntimeError("second tap failed")
+        real(module, sink)
+        installed.append(module)
+
+    monkeypatch.setattr(taps, "_tap", tap_then_fail)
+    with pytest.raises(RuntimeError, match="second tap failed"):
+        HiddenTap(model, TapSpec(layers=(0, 1), final=True))
+    assert installed and type(installed[0]) is not before[0]  # the first tap had gone in
+    assert classes(model) == before
 
 
 class RecordingDrafter(ModelDrafter):
@@ -143,7 +168,7 @@ def test_a_transformed_embedding_is_refused(family):
         target_parts(model)
 
 
-# --- recurrent-layer hooks (capture / tape / one-token-formula verify) -----------
+# --- recurrent-layer hooks (capture / tape / one-token-formula verify): recurrent.py ------
 
 
 def test_the_step_functions_keep_the_signatures_the_hooks_bind():
@@ -163,7 +188,7 @@ def test_the_step_functions_keep_the_signatures_the_hooks_bind():
 
 @pytest.mark.parametrize("family,kind", [("qwen3_5", "GatedDeltaNet"), ("nemotron_h", "Mamba2")])
 def test_recurrent_hooks_install_and_pass_their_probe(family, kind):
-    from specdec_cli.hooks import RecurrentSteps
+    from specdec_cli.recurrent import RecurrentSteps
     from specdec_cli.synthetic import TINY_CONFIGS, build_model
 
     model = build_model(TINY_CONFIGS[family], seed=3, dtype=mx.float32)
@@ -174,3 +199,35 @@ def test_recurrent_hooks_install_and_pass_their_probe(family, kind):
     finally:
         steps.close()
     assert not any("_specdec_steps_base" in vars(type(m)) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("where", ["install", "probe"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_recurrent_hooks_that_fail_midway_leave_every_instance_its_own_class(monkeypatch, family, where, error):
+    # Not one of the refusals the hooks expect (those fall back and say why): the error propagates,
+    # after the mixers already hooked (the first of two, or all before the probe) got their classes back.
+    import specdec_cli.recurrent as recurrent
+    from specdec_cli.synthetic import TINY_CONFIGS, build_model
+
+    model = build_model(TINY_CONFIGS[family], seed=3, dtype=mx.float32)
+    before = classes(model)
+    real_install, hooked = recurrent.RecurrentSteps._install, []
+
+    def install(self, mixer, adapter, calls):
+        if where == "install" and hooked:
+            raise error("the second mixer failed")
+        real_install(self, mixer, adapter, calls)
+        hooked.append(mixer)
+
+    def probe(self, model):
+        raise error("the probe failed")
+
+    monkeypatch.setattr(recurrent.RecurrentSteps, "_install", install)
+    if where == "probe":
+        monkeypatch.setattr(recurrent.RecurrentSteps, "_probe", probe)
+    with pytest.raises(error, match="failed"):
+        recurrent.recurrent_steps(model)
+    assert len(hooked) == (1 if where == "install" else 2)
+    assert classes(model) == before
+    assert getattr(model, "_specdec_steps", None) is None

@@ -47,9 +47,9 @@ from specdec_cli.drafters.mtp_head import MTPConfig, random_head
 from specdec_cli.drafters.mtp_io import build_head, hf_to_head, load_head, save_head
 from specdec_cli.engine import speculative_generate_step
 from specdec_cli.errors import UnsupportedModelError
-from specdec_cli.hooks import Hidden, HiddenTap, target_parts
 from specdec_cli.loading import load, load_mtp, read_config
 from specdec_cli.runner import collect, run
+from specdec_cli.taps import Hidden, HiddenTap, target_parts
 
 FAMILIES = ["qwen3_5", "qwen3_next"]
 GEN = 60

@@ -18,7 +18,7 @@ import mlx_lm.models.qwen3_5 as qwen3_5_module
 import pytest
 from helpers import PROMPT, max_cache_diff, noisy_drafter, plain, speculative, tokens
 
-import specdec_cli.hooks as hooks
+import specdec_cli.recurrent as recurrent
 from specdec_cli.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.errors import UnsupportedModelError
@@ -70,10 +70,10 @@ def test_the_check_covers_every_row_count_a_run_uses(monkeypatch):
 def test_speculation_is_refused_when_the_differing_layer_cannot_be_hooked(monkeypatch):
     differing_gdn(monkeypatch)
 
-    def no_hook(self, mixer, kind, calls):
-        raise hooks._Unsupported(f"its {type(mixer).__name__} has no conv1d where specdec reads the conv state")
+    def no_hook(self, mixer, adapter, calls):
+        raise recurrent._Unsupported(f"its {type(mixer).__name__} has no conv1d where specdec reads the conv state")
 
-    monkeypatch.setattr(hooks.RecurrentSteps, "_install", no_hook)
+    monkeypatch.setattr(recurrent.RecurrentSteps, "_install", no_hook)
     m, draft = fresh(), noisy_drafter("qwen3_5", "float32")
     with pytest.raises(UnsupportedModelError) as refused:
         list(run(m, PROMPT, drafter=ModelDrafter(draft), num_draft_tokens=3, max_tokens=8))
@@ -91,7 +91,7 @@ def test_broken_records_leave_carry_on_the_one_token_path(monkeypatch):
     # Capture/tape records that do not reproduce mlx-lm's states: those two are off, but carry's
     # verify forwards still compute Mamba2 one token at a time (its chunked several-token formula
     # differs from the one-token one in the last bit, so mlx-lm's own forward would not do).
-    monkeypatch.setattr(hooks.StepRecord, "conv_state", lambda self, m: self.conv_input[:, m + 1:m + 1 + self.n_keep])
+    monkeypatch.setattr(recurrent.StepRecord, "conv_state", lambda self, m: self.conv_input[:, m + 1:m + 1 + self.n_keep])
     m, draft = fresh("nemotron_h", mx.bfloat16), noisy_drafter("nemotron_h", "bfloat16")
     ref, ref_cache = plain(m, max_tokens=24)
     cache = ModelCache(m)

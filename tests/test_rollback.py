@@ -28,8 +28,8 @@ from zoo_configs import ZOO
 from specdec_cli.caches import ModelCache, WindowKVCache
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.engine import speculative_generate_step
+from specdec_cli.recurrent import RecurrentSteps
 from specdec_cli.rollback import choose
-from specdec_cli.hooks import RecurrentSteps
 from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
 
 # Every family mlx-lm builds from a GatedDeltaNet, Mamba2 or Mamba mixer that

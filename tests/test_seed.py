@@ -73,7 +73,7 @@ def test_an_mtp_head_with_a_draft_vocabulary_keeps_the_seeded_text():
 
     from specdec_cli.drafters.mtp import MTPDrafter
     from specdec_cli.drafters.mtp_head import MTPConfig, random_head
-    from specdec_cli.hooks import target_parts
+    from specdec_cli.taps import target_parts
 
     model, _ = models()
     parts = target_parts(model)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..hooks import Hidden
 from ..sampling import GREEDY, SamplingParams
+from ..taps import Hidden
 from .base import Draft, no_draft
 from .mtp import MTPDrafter
 from .suffix import SuffixDrafter

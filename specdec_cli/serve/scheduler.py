@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional
 
 from ..batch_policy import BatchPlanner, CostTable
 from ..engine import Engine, Row
-from ..hooks import HiddenTap
 from ..runner import Step
 from ..session import Session
 from ..session.batch import measure_costs
 from ..session.generate import Opening
 from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
+from ..taps import HiddenTap
 
 log = logging.getLogger("specdec.serve")
 

@@ -29,9 +29,9 @@ from ..batch_cache import batch_problem
 from ..batch_policy import WIDTHS, BatchPlanner, CostTable
 from ..compare import IDENTICAL, explain
 from ..engine import Engine, Row
-from ..hooks import HiddenTap
 from ..measure import Progress
 from ..runner import Finished, Prefilled, Step, cache_bytes, collect, run
+from ..taps import HiddenTap
 from .generate import Opening, Request, Session
 from .setup import Setup
 

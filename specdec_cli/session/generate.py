@@ -18,12 +18,12 @@ from ..adaptive import FirstBlock, FixedLength
 from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
 from ..engine import Row
-from ..hooks import Hidden, HiddenTap
 from ..processors import Constraint, make_processors
 from ..rollback import RollbackChoice
 from ..rollback import choose as choose_rollback
 from ..runner import Finished, Prefilled, Step, Warmed, run
 from ..sampling import GREEDY, SamplingParams
+from ..taps import Hidden, HiddenTap
 from .options import HIDDEN_STATE_DRAFTERS, make_policy
 from .prompt_cache import Entry, PromptCache
 from .setup import Setup

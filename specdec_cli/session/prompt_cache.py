@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..caches import ModelCache
-from ..hooks import Hidden
+from ..taps import Hidden
 from .state import SavedCache
 
 

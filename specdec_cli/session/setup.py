@@ -26,10 +26,10 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
-from ..hooks import TargetParts, target_parts
 from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
 from ..prompts import longest_token_chars
+from ..taps import TargetParts, target_parts
 from .options import ModelOptions, check_block_size, hidden_states_refused
 
 
