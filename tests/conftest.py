@@ -1,0 +1,291 @@
+"""The suite's tiers: every test is fast, slow, server or distributed, by the one table below.
+
+``-m "not slow"`` is the fast tier (README's Development section says what it costs) and
+``-m slow`` the rest; ``-m server`` selects the tests that start a real ``specdec serve`` process
+(tests/server.py's ``Server``, or the CLI's ``serve`` as a subprocess) and ``-m distributed`` those
+that run ranks as processes (``mlx.launch``, or two ranks spawned by hand). Server and distributed
+tests are slow too. CI runs everything (no ``-m``).
+
+A test's tier is the longest key in ``TESTS`` that names it, else its file's entry in ``FILES``.
+Every ``test_*.py`` here must be in ``FILES`` (the session stops with a usage error otherwise), so
+a new file forces a decision; a new test in a listed file takes its file's tier. A ``TESTS`` key is
+``file::test`` (every parametrization), ``file::Class::test``, or ``file::test[id-prefix`` (the
+parametrizations whose id starts so); a key naming a test its file does not define is an error.
+
+Slow: whatever the fast tier cannot hold in its budget (measured with ``--durations=0``, a
+module-scoped fixture charged to its file's first test), every package keeping fast tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+FAST: tuple[str, ...] = ()
+SLOW = ("slow",)
+SERVER = ("server", "slow")
+DISTRIBUTED = ("distributed", "slow")
+
+# Every test file, by the tier of most of its tests.
+FILES: dict[str, tuple[str, ...]] = {
+    "test_agents.py": SERVER,
+    "test_architecture.py": FAST,  # the import rule, read from the source
+    "test_batch.py": FAST,
+    "test_batch_cli.py": FAST,
+    "test_bench.py": FAST,
+    "test_caches.py": FAST,
+    "test_cli.py": FAST,
+    "test_dflash.py": FAST,
+    "test_dialects.py": SERVER,
+    "test_display.py": FAST,
+    "test_distill.py": FAST,
+    "test_distributed.py": DISTRIBUTED,
+    "test_drafting.py": FAST,
+    "test_engine.py": FAST,
+    "test_first_hour.py": FAST,
+    "test_firstrun.py": FAST,
+    "test_history_file.py": FAST,
+    "test_honest_timing.py": FAST,
+    "test_hooks.py": FAST,
+    "test_hybrid.py": FAST,
+    "test_lookup.py": FAST,
+    "test_mtp.py": FAST,
+    "test_processors.py": FAST,
+    "test_recurrence_check.py": FAST,
+    "test_robust.py": FAST,
+    "test_rollback.py": FAST,
+    "test_sampling.py": FAST,
+    "test_scheduler.py": FAST,  # the generation thread in-process: no server process
+    "test_seed.py": FAST,
+    "test_serve.py": SERVER,
+    "test_serve_defects.py": SERVER,
+    "test_serve_faults.py": SERVER,
+    "test_serve_processors.py": SERVER,
+    "test_session.py": FAST,
+    "test_stats.py": FAST,
+    "test_templates.py": FAST,
+    "test_zoo.py": SLOW,
+}
+
+# Tests whose tier is not their file's.
+TESTS: dict[str, tuple[str, ...]] = {
+    # Statistical (chi-square) checks: thousands of draws each.
+    "test_sampling.py::test_sampled_tokens_follow_the_target_distribution": SLOW,
+    "test_sampling.py::test_seeded_speculative_sampling_follows_the_target_distribution": SLOW,
+    "test_sampling.py::test_a_lossy_shortcut_fails_the_same_check": SLOW,
+    "test_sampling.py::test_greedy_drafter_with_one_hot_q_is_lossless_too": SLOW,
+    "test_processors.py::test_sampled_tokens_follow_the_processed_distribution": SLOW,
+    "test_processors.py::test_without_the_residual_row_a_cut_sampled_draft_is_lossy": SLOW,
+    "test_processors.py::test_fifty_seeded_samples_under_a_json_schema_each_parse_and_validate": SLOW,
+    "test_processors.py::test_a_seeded_sampled_text_is_plain_decodings_with_the_same_processor": SLOW,
+    "test_dflash.py::test_chi_square_sampling_is_lossless": SLOW,
+    "test_dflash.py::test_a_q_without_the_targets_transforms_fails_the_same_check": SLOW,
+    "test_mtp.py::test_sampling_with_an_mtp_head_is_lossless": SLOW,
+    # Matrices (family x dtype, x draft length, x strategy): slow, but for a few parametrizations
+    # that keep attention (llama, qwen3), hybrids (qwen3_5, nemotron_h, mamba) and sliding
+    # windows (gemma3_text) in the fast tier.
+    "test_engine.py::test_plain_layout_matches_mlx_lm_stock_cache": SLOW,
+    "test_engine.py::test_plain_layout_matches_mlx_lm_stock_cache[llama-bfloat16": FAST,
+    "test_engine.py::test_plain_layout_matches_mlx_lm_stock_cache[qwen3_5-float32": FAST,
+    "test_engine.py::test_plain_layout_matches_mlx_lm_stock_cache[gemma3_text-float32": FAST,
+    "test_engine.py::test_speculative_equals_plain_with_partial_accepts": SLOW,
+    "test_engine.py::test_speculative_equals_plain_with_partial_accepts[llama-float32": FAST,
+    "test_engine.py::test_speculative_equals_plain_with_partial_accepts[qwen3-bfloat16": FAST,
+    "test_engine.py::test_rolled_back_cache_equals_cache_built_directly": SLOW,
+    "test_engine.py::test_drafter_equal_to_target_accepts_everything": SLOW,
+    "test_engine.py::test_one_host_sync_per_block_unless_timed": SLOW,
+    "test_engine.py::test_one_host_sync_per_block_unless_timed[llama]": FAST,
+    "test_engine.py::test_one_host_sync_per_block_unless_timed[qwen3_5]": FAST,
+    "test_engine.py::test_interrupt_mid_block_restores_caches_and_resumes_exactly": SLOW,
+    "test_engine.py::test_interrupt_mid_block_restores_caches_and_resumes_exactly[target-qwen3_5": FAST,
+    "test_engine.py::test_interrupt_mid_block_restores_caches_and_resumes_exactly[drafter-llama": FAST,
+    "test_engine.py::test_carry_equals_plain_with_partial_accepts": SLOW,
+    "test_engine.py::test_carry_max_tokens_and_eos_leave_consistent_caches": SLOW,
+    "test_engine.py::test_carry_max_tokens_and_eos_leave_consistent_caches[11-qwen3_5": FAST,
+    "test_engine.py::test_carry_max_tokens_and_eos_leave_consistent_caches[1-nemotron_h": FAST,
+    "test_engine.py::test_carry_interrupt_mid_block_resumes_exactly": SLOW,
+    "test_engine.py::test_carry_interrupt_mid_block_resumes_exactly[6-qwen3_5": FAST,
+    "test_processors.py::test_plain_decoding_with_penalties_is_mlx_lms_generate_step": SLOW,
+    "test_processors.py::test_plain_decoding_with_penalties_is_mlx_lms_generate_step[float32-llama": FAST,
+    "test_processors.py::test_plain_decoding_with_penalties_is_mlx_lms_generate_step[bfloat16-qwen3_5": FAST,
+    "test_processors.py::test_speculative_equals_plain_with_the_same_processor": SLOW,
+    "test_processors.py::test_speculative_equals_plain_with_the_same_processor[penalties-lookup-float32": FAST,
+    "test_processors.py::test_speculative_equals_plain_with_the_same_processor[grammar-lookup-float32": FAST,
+    "test_processors.py::test_penalties_and_a_grammar_together_and_every_rollback": SLOW,
+    "test_processors.py::test_a_batch_of_rows_each_with_its_own_processors[qwen3_5": SLOW,
+    "test_batch.py::test_each_row_equals_its_prompt_alone": SLOW,
+    "test_batch.py::test_each_row_equals_its_prompt_alone[qwen3-": FAST,
+    "test_batch.py::test_rows_sharing_a_draft_model_draft_in_one_forward_and_as_they_would_alone": SLOW,
+    "test_batch.py::test_an_interrupt_inside_a_batched_draft_leaves_every_row_as_it_was": SLOW,
+    "test_batch.py::test_an_interrupt_inside_a_batched_mtp_draft_leaves_every_row_as_it_was": SLOW,
+    "test_batch.py::test_mtp_heads_of_one_head_draft_every_row_in_one_forward": SLOW,
+    "test_batch.py::test_rows_join_and_leave_mid_run": SLOW,
+    "test_batch_cli.py::test_each_row_is_its_prompt_alone_and_compare_ar_proves_it[qwen3_5": SLOW,
+    "test_session.py::test_a_drafter_reading_hidden_states_gets_them_for_the_cached_tokens": SLOW,
+    "test_session.py::test_recurrent_and_window_layers_resume_at_a_checkpoint_a_request_named[nemotron_h": SLOW,
+    "test_session.py::test_three_turns_then_a_branch_back_to_where_the_first_ended[gemma3_text": SLOW,
+    "test_session.py::test_three_turns_then_a_branch_back_to_where_the_first_ended[nemotron_h": SLOW,
+    "test_session.py::test_a_later_turn_resumes_everything_the_last_one_left_and_generates_what_a_cold_session_does"
+    "[qwen3_5": SLOW,
+    "test_session.py::test_a_later_turn_resumes_everything_the_last_one_left_and_generates_what_a_cold_session_does"
+    "[nemotron_h": SLOW,
+    "test_rollback.py::test_k_1_to_8_with_partial_accepts": SLOW,
+    "test_rollback.py::test_every_strategy_generates_plain_greedy_output": SLOW,
+    "test_rollback.py::test_cut_back_state_equals_plain_decoding_for_every_k_and_accepted_length": SLOW,
+    "test_rollback.py::test_cut_back_state_equals_plain_decoding_for_every_k_and_accepted_length[qwen3_5]": FAST,
+    "test_rollback.py::test_cut_back_state_equals_plain_decoding_for_every_k_and_accepted_length[mamba]": FAST,
+    "test_rollback.py::test_eos_max_tokens_and_interrupt_leave_exact_caches[capture-qwen3_5": SLOW,
+    "test_rollback.py::test_eos_max_tokens_and_interrupt_leave_exact_caches[tape-qwen3_5": SLOW,
+    "test_dflash.py::test_speculative_equals_plain_and_the_context_is_the_one_built_directly[qwen3_5": SLOW,
+    "test_dflash.py::test_random_drafter_on_unmodified_targets_is_exact": SLOW,
+    "test_dflash.py::test_random_drafter_on_unmodified_targets_is_exact[qwen3-2]": FAST,
+    "test_dflash.py::test_random_drafter_on_unmodified_targets_is_exact[qwen3_5-4]": FAST,
+    # A head fitted first (mtp_fixtures.fitted_head: 150 training steps a family); the MTP
+    # drafter stays in the fast tier with random heads (test_seed.py, the CLI's detection).
+    "test_mtp.py::test_greedy_drafts_equal_mlx_vlm_draft_block": SLOW,
+    "test_mtp.py::test_speculative_equals_plain_and_caches_roll_back_exactly": SLOW,
+    "test_mtp.py::test_p_min_stops_drafting_early": SLOW,
+    "test_mtp.py::test_one_token_prompt_and_cancel_keep_the_pairs_aligned": SLOW,
+    "test_mtp.py::test_cli_drafts_with_the_mtp_head": SLOW,
+    "test_honest_timing.py::test_exact_kernels_give_identical_paths": SLOW,
+    "test_honest_timing.py::test_warm_up_runs_every_shape_and_leaves_caches_and_drafter_as_they_were": SLOW,
+    "test_honest_timing.py::test_warm_up_runs_every_shape_and_leaves_caches_and_drafter_as_they_were[llama]": FAST,
+    "test_honest_timing.py::test_warm_up_runs_every_shape_and_leaves_caches_and_drafter_as_they_were[qwen3_5]": FAST,
+    "test_honest_timing.py::test_a_rounding_tie_is_proven[qwen3_5": SLOW,
+    "test_seed.py::test_one_seed_gives_one_text_under_any_draft_lengths": SLOW,
+    "test_seed.py::test_every_rollback_keeps_the_seeded_text": SLOW,
+    "test_scheduler.py::test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache": SLOW,
+    "test_scheduler.py::test_requests_with_a_dflash_drafter_decode_together": SLOW,
+    "test_templates.py::test_strict_templates_refuse_these_shapes_unfolded": SLOW,
+    "test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[qwen3_5-codex]": FAST,
+    "test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[mistral-middle]": FAST,
+    "test_cli.py::test_sweep_json_has_a_row_per_block_size": SLOW,
+    "test_cli.py::test_rollback_strategy_option": SLOW,
+    "test_zoo.py::test_the_zoo_covers_every_mlx_lm_architecture": FAST,  # a listing, no model
+    # Training a head.
+    "test_distill.py::test_cli_distills_a_head_that_generate_loads": SLOW,
+    "test_distill.py::test_a_trained_head_drafts_and_speculation_stays_exact": SLOW,
+    "test_distill.py::test_training_lowers_the_loss_and_raises_agreement": SLOW,
+    "test_distill.py::test_a_head_trains_and_drafts_exactly_for_every_family": SLOW,
+    "test_distill.py::test_drafter_auto_says_what_it_picked": SLOW,
+    "test_distill.py::test_ctrl_c_during_training_leaves_a_loadable_head": SLOW,
+    "test_distill.py::test_chained_hits_count_what_a_greedy_draft_chain_gets_accepted": SLOW,
+    # The CLI as a subprocess: signals, pipes, many processes, the wheel, the bundled model.
+    "test_robust.py::test_fuzzed_options_exit_1_or_2_in_at_most_3_lines": SLOW,
+    "test_robust.py::test_extra_eos_token_names_the_leading_space_form": SLOW,
+    "test_robust.py::test_ctrl_c_during_prefill_exits_130_quickly": SLOW,
+    "test_robust.py::test_ctrl_c_during_decoding_prints_the_text_once": SLOW,
+    "test_robust.py::test_ctrl_c_with_json_gives_one_object": SLOW,
+    "test_robust.py::test_a_closed_stdout_ends_quietly": SLOW,
+    "test_robust.py::test_a_closed_stderr_ends_quietly_with_141": SLOW,
+    "test_robust.py::test_quantized_kv_cache_speculation_equals_plain_decoding": SLOW,
+    "test_firstrun.py::test_the_wheel_carries_the_bundled_model": SLOW,
+    "test_firstrun.py::test_the_cli_reexecutes_once_and_the_child_sees_the_preload": SLOW,
+    "test_firstrun.py::test_first_run_the_bundled_model_speculates_exactly": SLOW,
+    "test_firstrun.py::test_the_bundled_head_drafts_for_the_bundled_model_exactly": SLOW,
+    # In server files, the tests that start no process (translations, the reply parser, the
+    # generation thread in-process, the terminal chat).
+    "test_dialects.py::test_anthropic_blocks_become_chat_messages_in_order": FAST,
+    "test_dialects.py::test_a_failure_after_the_answer_started_is_an_event_in_each_dialect": FAST,
+    "test_dialects.py::test_codex_tools_are_served_namespaced_and_hosted_ones_left_out": FAST,
+    "test_dialects.py::test_a_custom_tool_call_is_answered_as_custom_tool_call": FAST,
+    "test_dialects.py::test_a_responses_stream_keeps_a_waiting_client_alive_with_events": FAST,
+    "test_dialects.py::test_text_between_two_calls_keeps_its_place": FAST,
+    "test_serve.py::test_chat_in_the_terminal_reuses_the_last_turn": FAST,
+    "test_serve_defects.py::test_a_tool_call_that_is_not_an_object_is_returned_as_text": FAST,
+    "test_serve_defects.py::test_a_list_of_objects_is_still_several_calls": FAST,
+    "test_serve_defects.py::test_a_fault_handling_one_rows_text_fails_that_row_alone": FAST,
+    "test_serve_defects.py::test_a_fault_outside_any_row_fails_the_rows_in_flight_and_the_thread_serves_on": FAST,
+    "test_serve_defects.py::test_a_generation_thread_that_ended_fails_its_requests_and_health_says_503": FAST,
+    "test_serve_defects.py::test_a_schema_of_true_is_any_json_value_and_false_is_refused": FAST,
+    "test_serve_defects.py::test_a_tool_call_cut_or_unclosed_is_returned_as_the_model_wrote_it": FAST,
+    "test_serve_defects.py::test_the_default_byte_bound_comes_from_the_machines_memory": FAST,
+    "test_serve_defects.py::test_the_prompt_cache_stays_within_its_bytes_and_frees_what_it_drops": FAST,
+    "test_serve_defects.py::test_a_validation_error_becomes_one_clean_line": FAST,
+    # In the distributed file, the tests that launch nothing (one watchdog process at most).
+    "test_distributed.py::test_checksum_sees_order_and_content": FAST,
+    "test_distributed.py::test_settle_takes_rank_0s_decision_and_raises_on_other_inputs": FAST,
+    "test_distributed.py::test_heads_must_divide_by_the_ranks": FAST,
+    "test_distributed.py::test_a_family_that_cannot_pipeline_is_refused_naming_those_that_can": FAST,
+    "test_distributed.py::test_what_a_sharded_target_cannot_do_is_refused_before_loading": FAST,
+    "test_distributed.py::test_backend_read_from_what_mlx_launch_exports": FAST,
+    "test_distributed.py::test_ranks_sharing_this_machine_get_its_cores_for_blas": FAST,
+    "test_distributed.py::test_ring_noise_is_recognised_and_nothing_else": FAST,
+    "test_distributed.py::test_pipeline_alone_is_refused": FAST,
+    "test_distributed.py::test_the_watchdog_ends_a_process_whose_peers_stopped_answering": FAST,
+}
+
+MARKERS = {"slow", "server", "distributed"}
+HERE = Path(__file__).resolve().parent
+
+
+def _split(key: str) -> tuple[str, str]:
+    file, _, test = key.partition("::")
+    return file, test
+
+
+def _matches(key_test: str, test: str) -> bool:
+    """Whether a TESTS key's test part names ``test`` (a node id within its file)."""
+    if "[" in key_test:
+        return test.startswith(key_test)
+    return test == key_test or test.startswith(key_test + "[") or test.startswith(key_test + "::")
+
+
+def _defined(path: Path) -> set[str]:
+    """The test functions a file defines, as ``name`` and ``Class::name`` (read, not imported)."""
+    out = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            out |= {f"{node.name}::{f.name}" for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return out
+
+
+def check_table() -> None:
+    """Every test file has a tier, and every entry names a file or test that exists."""
+    files = {p.relative_to(HERE).as_posix() for p in HERE.rglob("test_*.py")}
+    problems = [f"{f}: not in FILES (give it a tier: FAST, SLOW, SERVER or DISTRIBUTED)"
+                for f in sorted(files - FILES.keys())]
+    problems += [f"{key}: in TESTS but {_split(key)[0]} is not in FILES" for key in TESTS
+                 if _split(key)[0] not in FILES]
+    problems += [f"{name}: markers must be among {sorted(MARKERS)}"
+                 for name, marks in [*FILES.items(), *TESTS.items()] if not set(marks) <= MARKERS]
+    # A key naming no test (renamed or removed) would leave a slow test in the fast tier.
+    defined = {f: _defined(HERE / f) for f in files & {_split(key)[0] for key in TESTS}}
+    for key in TESTS:
+        file, test = _split(key)
+        if file in defined and test.split("[", 1)[0] not in defined[file]:
+            problems.append(f"{key}: in TESTS but {file} defines no such test")
+    if problems:
+        raise pytest.UsageError("tests/conftest.py's tier table:\n  " + "\n  ".join(problems))
+
+
+def tier(file: str, test: str) -> tuple[str, ...]:
+    """The markers of test ``test`` (its node id within the file) of ``file``."""
+    keys = [key for key in TESTS if _split(key)[0] == file and _matches(_split(key)[1], test)]
+    return TESTS[max(keys, key=len)] if keys else FILES[file]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Here, not at collection: under pytest-xdist only the workers collect, and an error
+    # raised there reads as a crash; this one is a plain usage error, before any test runs.
+    check_table()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # tryfirst: the markers must be on the items before -m deselects by them.
+    for item in items:
+        path = item.path.resolve()
+        if not path.is_relative_to(HERE):
+            continue
+        file = path.relative_to(HERE).as_posix()
+        if file not in FILES:  # a test file made after the session started
+            raise pytest.UsageError(f"{file}: not in tests/conftest.py's FILES")
+        for mark in tier(file, item.nodeid.split("::", 1)[-1]):
+            item.add_marker(mark)
