@@ -6,6 +6,7 @@ refused in seconds instead of failing (or swapping) minutes into a prefill.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -158,6 +159,18 @@ def _heads(config: dict) -> int:
             if isinstance(cfg.get(key), int):
                 return cfg[key]
     return 0
+
+
+def total_memory() -> Optional[int]:
+    """The machine's memory in bytes (unified memory on Apple silicon); None when unknown.
+
+    Unlike :func:`device_memory` (what this process can use now), a fixed figure: a bound set from it
+    does not move with the load.
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def device_memory() -> Optional[tuple[int, str]]:

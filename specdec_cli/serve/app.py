@@ -217,11 +217,7 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     async def health():
         if service.scheduler.fault is not None:  # nothing would be generated: not healthy
             return _error(503, service.scheduler.dead, code="generation_stopped")
-        body = service.health()
-        cache = service.session.prompt_cache
-        body.update(prompt_cache_bytes=cache.nbytes if cache is not None else 0,
-                    prompt_cache_max_bytes=cache.max_bytes if cache is not None else 0)
-        return body
+        return service.health()
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from .protocol import ApiError, ChatRequest, _unpaired_surrogate
+from .protocol import ApiError, ChatRequest, _unpaired_surrogate, validation_error
 
 # A chat field path's message index: "messages.3.content" or "messages[3].content".
 _MESSAGE = re.compile(r"^messages(?:\.|\[)(\d+)\]?")
@@ -51,9 +51,4 @@ def chat_request(body: dict[str, Any], origins: Sequence[str]) -> ChatRequest:
     try:
         return ChatRequest.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        param = client_param(loc, origins) or None
-        # pydantic prefixes a validator's ValueError; the client needs only the text.
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value") from None
+        raise validation_error(e, rename=lambda param: client_param(param, origins)) from None

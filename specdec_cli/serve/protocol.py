@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -59,16 +59,20 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
 _PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
-def validation_error(e: ValidationError, skip: tuple = ("body",)) -> ApiError:
+def validation_error(e: ValidationError, skip: tuple = ("body",),
+                     rename: Optional[Callable[[str], str]] = None) -> ApiError:
     """A pydantic validation error as one 400 line naming its field (the first error; pydantic's prefix dropped).
 
     Args:
         e: The error (pydantic's, or FastAPI's ``RequestValidationError``: anything with ``errors()``).
         skip: Location parts that name no field (FastAPI's ``body``).
+        rename: Maps the field's path to the name the client knows it by (a translated request's).
     """
     errors = e.errors()
     first = errors[0] if errors else {}
     param = ".".join(str(p) for p in first.get("loc", ()) if p not in skip) or None
+    if param and rename is not None:
+        param = rename(param)
     message = " ".join(str(first.get("msg", "invalid request")).split())
     for prefix in _PYDANTIC_PREFIXES:
         message = message.removeprefix(prefix)

@@ -147,11 +147,10 @@ HOSTED_CALLS = ("web_search_call", "file_search_call", "computer_call", "compute
                 "mcp_approval_response", "tool_search_call", "tool_search_output")
 
 
-def _messages(req: ResponsesRequest) -> tuple[list[dict], list[str]]:
-    """The input items as chat messages, and the client's field each came from."""
+def _messages(req: ResponsesRequest, offered: dict[tuple[Optional[str], str], str]) -> tuple[list[dict], list[str]]:
+    """The input items as chat messages, and the client's field each came from (``offered``: :func:`_offered`)."""
     out: list[dict] = []
     origins: list[str] = []
-    offered = _offered(req)
 
     def add(message: dict, origin: str) -> None:
         out.append(message)
@@ -248,7 +247,7 @@ def _offered(req: ResponsesRequest) -> dict[tuple[Optional[str], str], str]:
     return out
 
 
-def _function(name: str, tool: Tool, where: str) -> dict:
+def _function(name: str, tool: Tool) -> dict:
     fn: dict[str, Any] = {"name": name}
     if tool.description is not None:
         fn["description"] = tool.description
@@ -264,20 +263,19 @@ def _function(name: str, tool: Tool, where: str) -> dict:
     return {"type": "function", "function": fn}
 
 
-def _tools(req: ResponsesRequest) -> Optional[list[dict]]:
+def _tools(req: ResponsesRequest, seen: dict[tuple[Optional[str], str], str]) -> Optional[list[dict]]:
     out = []
-    seen = _offered(req)
     for i, t in enumerate(req.tools or []):
         if t.type in ("function", "custom", "namespace") and t.name is None:
             raise ApiError(400, f"tools[{i}].name: Field required", f"tools[{i}].name", "invalid_value")
         if t.type in ("function", "custom"):
-            out.append(_function(t.name, t, f"tools[{i}]"))
+            out.append(_function(t.name, t))
         elif t.type == "namespace":
             for j, inner in enumerate(t.tools or []):
                 if inner.type != "function" or inner.name is None:
                     raise ApiError(400, f"tools[{i}].tools[{j}]: a namespace holds function tools with names",
                                    f"tools[{i}].tools[{j}]", "invalid_value")
-                out.append(_function(seen[(t.name, inner.name)], inner, f"tools[{i}].tools[{j}]"))
+                out.append(_function(seen[(t.name, inner.name)], inner))
         # Anything else is a hosted tool, run by OpenAI's servers: left out (see routes).
     return out or None
 
@@ -295,7 +293,7 @@ def _format(req: ResponsesRequest) -> Optional[dict]:
                    "text.format.type", "invalid_value")
 
 
-def _tool_choice(req: ResponsesRequest):
+def _tool_choice(req: ResponsesRequest, offered: dict[tuple[Optional[str], str], str]):
     """The Responses API's tool_choice as chat's: a named tool is ``{"type": "function" | "custom", "name"}``
     here (a namespaced function with its ``namespace``)."""
     choice = req.tool_choice
@@ -305,7 +303,7 @@ def _tool_choice(req: ResponsesRequest):
     if kind in ("function", "custom") and "function" not in choice:
         name = choice.get("name")
         if isinstance(name, str):
-            name = _offered(req).get((choice.get("namespace"), name), name)
+            name = offered.get((choice.get("namespace"), name), name)
         return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":
         raise _refuse("tool_choice", "tool_choice of type 'allowed_tools' is not supported: send only the tools "
@@ -324,9 +322,10 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
     """
     _stateless(req)
     check_text(req)
-    messages, origins = _messages(req)
-    body: dict[str, Any] = {"model": req.model, "messages": messages, "tools": _tools(req),
-                            "tool_choice": _tool_choice(req), "max_tokens": req.max_output_tokens,
+    offered = _offered(req)
+    messages, origins = _messages(req, offered)
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "tools": _tools(req, offered),
+                            "tool_choice": _tool_choice(req, offered), "max_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                             "response_format": _format(req), "parallel_tool_calls": req.parallel_tool_calls}
     if LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs:

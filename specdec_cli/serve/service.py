@@ -110,7 +110,9 @@ class Service:
         sched = self.scheduler
         return {"status": "ok", "model": self.model_id, "busy": sched.running > 0, "running": sched.running,
                 "decoding": sched.decoding, "waiting": sched.waiting, "decode_concurrency": sched.max_rows,
-                "prompt_cache_entries": len(cache) if cache is not None else 0}
+                "prompt_cache_entries": len(cache) if cache is not None else 0,
+                "prompt_cache_bytes": cache.nbytes if cache is not None else 0,
+                "prompt_cache_max_bytes": cache.max_bytes if cache is not None else 0}
 
     # --- checking and rendering ----------------------------------------------------
 

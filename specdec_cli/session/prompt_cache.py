@@ -14,7 +14,6 @@ MLX is asked to give their memory back.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -23,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..caches import ModelCache
+from ..limits import total_memory
 from ..taps import Hidden
 from .state import SavedCache
 
@@ -32,14 +32,6 @@ from .state import SavedCache
 # each), more than the 10 entries a handful of conversations resume from.
 DEFAULT_SHARE = 8
 DEFAULT_MAX_BYTES = 8 * 2**30
-
-
-def total_memory() -> Optional[int]:
-    """The machine's memory in bytes (unified memory on Apple silicon); None when unknown."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 def default_max_bytes() -> int:
