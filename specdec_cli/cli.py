@@ -317,6 +317,12 @@ class Rollback(str, Enum):
     tape = "tape"
 
 
+class Shapes(str, Enum):
+    auto = "auto"
+    exact = "exact"
+    bucketed = "bucketed"
+
+
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -456,6 +462,9 @@ NgramMinOpt = Annotated[Optional[int], _opt(
 RollbackOpt = Annotated[Rollback, _opt(
     "--rollback", metavar="MODE", help=_choices(Rollback) + "How they roll back a partial accept; auto "
     "measures.", rich_help_panel=RECURRENT)]
+ShapesOpt = Annotated[Shapes, _opt(
+    "--shapes", metavar="MODE", help=_choices(Shapes) + "Verify widths; bucketed: powers of two (padded), so a "
+    "GPU compiles few shapes; auto: bucketed on a GPU. Output is the same.", rich_help_panel=ADVANCED)]
 RollbackCapOpt = Annotated[Optional[float], _opt(
     "--rollback-memory-cap", metavar="MIB", min=0.0, callback=_finite,
     help="Most MiB capture may hold per verify (else tape).", rich_help_panel=RECURRENT, **_default("no cap"))]
@@ -530,6 +539,7 @@ def generate(
     pipeline: PipelineOpt = False,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
+    shapes: ShapesOpt = Shapes.auto,
 ) -> None:
     """Generate text with speculative decoding."""
     params = dict(locals())
@@ -586,6 +596,7 @@ def sweep(
     pipeline: PipelineOpt = False,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
+    shapes: ShapesOpt = Shapes.auto,
 ) -> None:
     """Measure speed and acceptance over several block sizes, against plain decoding."""
     params = dict(locals())
@@ -692,6 +703,7 @@ def serve(
     prefill_step_size: PrefillOpt = 2048,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
+    shapes: ShapesOpt = Shapes.auto,
 ) -> None:
     """Serve the OpenAI API (chat and text completions) with exact speculative decoding."""
     params = dict(locals())
@@ -740,6 +752,7 @@ def chat(
     prefill_step_size: PrefillOpt = 2048,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
+    shapes: ShapesOpt = Shapes.auto,
 ) -> None:
     """Chat in the terminal; each turn reuses the last one's caches."""
     params = dict(locals())

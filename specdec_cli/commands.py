@@ -323,7 +323,7 @@ def _sweep(opts: SweepOptions) -> int:
         eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
         rollback_memory_cap=opts.rollback_memory_cap_bytes,
         prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S,
-        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group, sync=ranks, default=default,
+        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group, sync=ranks, default=default, shapes=opts.shapes,
     )
     result = None
     with sweep_progress() as advance, closing(events):

@@ -248,7 +248,7 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
     for block in trace:
         keep = len(block.tokens) + (block.finish_reason == "stop")  # committed tokens kept
         k, c = block.drafted, len(carry)
-        if block.carry != c or block.verify_len != c + 1 + k or keep > k + 1:
+        if block.carry != c or block.verify_len < c + 1 + k or keep > k + 1:
             return Replay(*found, emitted)  # the record does not add up
         x = carry + [last] + list(tokens[emitted : emitted + min(k, keep - 1)])
         x += [0] * (block.verify_len - len(x))

@@ -362,6 +362,7 @@ def summary_lines(stats: Stats, *, drafter: str, block_size: int, peak_gb: float
         f"Peak memory: {peak_gb:.3f} GB",
         warmup_line(stats),
         drafter_line(drafter, block_size),
+        shapes_line(stats),
     ] + drafting_lines(stats)
     lines.append(rollback_line(stats))
     choice = stats.rollback_choice
@@ -396,6 +397,13 @@ def warmup_line(stats: Stats) -> str:
     else:
         what = "every shape had run already"
     return f"Warm-up: {stats.warmup_s:.3f} s before timing, not in tokens-per-sec ({what})"
+
+
+def shapes_line(stats: Stats) -> str:
+    """How many verify shapes the target ran, under which mode."""
+    widths = sorted({t for _, t in stats.verify_shapes})
+    how = "bucketed to powers of two" if stats.shapes == "bucketed" else "exact"
+    return f"Verify shapes: {len(widths)} ({how}: {_rows(tuple(widths))} positions)"
 
 
 def policy_lines(summary: dict) -> list[str]:

@@ -27,6 +27,9 @@ from .drafters.model_batch import DraftBatch
 from .drafters.mtp_batch import MTPBatch
 from .errors import UnsupportedModelError
 from .processors import logprob_arrays, logprob_entries
+from .shapes import bucket
+from .shapes import fed as fed_width
+from .shapes import widths as shape_widths
 from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
 from .taps import Hidden, HiddenTap
 
@@ -105,6 +108,7 @@ class _Pending:
     params: SamplingParams
     x: mx.array  # carry + [last] + drafts
     c: int  # carried tokens leading x
+    fed: int = 0  # rows of the forward it was in (x plus padding: a batch's widest row, a bucket)
     n_acc: Any = None
     nxt: Any = None
     hidden: Optional[Hidden] = None
@@ -138,12 +142,20 @@ class Engine:
         sync: The ranks of a sharded target (one row only).
         planner: Weighs each row's expected tokens against what its drafts
             add to a batch's forward (see :mod:`specdec_cli.batch_policy`).
+        shapes: ``exact`` or ``bucketed``: verify widths rounded up to a power
+            of two (see :mod:`specdec_cli.shapes`); the padding rows' outputs
+            are ignored and their cache entries dropped like a rejected draft's
+            (on recurrent layers only where the forward records: capture, tape).
     """
 
     def __init__(self, model: Any, *, rollback: str = "carry", timed: bool = False,
-                 tap: Optional[HiddenTap] = None, sync: Optional[Ranks] = None, planner: Any = None):
+                 tap: Optional[HiddenTap] = None, sync: Optional[Ranks] = None, planner: Any = None,
+                 shapes: str = "exact"):
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}")
+        if shapes not in ("exact", "bucketed"):
+            raise ValueError("shapes must be exact or bucketed (resolve auto first)")
+        self.shapes = shapes
         self.model = model
         self.rollback = rollback
         self.timed = timed
@@ -172,11 +184,16 @@ class Engine:
         if row.rollback is not None and row.rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}")
         k_max = getattr(row.policy, "k_max", getattr(row.policy, "k", 0))
+        strategy = row.rollback or self.rollback
         # Before the row's first token: every verify row count it can use computes as one-token decoding.
-        cache.check_verify(max(verify_rows(k_max, cache.recurrent, row.rollback or self.rollback)))
+        cache.check_verify(max(verify_rows(k_max, cache.recurrent, strategy, self.shapes)))
         if self._record_for(row, cache) and not cache.can_record:
-            raise ValueError(f"--rollback {row.rollback or self.rollback} cannot run on this model "
-                             f"({cache.record_problem})")
+            raise ValueError(f"--rollback {strategy} cannot run on this model ({cache.record_problem})")
+        drafter = _inner(row.drafter)
+        if hasattr(drafter, "fill"):
+            # A verify padded to its bucket has room for more drafts: a drafter that has them free fills it.
+            padded = self.shapes == "bucketed" and (not cache.recurrent or strategy in ("capture", "tape"))
+            drafter.fill = (lambda n: bucket(n + 1) - 1) if padded else None
         cache.ensure_reach(TARGET_REACH)
         if not self.rows:
             self._solo = cache
@@ -321,8 +338,12 @@ class Engine:
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
             position = None if batch else cache.length
+            # Padding rows run through recurrent layers too: only a recorded forward cuts them back exactly.
+            pad = self.shapes if speculate and (record is not None or not cache.recurrent) else "exact"
+            width = fed_width(max(p.x.shape[0] for p in pending), pad)
+            for p in pending:
+                p.fed = width
             if batch:
-                width = max(p.x.shape[0] for p in pending)
                 xs = mx.stack([mx.pad(p.x, (0, width - p.x.shape[0])) for p in pending])
                 logits = cache.feed(xs, record=record)
                 hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
@@ -336,7 +357,8 @@ class Engine:
                         self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
             else:
                 p = pending[0]
-                logits = cache.feed(p.x, record=record)[p.c:]
+                x = p.x if width == p.x.shape[0] else mx.pad(p.x, (0, width - p.x.shape[0]))
+                logits = cache.feed(x, record=record)[p.c : p.c + 1 + p.k]
                 p.hidden = self.tap.take() if self.tap is not None else None
                 self._accept(p, _processed(p, logits))
             tables = [None] * len(pending)
@@ -384,11 +406,10 @@ class Engine:
                 proc.commit(committed[:n_keep])
             r.policy.observe(p.k, n, len(tokens), seconds)
             lps = logprob_entries(p.lp, len(tokens)) if p.lp is not None else None
-            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.c + 1 + p.k, p.c,
-                                        lps)))
+            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.fed, p.c, lps)))
         if batch and self.planner is not None:
             self.planner.observe([(p.row, b.drafted, b.accepted) for p, (_, b) in zip(pending, blocks)],
-                                 max(p.x.shape[0] for p in pending), seconds)
+                                 pending[0].fed, seconds)
         return blocks
 
     @staticmethod
@@ -413,7 +434,7 @@ class Engine:
         The caches and drafters follow; the rows themselves are updated by the caller once the block is done.
         """
         out, keep = [], []
-        width = max(p.x.shape[0] for p in pending)
+        width = pending[0].fed
         for p, table in zip(pending, tables):
             r = p.row
             if table is None:
@@ -442,7 +463,7 @@ class Engine:
         """Cut a single row's caches back to ``n_keep`` tokens; returns the rollback kind and the new carry."""
         kept = p.x[: p.c + n_keep]
         none = p.row.carry[:0]
-        if n_keep == p.k + 1:
+        if p.c + n_keep == p.fed:
             return "none", none
         if not cache.recurrent:
             cache.rollback(snap, p.c + n_keep)
@@ -540,6 +561,7 @@ def speculative_generate_step(
     sync: Optional[Ranks] = None,
     processors: tuple = (),
     logprobs: Optional[int] = None,
+    shapes: str = "exact",
 ) -> Iterator[Block]:
     """Speculative decoding of one sequence: greedy, or lossless sampling at temp > 0.
 
@@ -584,6 +606,7 @@ def speculative_generate_step(
             fresh for this run: built with the prompt, they follow its commits.
         logprobs: None, or how many alternatives each emitted token's
             log-probability comes with (``Block.logprobs``).
+        shapes: ``exact`` or ``bucketed`` verify widths (see :class:`Engine`).
 
     Yields:
         One :class:`Block` per target forward.
@@ -592,7 +615,7 @@ def speculative_generate_step(
         if num_draft_tokens is None or num_draft_tokens < 0:
             raise ValueError("give num_draft_tokens >= 0 or a policy")
         policy = FixedLength(num_draft_tokens)
-    engine = Engine(cache.model, rollback=rollback, timed=timed, tap=tap, sync=sync)
+    engine = Engine(cache.model, rollback=rollback, timed=timed, tap=tap, sync=sync, shapes=shapes)
     row = engine.admit(Row(last, drafter, policy, sampling, frozenset(eos_ids), max_tokens,
                            processors=tuple(processors), logprobs=logprobs), cache)
     try:
@@ -604,8 +627,9 @@ def speculative_generate_step(
         engine.close()
 
 
-def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry") -> list[int]:
-    """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets."""
+def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry", shapes: str = "exact") -> list[int]:
+    """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets;
+    under ``bucketed`` shapes, the powers of two up to the one that holds them."""
     # Without drafts every block is a full accept: nothing is ever carried.
     extra = MAX_CARRY if recurrent and rollback == "carry" and max_draft > 0 else 0
-    return list(range(1, max_draft + 2 + extra))
+    return shape_widths(max_draft + 1 + extra, shapes if max_draft > 0 else "exact")

@@ -153,6 +153,7 @@ def sweep(
     kv_group_size: int = 64,
     sync=None,
     default: Optional[DefaultSetting] = None,
+    shapes: str = "auto",
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
 
@@ -178,6 +179,7 @@ def sweep(
         sync: The ranks of a sharded target (see :mod:`specdec_cli.distributed`).
         default: Also measure ``generate``'s default setting, as one more configuration
             (its row is ``SweepResult.default``).
+        shapes: Verify widths, ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.shapes`).
     """
     kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size,
               kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
@@ -185,7 +187,7 @@ def sweep(
         # One timed prefill fixes the chunk sizes for every run.
         first, _ = measure(model, prompt_ids, None, **dict(kw, max_tokens=1), prefill_seconds=prefill_seconds)
         kw["prefill_chunks"] = first.prefill_chunks
-    spec_kw = dict(kw, rollback=rollback, rollback_memory_cap=rollback_memory_cap)
+    spec_kw = dict(kw, rollback=rollback, rollback_memory_cap=rollback_memory_cap, shapes=shapes)
     # Every configuration: a fixed block size, or "default" (generate's own setting).
     configs: list[Union[int, str]] = [*block_sizes, *(["default"] if default is not None else [])]
     total = 2 * warmup + repeats * (1 + len(configs)) + len(configs)

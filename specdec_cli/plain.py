@@ -18,6 +18,7 @@ from .drafters import Drafter
 from .engine import verify_rows
 from .processors import logprob_arrays, logprob_entries
 from .sampling import GREEDY, SamplingParams, choose, greedy, log_probs
+from .shapes import compiles_per_shape
 from .taps import HiddenTap
 
 if TYPE_CHECKING:
@@ -39,17 +40,6 @@ class Warmup:
     free: bool = False
 
 
-def compiles_per_shape() -> bool:
-    """Whether MLX's default device compiles kernels per shape (GPUs), unlike its CPU backend.
-
-    Measured on the CPU (SmolLM2-135M, float32, OpenBLAS; a Qwen3.5-style
-    hybrid): a row count's first forward in a process is as fast as its
-    second (48 / 48 ms at 2 rows, 74 / 73 ms at 4), so a warm-up there would
-    only add forwards.
-    """
-    return mx.default_device() != mx.cpu
-
-
 def warm_up(
     cache: ModelCache,
     drafter: Optional[Drafter] = None,
@@ -59,6 +49,7 @@ def warm_up(
     rollback: str = "carry",
     tap: Optional[HiddenTap] = None,
     force: bool = False,
+    shapes: str = "exact",
 ) -> Warmup:
     """Run every shape the coming generation can use once, leaving all state as it was.
 
@@ -77,12 +68,13 @@ def warm_up(
         rollback: Recurrent rollback strategy (carry lengthens verifies).
         tap: The target's hidden-state tap; cleared after.
         force: Run the shapes on any backend (tests).
+        shapes: ``exact`` (every width 1 .. k+1) or ``bucketed`` (its powers of two).
     """
     if not (force or compiles_per_shape()):
         return Warmup(free=True)
     head = greedy if sampling.greedy else (lambda logits: log_probs(logits, sampling))
     try:
-        rows = cache.warm(verify_rows(max_draft, cache.recurrent, rollback), head)
+        rows = cache.warm(verify_rows(max_draft, cache.recurrent, rollback, shapes), head)
     finally:
         if tap is not None:
             tap.clear()

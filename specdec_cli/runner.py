@@ -24,6 +24,7 @@ from .plain import Warmup, plain_generate_step, warm_up
 from .errors import OptionError
 from .rollback import RollbackChoice, choose
 from .sampling import GREEDY, SamplingParams
+from .shapes import resolve as resolve_shapes
 from .stats import Stats
 from .taps import Hidden, HiddenTap
 
@@ -48,6 +49,8 @@ class Prefilled:
     cached: int = 0
     # The target's checkpoints at the ``marks`` run() was given, in order.
     marks: tuple[Checkpoint, ...] = ()
+    # The verify shapes decoding runs with: exact or bucketed (see specdec_cli.shapes).
+    shapes: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ def run(
     sync: Optional[Ranks] = None,
     processors: tuple = (),
     logprobs: Optional[int] = None,
+    shapes: str = "auto",
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill the caches with ``prompt_ids`` and generate.
 
@@ -158,6 +162,13 @@ def run(
             (:func:`specdec_cli.processors.make_processors`), used by this run only.
         logprobs: None, or how many alternatives each emitted token's
             log-probability comes with (``Block.logprobs``).
+        shapes: ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.shapes`):
+            bucketed rounds verify widths up to powers of two; auto buckets on
+            devices that compile per shape (on a recurrent target only with a
+            recording rollback).
+
+    Raises:
+        OptionError: ``bucketed`` on a recurrent target whose rollback records nothing.
     """
     if seed is not None and not sampling.greedy:
         sampling = replace(sampling, seed=seed)
@@ -168,9 +179,10 @@ def run(
     cached = cache.length
     if not 0 <= cached < len(prompt_ids):
         raise ValueError(f"the caches hold {cached} tokens of a {len(prompt_ids)}-token prompt")
+    mode = resolve_shapes(shapes)
     if drafter is not None:
         # Refused here, before the prefill, if verify forwards cannot compute as one-token decoding does.
-        cache.check_verify(max(verify_rows(_max_draft(policy, num_draft_tokens), cache.recurrent, "carry")))
+        cache.check_verify(max(verify_rows(_max_draft(policy, num_draft_tokens), cache.recurrent, "carry", mode)))
     # A drafter that reads the target's hidden states gets them from the
     # target's own forwards; the tap comes off the model when the run ends.
     specs = getattr(drafter, "taps", None)
@@ -201,13 +213,18 @@ def run(
             choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap, agree=agree)
         elif drafter is None:
             choice = None
-        yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks), cached, tuple(cache.marks))
         strategy = None if choice is None else (choice.strategy if choice.strategy != "trim" else "carry")
+        if mode == "bucketed" and cache.recurrent and drafter is not None and strategy not in ("capture", "tape"):
+            if shapes == "bucketed":
+                raise OptionError(f"--shapes bucketed on this recurrent model needs --rollback capture or tape "
+                                  f"(it would {strategy}: {choice.reason}); or use --shapes exact")
+            mode = "exact"  # auto: padding rows cannot be cut out of a recurrence that records nothing
+        yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks), cached, tuple(cache.marks), mode)
         if warmup:
             start = time.perf_counter()
             max_draft = 0 if drafter is None else _max_draft(policy, num_draft_tokens)
             what = warm_up(cache, drafter, max_draft=max_draft, sampling=sampling, rollback=strategy or "carry",
-                           tap=tap)
+                           tap=tap, shapes=mode)
             yield Warmed(time.perf_counter() - start, what)
         if drafter is None:
             gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
@@ -216,7 +233,7 @@ def run(
             gen = speculative_generate_step(
                 last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
                 max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=strategy, timed=timed,
-                tap=tap, sync=sync, processors=processors, logprobs=logprobs,
+                tap=tap, sync=sync, processors=processors, logprobs=logprobs, shapes=mode,
             )
         while True:
             start = time.perf_counter()

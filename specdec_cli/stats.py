@@ -57,6 +57,9 @@ class Stats:
     # Row counts warmed (target, drafter) and whether the backend measured free.
     warmup_rows: tuple = ((), ())
     warmup_free: bool = False
+    # Verify shapes: exact or bucketed (specdec_cli.shapes), and each verify forward's rows x positions, counted.
+    shapes: str = "exact"
+    verify_shapes: Counter = field(default_factory=Counter)
     # Every block, in order (what --compare-ar needs to recompute a position).
     trace: list = field(default_factory=list, repr=False)
 
@@ -68,6 +71,7 @@ class Stats:
             self.prefill_chunks = tuple(getattr(event, "chunks", ()))
             if getattr(event, "rollback", None) is not None:
                 self.rollback_choice = event.rollback.to_dict()
+            self.shapes = getattr(event, "shapes", self.shapes)
         if getattr(event, "what", None) is not None:
             self.warm(event)
         if getattr(event, "cache_bytes", None) is not None:
@@ -89,6 +93,7 @@ class Stats:
         self.finish_reason = reason or self.finish_reason
         self.block_log.append((block.drafted, block.accepted))
         self.trace.append(block)
+        self.verify_shapes[(1, block.verify_len)] += 1
         if block.drafted:
             self.drafted += block.drafted
             self.accepted += block.accepted
@@ -170,6 +175,9 @@ class Stats:
             "prefill_s": self.prefill_s,
             "prompt_tps": self.prompt_tps,
             "warmup_s": self.warmup_s,
+            "warmup_shapes": len(self.warmup_rows[0]),
+            "shapes": self.shapes,
+            "verify_shapes": {f"{r}x{t}": n for (r, t), n in sorted(self.verify_shapes.items())},
             "decode_s": self.decode_s,
             "decode_tps": self.decode_tps,
             "blocks": self.blocks,

@@ -57,6 +57,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "test_robust.py": FAST,
     "test_rollback.py": FAST,
     "test_sampling.py": FAST,
+    "test_shapes.py": FAST,  # bucketed verify shapes (issue 42)
     "test_scheduler.py": FAST,  # the generation thread in-process: no server process
     "test_seed.py": FAST,
     "test_serve.py": SERVER,

@@ -73,6 +73,9 @@ class SuffixDrafter:
         self._last = 0
         self.text: list[int] = []
         self.match = 0  # longest matched suffix at the last propose
+        # Rounds a draft length up to the rows its verify forward runs with anyway (bucketed shapes):
+        # the tokens that fill them are free to draft and may be accepted. None: drafts as sized.
+        self.fill: Optional[Callable[[int], int]] = None
         self._log: list[tuple] = []
         self._logging = False  # only what a cancel may undo is logged
         self._proposed: list[int] = []
@@ -222,7 +225,8 @@ class SuffixDrafter:
             # Weak evidence either way: sized as a one-token match.
             state, self.match = resume, 1
         n = self.size(self.match, k) if k > 0 and self.match > 0 else 0
-        self._proposed, self._states = self.continuation(state, n) if n > 0 else ([], [])
+        want = min(k, self.fill(n)) if self.fill is not None and n > 0 else n
+        self._proposed, self._states = self.continuation(state, want) if want > 0 else ([], [])
         if 0 < len(self._proposed) < n:
             # The source ends sooner: size again for what there is (a policy
             # may prefer a shorter draft whose verify costs less).

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..batch_policy import BatchPlanner, CostTable
+from ..shapes import resolve as resolve_shapes
 from ..engine import Engine, Row
 from ..runner import Step
 from ..session import Session
@@ -214,7 +215,8 @@ class Scheduler:
             self._end(ended)
 
     def _new_engine(self) -> Engine:
-        return Engine(self.session.model, tap=self._tap, planner=self._planner())
+        return Engine(self.session.model, tap=self._tap, planner=self._planner(),
+                      shapes=resolve_shapes(self.session.setup.options.shapes))
 
     def _recover(self, error: Exception) -> None:
         """A fault outside any one request's handling: the requests in flight fail, the thread serves on."""

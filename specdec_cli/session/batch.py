@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence, Union
 from ..batch_cache import batch_problem
 from ..batch_policy import WIDTHS, BatchPlanner, CostTable
 from ..compare import IDENTICAL, explain
+from ..shapes import resolve as resolve_shapes
 from ..engine import Engine, Row
 from ..measure import Progress
 from ..runner import Finished, Prefilled, Step, cache_bytes, collect, run
@@ -125,7 +126,8 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
         planner_s = time.perf_counter() - t
     spec = session.tap_spec()
     tap = HiddenTap(session.model, spec) if spec is not None else None
-    engine = Engine(session.model, timed=timed, tap=tap, planner=plan)
+    engine = Engine(session.model, timed=timed, tap=tap, planner=plan,
+                    shapes=resolve_shapes(session.setup.options.shapes))
     waiting = deque(enumerate(requests))
     flights: list[_Flight] = []
     opening = None  # one being prefilled

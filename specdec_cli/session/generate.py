@@ -183,7 +183,7 @@ class Session:
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
             timed=request.timed, seed=seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
-            sync=ranks, processors=processors, logprobs=request.logprobs,
+            sync=ranks, processors=processors, logprobs=request.logprobs, shapes=opts.shapes,
         )
         try:
             for event in events:

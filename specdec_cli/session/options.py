@@ -37,6 +37,7 @@ class ModelOptions:
     prefill_step_size: int = 2048
     rollback: str = "auto"
     rollback_memory_cap: Optional[float] = None  # MiB
+    shapes: str = "auto"  # verify widths: auto, exact, bucketed (specdec_cli.shapes)
     adapter_path: Optional[str] = None
     trust_remote_code: bool = False
     force_download: bool = False

@@ -27,6 +27,7 @@ from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
 from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
+from ..shapes import first_compile_note
 from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
 from ..prompts import longest_token_chars
 from ..taps import TargetParts, target_parts
@@ -280,7 +281,7 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         check_kv_quantization(target.model, opts.kv_bits, opts.kv_group)
     draft = mtp = parts = None
     head_path = None
-    notes = [line for line in (rollback_note(opts, target),) if line]
+    notes = [line for line in (rollback_note(opts, target), first_compile_note(target.dtype)) if line]
     if kind == "auto":
         kind, head_path, why = choose_drafter(target, draft_path, hidden=not pipelined)
         notes.append(f"drafter: auto -> {kind} ({why})")

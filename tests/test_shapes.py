@@ -1,0 +1,193 @@
+"""Bucketed verify shapes (issue 42): padding never changes a token, and a run meets few shapes.
+
+On the CPU nothing compiles per shape, so these tests force ``bucketed`` (and the
+warm-up) to exercise the same Python path a GPU takes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from helpers import DTYPES, FAMILIES, PROMPT, fed, kernels_agree, max_cache_diff, noisy_drafter, prefilled, target
+from typer.testing import CliRunner
+
+from specdec_cli import plain as plain_module
+from specdec_cli import shapes
+from specdec_cli.adaptive import FixedLength
+from specdec_cli.cli import app
+from specdec_cli.compare import replay
+from specdec_cli.drafters import ModelDrafter, SuffixDrafter
+from specdec_cli.engine import Engine, Row, speculative_generate_step, verify_rows
+from specdec_cli.errors import OptionError
+from specdec_cli.plain import warm_up
+from specdec_cli.runner import Prefilled, collect, run
+from specdec_cli.sampling import SamplingParams
+
+FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
+RECURRENT = ("qwen3_5", "nemotron_h")
+GEN = 32
+
+
+def test_buckets_are_powers_of_two():
+    assert [shapes.bucket(w) for w in (1, 2, 3, 5, 8, 9, 63, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 64, 128]
+    assert shapes.widths(64, "bucketed") == [1, 2, 4, 8, 16, 32, 64]
+    assert shapes.widths(6, "bucketed") == [1, 2, 4, 8]
+    assert shapes.widths(4, "exact") == [1, 2, 3, 4]
+    assert shapes.fed(5, "bucketed") == 8 and shapes.fed(5, "exact") == 5
+
+
+def test_auto_buckets_only_where_the_device_compiles_per_shape():
+    assert shapes.resolve("auto", compiles=True) == "bucketed"
+    assert shapes.resolve("auto", compiles=False) == "exact"
+    assert shapes.resolve("exact", compiles=True) == "exact"
+    assert shapes.resolve("bucketed", compiles=False) == "bucketed"
+    assert shapes.resolve("auto") == "exact"  # this CPU
+    with pytest.raises(ValueError):
+        shapes.resolve("round")
+
+
+def test_the_default_block_size_verifies_with_at_most_seven_widths():
+    # lookup's default block size is 64: 63 drafts
+    assert verify_rows(63, recurrent=False, shapes="bucketed") == [1, 2, 4, 8, 16, 32, 64]
+    assert verify_rows(63, recurrent=True, rollback="capture", shapes="bucketed") == [1, 2, 4, 8, 16, 32, 64]
+    assert len(verify_rows(63, recurrent=False)) == 64
+    assert verify_rows(0, recurrent=False, shapes="bucketed") == [1]
+
+
+def speculate(model, family, dtype, mode, k=5, sampling=SamplingParams(), rollback="capture"):
+    cache = prefilled(model)
+    drafter = ModelDrafter(noisy_drafter(family, dtype))
+    drafter.prefill(PROMPT[:-1])
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=GEN,
+                                            sampling=sampling, rollback=rollback, shapes=mode))
+    return [t for b in blocks for t in b.tokens], blocks, cache
+
+
+@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
+def test_bucketed_output_and_caches_equal_exact(family, dtype):
+    """k = 5: every verify of 6 rows runs as 8; the two padding rows change no token and leave no trace."""
+    model = target(family, dtype)
+    exact, _, _ = speculate(model, family, dtype, "exact")
+    out, blocks, cache = speculate(model, family, dtype, "bucketed")
+    assert out == exact
+    assert {b.verify_len for b in blocks} <= {1, 2, 4, 8}
+    assert any(b.verify_len > b.drafted + 1 for b in blocks)  # padding was fed
+    direct = fed(model, PROMPT + out[:-1])
+    assert max_cache_diff(cache, direct) <= (1e-5 if dtype == "float32" else 0.0 if kernels_agree(dtype) else 2**-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_bucketed_seeded_sampling_draws_the_same_text(family):
+    model = target(family, "float32")
+    sampling = SamplingParams(temp=0.8, seed=7)
+    exact, _, _ = speculate(model, family, "float32", "exact", sampling=sampling)
+    out, _, _ = speculate(model, family, "float32", "bucketed", sampling=sampling)
+    assert out == exact
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_a_recurrent_row_that_records_nothing_is_not_padded(family):
+    """carry restores the recurrence instead of cutting it: padding would run through it, so none is fed."""
+    model = target(family, "float32")
+    exact, _, _ = speculate(model, family, "float32", "exact", rollback="carry")
+    out, blocks, _ = speculate(model, family, "float32", "bucketed", rollback="carry")
+    assert out == exact
+    assert all(b.verify_len == b.carry + b.drafted + 1 for b in blocks)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
+def test_a_bucketed_batch_gives_each_row_its_text_alone(family):
+    model = target(family, "float32")
+    prompts = [PROMPT, list(b"abc abc abc abc abc"), list(b"Hello"), list(b"one two three; one two three")]
+    widths = []
+    outs = {}
+    for mode in ("exact", "bucketed"):
+        engine = Engine(model, rollback="capture", shapes=mode)
+        for i, p in enumerate(prompts):
+            d = SuffixDrafter() if i % 2 else ModelDrafter(noisy_drafter(family, "float32"))
+            d.prefill(p[:-1])
+            engine.admit(Row(p[-1], d, FixedLength(2 + i), tag=i, max_tokens=GEN), prefilled(model, p))
+        got = {i: [] for i in range(len(prompts))}
+        while engine.rows:
+            for row, block in engine.step():
+                got[row.tag] += block.tokens
+                if mode == "bucketed":
+                    widths.append(block.verify_len)
+            for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+                engine.remove(row)
+        outs[mode] = got
+    assert outs["bucketed"] == outs["exact"]
+    assert set(widths) <= {1, 2, 4, 8}
+
+
+def test_the_warm_up_runs_the_buckets_alone():
+    model = target("llama", "float32")
+    cache = prefilled(model)
+    before = cache.length
+    done = warm_up(cache, max_draft=63, force=True, shapes="bucketed")
+    assert set(done.target_rows) <= {1, 2, 4, 8, 16, 32, 64} and len(done.target_rows) <= 7
+    assert cache.length == before
+
+
+def test_a_padded_run_replays_block_for_block():
+    """--compare-ar recomputes each verify with the rows it ran (padding included) and finds every token."""
+    model = target("qwen3_5", "float32")
+    out, blocks, _ = speculate(model, "qwen3_5", "float32", "bucketed")
+    assert replay(model, PROMPT, out, blocks, index=len(out) - 1).mismatch is None
+
+
+def test_bucketed_on_a_recurrent_model_without_a_recording_rollback_is_refused_before_the_first_token():
+    model = target("qwen3_5", "float32")
+    drafter = ModelDrafter(noisy_drafter("qwen3_5", "float32"))
+    with pytest.raises(OptionError, match="--rollback capture or tape"):
+        collect(run(model, PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=8, rollback="carry",
+                    shapes="bucketed"))
+
+
+def test_auto_keeps_exact_shapes_where_padding_could_not_be_cut_back(monkeypatch):
+    monkeypatch.setattr(shapes, "compiles_per_shape", lambda: True)
+    model = target("qwen3_5", "float32")
+    for rollback, mode in (("carry", "exact"), ("capture", "bucketed")):
+        drafter = ModelDrafter(noisy_drafter("qwen3_5", "float32"))
+        events = list(run(model, PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=8, rollback=rollback,
+                          shapes="auto", warmup=False))
+        assert next(e for e in events if isinstance(e, Prefilled)).shapes == mode
+
+
+def test_lookup_fills_the_padding_with_more_of_its_match():
+    text = list(range(100, 140))
+    d = SuffixDrafter(size=lambda match, k: min(k, 4))
+    d.prefill(text + text[:5])
+    assert d.propose(text[5], 63).size == 4
+    d.cancel()
+    d.fill = lambda n: shapes.bucket(n + 1) - 1
+    assert d.propose(text[5], 63).size == 7  # 4 drafts + 1 run as 8 rows: 7 drafts
+    d.cancel()
+    assert d.propose(text[5], 6).size == 6  # never past the k the engine allows
+
+
+def test_generate_reports_its_verify_and_warm_up_shapes(monkeypatch):
+    """The issue's check: a long copy with --shapes bucketed is identical, with at most 8 of each."""
+    monkeypatch.setattr(plain_module, "compiles_per_shape", lambda: True)  # the warm-up runs, as on a GPU
+    text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin can of oil "
+            "and a cloth. He polished the great lens until it gleamed, trimmed the wick, and lit the lamp.")
+    result = CliRunner().invoke(app, ["generate", f"Copy this exactly: {text}", "-m", "64", "--shapes", "bucketed",
+                                      "--compare-ar", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["shapes"] == "bucketed" and report["compare"]["verdict"] == "identical"
+    widths = {int(k.split("x")[1]) for k in report["verify_shapes"]}
+    assert 0 < len(widths) <= 8 and all(w & (w - 1) == 0 for w in widths)
+    assert 0 < report["warmup_shapes"] <= 8
+    assert sum(report["verify_shapes"].values()) == report["blocks"]
+
+
+def test_the_first_compile_note_speaks_only_for_quantized_weights_on_cuda(tmp_path):
+    assert "46 s" in shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path)
+    assert shapes.first_compile_note("bfloat16", cuda=True, cache=tmp_path) is None
+    assert shapes.first_compile_note("4-bit quantized", cuda=False, cache=tmp_path) is None
+    (tmp_path / "kernel.ptx").write_text("")
+    assert shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path) is None
+    assert shapes.first_compile_note("4-bit quantized") is None  # this CPU
