@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="mixed,open", help="which workloads --concurrency sends")
     ap.add_argument("--dialects", action="store_true",
                     help="the edit request through chat completions, /v1/messages and /v1/responses (specdec only)")
+    ap.add_argument("--dtype", default="float32",
+                    help="The dtype both servers' copy of the bundled model is written in (bfloat16 on a GPU)")
     ap.add_argument("--decode-concurrency", type=int, default=8,
                     help="Both servers' --decode-concurrency in the --concurrency runs (mlx_lm.server's default "
                          "is 32; it only matters up to the number of clients)")
@@ -253,7 +255,7 @@ def main() -> None:
         peer_env["LD_PRELOAD"] = str(library)
     f32 = work / "smollm2-f32"
     subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
-                    "--dtype", "float32", "--mlx-path", str(f32)], check=True, env=peer_env,
+                    "--dtype", args.dtype, "--mlx-path", str(f32)], check=True, env=peer_env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     ports = {"mlx_lm": free_port(), "specdec": free_port()}

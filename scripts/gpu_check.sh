@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The project's GPU check: stage MLX's CUDA build, the server's stack and the bundled model here, then run
+# the checks on a lent NVIDIA machine in one last call. docs/GPU-CHECK.md says how; in short:
+#
+#   here:            scripts/gpu_check.sh stage      # .dev/p1..pN (48 MB each: the tree, ~14 MB, travels too) and .dev/last; moves the
+#                                                     # bundled weights out of the tree (it travels <= 64 MiB)
+#   device, K=1..N:  scripts/gpu_check.sh part K     # carry .dev/pK; calls back to back (30 s idle ends a lease)
+#   device, last:    scripts/gpu_check.sh run        # carry .dev/last; writes everything under $OUT as it goes
+#   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
+#
+# STEPS (default "info smoke peer generate exact nocudnn sweep serve tests probe") picks steps of `run`; GEN_ARGS adds options to
+# every generate run (e.g. "--shapes exact"); BUDGET_S (default 420) bounds the whole run: a step that
+# would start with less than its time box left is skipped and says so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MLX=${MLX_VERSION:-0.32.4}; MLXLM=${MLX_LM_VERSION:-0.32.2}
+WEIGHTS=specdec_cli/models/smollm2-135m-instruct/model.safetensors
+STASH=/root/stash
+
+stage() {
+  [ -d .git ] || { echo "run this in the project's checkout" >&2; exit 2; }
+  grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
+  local keep=""
+  [ -f .dev/bundled.safetensors ] && keep=$(mktemp) && mv .dev/bundled.safetensors "$keep"
+  rm -rf .dev && mkdir -p .dev/wheels .dev/last
+  [ -n "$keep" ] && mv "$keep" .dev/bundled.safetensors
+  pipdl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    -d "$1" "${@:2}"; }
+  pipdl .dev/wheels "mlx-cuda-13==$MLX" || exit 1
+  pipdl .dev/last "mlx==$MLX" "mlx-lm==$MLXLM" || exit 1
+  # Not on the device's image (it has numpy, transformers, typer, rich, httpx, jinja2, pytest, pytest-xdist);
+  # fastapi there also needs opentelemetry-api. Versions as installed here where they are.
+  for p in fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection uvicorn \
+           llguidance opentelemetry-api openai distro jiter sniffio; do
+    v=$(python3 -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
+    for n in 39 35 34 31 28 27 24 17; do
+      pipdl .dev/last --platform "manylinux_2_${n}_x86_64" --platform manylinux2014_x86_64 "$p${v:+==$v}" \
+        2>/dev/null && break
+    done
+  done
+  local src=$WEIGHTS; [ -f "$src" ] || src=.dev/bundled.safetensors
+  [ -f "$src" ] || { echo "the bundled weights are missing: git checkout -- $WEIGHTS" >&2; exit 1; }
+  cat .dev/wheels/*.whl "$src" > .dev/big.bin
+  echo "$(basename .dev/wheels/*.whl) $(stat -c %s .dev/wheels/*.whl) $(stat -c %s "$src")" > .dev/last/sizes
+  (cd .dev && split -b 48000000 -d big.bin part. && rm -rf big.bin wheels)
+  local i=0; for f in .dev/part.*; do i=$((i+1)); mkdir -p ".dev/p$i"; mv "$f" ".dev/p$i/"; done
+  [ "$src" = "$WEIGHTS" ] && mv "$WEIGHTS" .dev/bundled.safetensors
+  echo "staged: $i part call(s), then the last; the bundled weights are out of the tree until 'unstage'"
+  du -sh .dev/p* .dev/last
+}
+
+unstage() {
+  if [ -f .dev/bundled.safetensors ]; then mv .dev/bundled.safetensors "$WEIGHTS"
+  elif [ ! -f "$WEIGHTS" ]; then git checkout -- "$WEIGHTS"; fi
+  echo "bundled weights in place"
+}
+
+part() { mkdir -p "$STASH" && cp ".dev/p$1"/* "$STASH/" && ls -la "$STASH"; }
+
+setup() {
+  read -r name wheel weights < .dev/last/sizes
+  (cd "$STASH" && cat part.* > big.bin && head -c "$wheel" big.bin > "$name" \
+    && tail -c +$((wheel + 1)) big.bin > weights.safetensors && rm big.bin) || return 1
+  [ "$(stat -c %s "$STASH/weights.safetensors")" = "$weights" ] || { echo "weights truncated: a part is missing"; return 1; }
+  cp "$STASH/weights.safetensors" "$WEIGHTS"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$STASH/$name" .dev/last/*.whl || return 1
+  export PYTHONPATH=/tmp/site:$PWD
+}
+
+# step NAME SECONDS COMMAND...: runs it under a time box if the budget allows; its output goes to $OUT/check.log.
+step() {
+  local name=$1 box=$2; shift 2
+  local left=$(( BUDGET_S - SECONDS ))
+  if [ "$left" -lt 20 ]; then echo "## $name: skipped ($left s left of $BUDGET_S)" | tee -a "$LOG"; return; fi
+  [ "$left" -lt "$box" ] && box=$left
+  echo "## $name (box ${box} s) $(date -u +%T)" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 5 "$box" "$@" >> "$LOG" 2>&1; local rc=$?
+  echo "## $name: rc $rc in $(( SECONDS - t0 )) s" | tee -a "$LOG"
+}
+
+run_checks() {
+  : "${OUT:?run this on the device machine (OUT unset)}"
+  BUDGET_S=${BUDGET_S:-420}; STEPS=${STEPS:-info smoke peer generate exact nocudnn sweep serve tests probe}
+  LOG=$OUT/check.log; SECONDS=0
+  setup >> "$LOG" 2>&1 || { echo "setup failed"; tail -20 "$LOG"; exit 1; }
+  echo "setup done in $SECONDS s" | tee -a "$LOG"
+  export SPECDEC_NO_REEXEC=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+  local py=python3 gen=(${GEN_ARGS:-})
+  for s in $STEPS; do case $s in
+    info) step info 30 bash -c "timeout 10 nvidia-smi -L; $py -c \
+      'import mlx.core as mx, mlx_lm; print(\"mlx\", mx.__version__, \"mlx-lm\", mlx_lm.__version__, mx.default_device())'; git log -1 --oneline" ;;
+    smoke) step smoke 30 bash -c "$py scripts/gpu_probe.py --smoke | tee -a $OUT/probe.jsonl" ;;
+    peer) step peer 45 $py -m mlx_lm generate --model specdec_cli/models/smollm2-135m-instruct \
+      --prompt "$($py scripts/gpu_matrix.py --print open)" -m 128 ;;
+    probe)
+      step probe-cudnn 45 bash -c "$py scripts/gpu_probe.py >> $OUT/probe.jsonl"
+      step probe-no-cudnn 45 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_probe.py >> $OUT/probe.jsonl" ;;
+    generate)
+      step generate 300 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
+        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} -- ${gen[*]} | tee $OUT/generate.md" ;;
+    exact) step exact 120 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
+        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${EXACT_PROMPTS:-copy,open} -- --shapes exact ${gen[*]} | tee -a $OUT/generate.md" ;;
+    nocudnn) step nocudnn 60 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_matrix.py --out $OUT/generate.jsonl \
+        --timeout ${GEN_TIMEOUT:-40} --dtypes bfloat16 --prompts copy -- --shapes bucketed | tee -a $OUT/generate.md" ;;
+    sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
+    serve) step serve 150 $py scripts/bench_serve.py --concurrency 1,4,8 --workloads mixed --repeats 1 \
+      --dtype bfloat16 --out "$OUT/serve.json" ;;
+    tests) step tests 120 bash -c "$py -m pytest --maxfail=5 -q -p no:cacheprovider tests/test_engine.py tests/test_batch.py \
+      2>&1 | tail -40 > $OUT/tests.txt" ;;
+    *) echo "unknown step $s" | tee -a "$LOG" ;;
+  esac; done
+  echo "done in $SECONDS s" | tee -a "$LOG"
+  cat "$OUT"/generate.md 2>/dev/null
+}
+
+case "${1:-}" in
+  stage) stage ;;
+  unstage) unstage ;;
+  part) part "${2:?part number}" ;;
+  run) run_checks ;;
+  *) sed -n 2,16p "$0"; exit 2 ;;
+esac

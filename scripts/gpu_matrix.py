@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""The default command with ``--compare-ar`` over prompts and dtypes, each run time-boxed: what a user gets.
+
+Each configuration is a fresh ``specdec generate PROMPT --compare-ar --json``
+process (cold, as a user runs it) on the bundled model, with ``--dtype`` and
+any extra options. A run that outlives its time box gets SIGUSR1 first (its
+Python stacks go to the log: where it hung), then is killed. One JSON line per
+run goes to ``--out``; a markdown table to stdout.
+
+Usage: python scripts/gpu_matrix.py --out runs.jsonl [--dtypes auto,bfloat16]
+           [--prompts copy,edit,summary,open] [--timeout 45] [--max-tokens 256] [-- EXTRA...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COPY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin can of oil and "
+        "a cloth. He polished the great lens until it gleamed, trimmed the wick, and lit the lamp. Ships far "
+        "out at sea saw the beam sweep across the water every ten seconds, and they knew the rocks were near. "
+        "In winter the wind howled around the tower and ice formed on the railings, but the light never failed. "
+        "When he retired after forty years, the village gave him a brass clock, and he kept it wound until "
+        "the day he died.")
+EDIT = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(valuez)\n\n"
+        "def variance(values):\n    m = mean(values)\n    total = 0\n    for v in values:\n        total += (v - m) ** 2\n"
+        "    return total / len(values)\n")
+PROMPTS = {
+    "copy": f"Copy the following text exactly, word for word:\n\n{COPY}",
+    "edit": f"Fix the typo in this Python code and return the whole corrected file:\n\n{EDIT}",
+    "summary": f"Summarize this story in three sentences:\n\n{COPY}",
+    "open": "Explain how a refrigerator keeps food cold.",
+}
+# Stacks on SIGUSR1, then the CLI as `specdec` runs it.
+# A watchdog thread dumps them too, ahead of the time box (it needs no signal delivered to a busy main thread).
+LAUNCH = ("import faulthandler, os, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+          "faulthandler.dump_traceback_later(float(os.environ['WATCHDOG_S']), exit=False); "
+          "sys.argv = ['specdec'] + sys.argv[1:]; from specdec_cli.cli import main; main()")
+
+
+def where(pid: int) -> dict:
+    """What a stuck process is doing, from outside: its state, kernel wait channel, threads and the GPU's load."""
+    seen = {}
+    for name in ("wchan", "stat"):
+        try:
+            seen[name] = Path(f"/proc/{pid}/{name}").read_text()[:300]
+        except OSError as e:
+            seen[name] = str(e)
+    try:
+        seen["threads"] = len(os.listdir(f"/proc/{pid}/task"))
+        seen["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        seen["nvidia_smi"] = str(e)
+    return seen
+
+
+def run(prompt: str, dtype: str, extra: list[str], timeout: float, max_tokens: int) -> dict:
+    cmd = [sys.executable, "-c", LAUNCH, "generate", PROMPTS[prompt], "--compare-ar", "--json",
+           "-m", str(max_tokens), "--dtype", dtype, *extra]
+    env = dict(os.environ, SPECDEC_NO_REEXEC="1", PYTHONUNBUFFERED="1", WATCHDOG_S=str(max(1.0, timeout - 6)))
+    t0 = time.perf_counter()
+    # stderr into a file, not a pipe: whatever the process wrote survives its kill.
+    with tempfile.TemporaryFile("w+") as errf:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            seen = where(p.pid)
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            p.kill()
+            p.communicate()
+            errf.seek(0)
+            return {"prompt": prompt, "dtype": dtype, "extra": extra, "timed_out": timeout, "process": seen,
+                    "stacks": errf.read()[-8000:], "wall_s": round(time.perf_counter() - t0, 1)}
+        errf.seek(0)
+        err = errf.read()
+    row = {"prompt": prompt, "dtype": dtype, "extra": extra, "rc": p.returncode,
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    try:
+        d = json.loads(out)
+    except ValueError:
+        row["stderr"] = err[-3000:]
+        return row
+    row["notes"] = err[-1500:]
+    c = d.get("compare") or {}
+    keep = ("dtype", "prompt_tokens", "generated_tokens", "prefill_s", "warmup_s", "decode_s", "decode_tps",
+            "blocks", "acceptance", "tokens_per_block", "warmup_shapes", "verify_shapes", "shapes")
+    row.update({k: d[k] for k in keep if k in d})
+    row.update(ar_decode_tps=c.get("ar_decode_tps"), speedup=c.get("speedup"), verdict=c.get("verdict"),
+               first_divergence=c.get("first_divergence"))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--dtypes", default="auto,bfloat16")
+    ap.add_argument("--prompts", default="copy,edit,summary,open")
+    ap.add_argument("--timeout", type=float, default=45)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--print", metavar="PROMPT", help="Print that prompt's text and exit")
+    args, extra = ap.parse_known_args()
+    if args.print:
+        print(PROMPTS[args.print])
+        return
+    extra = [x for x in extra if x != "--"]
+    print("| dtype | prompt | extra | spec tok/s | plain tok/s | speedup | verdict | warm-up s | blocks | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with open(args.out, "a") as f:
+        for dtype in args.dtypes.split(","):
+            stalled = False
+            for prompt in args.prompts.split(","):
+                if stalled:  # one stall in a dtype says enough; the time box is short
+                    print(f"| {dtype} | {prompt} | | skipped after a stall | | | | | | |", flush=True)
+                    continue
+                r = run(prompt, dtype, extra, args.timeout, args.max_tokens)
+                stalled = "timed_out" in r
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                if "timed_out" in r:
+                    print(f"| {dtype} | {prompt} | {' '.join(extra)} | no output in {args.timeout:.0f} s "
+                          f"| | | | | | {r['wall_s']} |", flush=True)
+                    continue
+                fmt = lambda x, p=1: "?" if x is None else f"{x:.{p}f}"
+                print(f"| {r.get('dtype', dtype)} | {prompt} | {' '.join(extra)} | {fmt(r.get('decode_tps'))} "
+                      f"| {fmt(r.get('ar_decode_tps'))} | {fmt(r.get('speedup'), 2)}x | {r.get('verdict')} "
+                      f"| {fmt(r.get('warmup_s'), 2)} | {r.get('blocks')} | {r['wall_s']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
