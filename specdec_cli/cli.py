@@ -829,6 +829,9 @@ def main() -> None:
 
     # Before mlx is imported: the dynamic loader reads LD_PRELOAD only at start-up.
     maybe_reexec()
+    from .backend import decode_attention_default
+
+    decode_attention_default()
     try:
         app()
     except KeyboardInterrupt:  # a Ctrl-C after the command's own boundary (parsing, exiting)

@@ -191,3 +191,15 @@ def test_the_first_compile_note_speaks_only_for_quantized_weights_on_cuda(tmp_pa
     (tmp_path / "kernel.ptx").write_text("")
     assert shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path) is None
     assert shapes.first_compile_note("4-bit quantized") is None  # this CPU
+
+
+def test_cudnn_attention_is_off_by_default_on_cuda_only_unless_the_user_chose():
+    from specdec_cli.backend import CUDNN_SDPA, decode_attention_default
+
+    env = {}
+    assert decode_attention_default(env, backend="cuda") and env == {CUDNN_SDPA: "0"}
+    env = {CUDNN_SDPA: "1"}
+    assert not decode_attention_default(env, backend="cuda12") and env == {CUDNN_SDPA: "1"}
+    env = {}
+    assert not decode_attention_default(env, backend="cpu") and env == {}
+    assert not decode_attention_default({})  # this machine: the CPU build
