@@ -86,9 +86,8 @@ def run_mtp(session, prompts, max_tokens: int, together: bool) -> tuple[float, l
     from specdec_cli.session import Request
     from specdec_cli.session.batch import BatchEnd, run_batch
 
-    groups = engine.GROUPS
     if not together:
-        engine.GROUPS = ()
+        engine.GROUP_DRAFTS = False
     try:
         out = {i: [] for i in range(len(prompts))}
         drafted = accepted = 0
@@ -100,7 +99,7 @@ def run_mtp(session, prompts, max_tokens: int, together: bool) -> tuple[float, l
                 drafted += ev.event.block.drafted
                 accepted += ev.event.block.accepted
     finally:
-        engine.GROUPS = groups
+        engine.GROUP_DRAFTS = True
     return sum(map(len, out.values())) / seconds, [out[i] for i in range(len(prompts))], accepted / max(drafted, 1)
 
 

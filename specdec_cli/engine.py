@@ -23,8 +23,6 @@ from .batch_cache import BatchCache
 from .blocks import Block, PhaseTimes, cut_committed
 from .caches import ModelCache
 from .drafters import Draft, Drafter, no_draft
-from .drafters.model_batch import DraftBatch
-from .drafters.mtp_batch import MTPBatch
 from .errors import UnsupportedModelError
 from .processors import logprob_arrays, logprob_entries
 from .shapes import bucket
@@ -41,8 +39,9 @@ ROLLBACKS = ("reforward", "carry", "capture", "tape")
 # Carried tokens beyond this are re-fed at once: the next verify would grow
 # with every consecutive partial accept.
 MAX_CARRY = 8
-# Drafters that draft several rows in one forward while their rows share a batch.
-GROUPS = (DraftBatch, MTPBatch)
+# Drafters whose class names a batch group (``batch_group``) draft several rows in one forward
+# while their rows share a batch; False makes every row draft alone (benchmarks compare the two).
+GROUP_DRAFTS = True
 # How far the engine restores the target below the start offset of its latest
 # forward: plain decoding's queued step (the speculative loop itself only cuts
 # back to the snapshot taken right before its verify forward).
@@ -211,21 +210,21 @@ class Engine:
     def _draft_together(self, row: Row) -> None:
         """Put the row's drafter in its group, where one can draft it; otherwise it drafts alone, as before."""
         drafter = _inner(row.drafter)
-        for kind in GROUPS:
-            if kind.fits(drafter):
-                key = kind.key(drafter)
-                if id(key) not in self._draft_ok:
-                    self._draft_ok[id(key)] = kind.problem(drafter) is None
-                if not self._draft_ok[id(key)]:
-                    return
-                group = self._drafting.setdefault(id(key), kind(key))
-                try:
-                    group.join(drafter)  # raises before it changes anything
-                except (UnsupportedModelError, ValueError):
-                    self._draft_ok[id(key)] = False
-                    if not group.members:
-                        del self._drafting[id(key)]
-                return
+        kind = getattr(drafter, "batch_group", None)
+        if not GROUP_DRAFTS or kind is None or not kind.fits(drafter):
+            return
+        key = kind.key(drafter)
+        if id(key) not in self._draft_ok:
+            self._draft_ok[id(key)] = kind.problem(drafter) is None
+        if not self._draft_ok[id(key)]:
+            return
+        group = self._drafting.setdefault(id(key), kind(key))
+        try:
+            group.join(drafter)  # raises before it changes anything
+        except (UnsupportedModelError, ValueError):
+            self._draft_ok[id(key)] = False
+            if not group.members:
+                del self._drafting[id(key)]
 
     def _draft_alone(self, row: Row) -> None:
         drafter = _inner(row.drafter)
@@ -499,8 +498,8 @@ def _inner(drafter: Any) -> Any:
 
 def _group(drafter: Any) -> Any:
     """The group drafting for ``drafter``'s row, or None when it drafts alone."""
-    group = getattr(drafter, "batch", None)
-    return group if isinstance(group, GROUPS) else None
+    kind, group = getattr(drafter, "batch_group", None), getattr(drafter, "batch", None)
+    return group if kind is not None and isinstance(group, kind) else None
 
 
 def _allowed(p: _Pending) -> int:

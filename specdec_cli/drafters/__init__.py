@@ -14,7 +14,15 @@ from .history import LookupHistory
 from .hybrid import HybridDrafter
 from .lookup import LookupDrafter, NgramDrafter
 from .model import ModelDrafter
+from .model_batch import DraftBatch
+from .mtp import MTPDrafter
+from .mtp_batch import MTPBatch
 from .suffix import SuffixDrafter
+
+# The group that drafts several rows of a batch in one forward, named by the drafter's class (the
+# engine reads it there; the group modules import the drafters, so it is set here).
+ModelDrafter.batch_group = DraftBatch
+MTPDrafter.batch_group = MTPBatch
 
 __all__ = ["DFlashDrafter", "Draft", "Drafter", "HybridDrafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter",
            "SuffixDrafter", "no_draft"]

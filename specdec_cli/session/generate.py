@@ -24,7 +24,8 @@ from ..rollback import choose as choose_rollback
 from ..runner import Finished, Prefilled, Step, Warmed, run
 from ..sampling import GREEDY, SamplingParams
 from ..taps import Hidden, HiddenTap
-from .options import HIDDEN_STATE_DRAFTERS, make_policy
+from ..defaults import HIDDEN_STATE_DRAFTERS
+from .options import make_policy
 from .prompt_cache import Entry, PromptCache
 from .setup import Setup
 from .state import SavedCache

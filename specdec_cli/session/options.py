@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
-from ..defaults import DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, MAX_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, DRAFTERS, HIDDEN_STATE_DRAFTERS, MAX_BLOCK_SIZE,
+                        NGRAM_MAX, NGRAM_MIN)
 from ..drafters.history import check_path
 from ..errors import OptionError
 from ..loading import is_local
@@ -90,10 +91,6 @@ def check_model_options(opts: ModelOptions) -> str:
     if opts.force_download:
         check_force_download(opts.model, opts.draft_model)
     return kind
-
-
-# Drafters that read the target's hidden states (pipeline parallelism keeps them on one rank).
-HIDDEN_STATE_DRAFTERS = ("mtp", "lookup+mtp", "dflash")
 
 
 def hidden_states_refused(what: str) -> OptionError:
@@ -178,8 +175,8 @@ def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
     kind = drafter or ("model" if draft_model else "lookup")
     if kind == "model" and not draft_model:
         raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
-    if kind not in ("model", "mtp", "auto") and draft_model:
-        raise OptionError(f"--draft-model is only used with --drafter model, mtp or auto, not --drafter {kind}")
+    if draft_model and not DRAFTERS[kind].draft_model:
+        raise OptionError(f"--draft-model is only used with --drafter {_names('draft_model')}, not --drafter {kind}")
     return kind
 
 
@@ -191,7 +188,7 @@ def check_drafter_options(kind: str, opts: ModelOptions) -> None:
     if kind == "auto" and opts.lookup_history is not None:
         raise OptionError("--lookup-history applies to the lookup drafter: name it with --drafter lookup "
                           "instead of auto")
-    if kind not in ("model", "mtp", "auto") and opts.draft_p_min is not None:
+    if opts.draft_p_min is not None and not DRAFTERS[kind].p_min:
         raise OptionError("--draft-p-min applies to a draft model or an MTP head: drop it or pass --draft-model")
     if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
         raise OptionError("--ngram-max/--ngram-min apply to --drafter ngram (the default lookup matches any length)")
@@ -273,9 +270,14 @@ def processor_fields(opts: RunOptions) -> dict:
 
 
 def make_policy(adaptive: bool, block_size: int, kind: str = "model"):
-    """Adaptive draft length up to block size - 1 (learned by match length for lookup), or a fixed one."""
+    """Adaptive draft length up to block size - 1 (the kind's rule: see ``DrafterKind.policy``), or a fixed one."""
     if adaptive and block_size > 1:
-        if kind == "lookup+mtp":
-            return HybridLength(k_max=block_size - 1)
-        return MatchLength(k_max=block_size - 1) if kind == "lookup" else AdaptiveLength(k_max=block_size - 1)
+        rule = {"match-length": MatchLength, "hybrid": HybridLength}.get(DRAFTERS[kind].policy, AdaptiveLength)
+        return rule(k_max=block_size - 1)
     return FixedLength(block_size - 1)
+
+
+def _names(field: str) -> str:
+    """The ``--drafter`` choices whose registry record has ``field`` set, as "a, b or c"."""
+    names = [name for name, k in DRAFTERS.items() if k.choice and getattr(k, field)]
+    return ", ".join(names[:-1]) + " or " + names[-1]

@@ -18,7 +18,7 @@ from .. import __version__, blas, bundled
 from .. import distributed
 from ..adaptive import MatchLength
 from ..caches import cache_kinds, check_kv_quantization
-from ..defaults import DEFAULT_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
+from ..defaults import DEFAULT_BLOCK_SIZE, DRAFTERS, NGRAM_MAX, NGRAM_MIN
 from ..distributed import Ranks, model_fingerprint
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from ..drafters.dflash import check_target
@@ -85,7 +85,7 @@ class Setup:
 
     @property
     def drafter_name(self) -> str:
-        if self.kind in ("mtp", "lookup+mtp") and self.mtp is not None and self.mtp.source != self.target.name:
+        if DRAFTERS[self.kind].head and self.mtp is not None and self.mtp.source != self.target.name:
             return f"{self.kind} ({self.mtp.source})"
         if self.kind == "dflash" and self.options.draft_model:
             return f"{self.kind} ({self.options.draft_model})"
@@ -99,12 +99,13 @@ class Setup:
         """The block size to run. A DFlash drafter brings its own default and limit (its trained
         block size), known only once it is loaded, as does the kind ``--drafter auto`` picks;
         ``requested`` is None when no option set one, ``option`` names the one that did."""
-        if self.options.drafter == "auto" and self.kind != "dflash":
+        own = DRAFTERS[self.kind].max_block is None  # the drafter's own sizes (a DFlash config's)
+        if self.options.drafter == "auto" and not own:
             if requested is None:
                 return DEFAULT_BLOCK_SIZE[self.kind]
             check_block_size(requested, self.kind, option)
             return requested
-        if self.kind != "dflash":
+        if not own:
             return resolved
         config = self.draft.model.config
         if requested is None:
@@ -301,10 +302,10 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         kind = "mtp"
     if kind == "mtp" and opts.draft_model is None and not has_own_head(target):
         head_path = bundled_head(target)  # the bundled model's head is its own
-    if kind in ("mtp", "lookup+mtp") and head_path is not None:
+    if DRAFTERS[kind].head and head_path is not None:
         mtp = load_mtp(str(head_path), head_path, target, opts.dtype)
         mtp.source = "bundled head"
-    elif kind in ("mtp", "lookup+mtp"):
+    elif DRAFTERS[kind].head:
         mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
     if kind == "model":
         draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
@@ -321,8 +322,8 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         if ranks is not None:
             # Rank 0's file drafts on every rank (another machine's copy may differ); only rank 0 writes it.
             history.entries = [(history.fingerprint, t) for t in ranks.share_lists(history.outputs())]
-    used = head_path or (draft_path if kind in ("model", "dflash", "mtp", "lookup+mtp") else None)
-    if kind in ("mtp", "lookup+mtp") and used is None:
+    used = head_path or (draft_path if DRAFTERS[kind].draft_model or DRAFTERS[kind].head else None)
+    if DRAFTERS[kind].head and used is None:
         used = target.path  # the target's own head
     return Setup(opts, kind, target, draft, history, mtp, parts, notes=notes, ranks=ranks, drafter_path=used)
 
