@@ -268,3 +268,34 @@ def test_a_tool_call_that_does_not_parse_is_returned_as_text(tmp_path):
     piece = stream.add(tok.encode(broken, add_special_tokens=False))
     rest = stream.finish()
     assert (piece.content + rest.content) == broken and not stream.made_tool_calls
+
+
+def test_one_row_builder_every_face_samples_alike(setups, monkeypatch):
+    """Issue 41's divergence: an unseeded sampled request is keyed by a fresh seed on the terminal's
+    path as on the batch and server path, so both give the text that seed gives."""
+    import random
+
+    from specdec_cli.engine import Engine
+    from specdec_cli.sampling import SamplingParams
+
+    setup = setups["llama"]
+    session = Session(setup, 8)
+    sampling = SamplingParams(temp=0.9)
+    monkeypatch.setattr(random, "getrandbits", lambda bits: 1234)
+    alone, _ = gen(session, PROMPT, 24, sampling=sampling)
+    seeded, _ = gen(session, PROMPT, 24, sampling=sampling, seed=1234)
+    assert alone == seeded
+    plan = session.plan(Request(PROMPT, 24, sampling=sampling))
+    assert plan.sampling.seed == 1234 and plan.sampling.keyed
+    opening = session.open(Request(PROMPT, 24, sampling=sampling))
+    while not opening.step():
+        pass
+    engine = Engine(session.model)
+    engine.admit(opening.row, opening.cache)
+    rows: list[int] = []
+    while engine.rows:
+        for row, block in engine.step():
+            rows += block.tokens
+        for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
+            engine.remove(row)
+    assert rows == seeded

@@ -106,6 +106,29 @@ class _HiddenLog:
         return Hidden.concat(self.parts)
 
 
+@dataclass
+class RowPlan:
+    """What one request decodes with, built in one place for every face (:meth:`Session.plan`).
+
+    Attributes:
+        policy: The draft-length policy (its summary is the run's); None when plain.
+        steer: ``policy``, or it with the first block capped (``Request.first_draft``).
+        drafter: A fresh drafter, or None (plain decoding).
+        sampling: Greedy, or sampling keyed by position: a request without a seed gets a
+            random one, so no global random state is read and a row's text never depends
+            on what else the engine runs.
+        processors: The request's logits processors, fresh.
+        eos: Token ids that end it.
+    """
+
+    policy: object
+    steer: object
+    drafter: object
+    sampling: SamplingParams
+    processors: tuple
+    eos: frozenset
+
+
 class Session:
     """The models, the drafter kind and the caches kept between generations.
 
@@ -141,6 +164,35 @@ class Session:
             if opts.kv_bits else None
         return ModelCache(self.model, layers)
 
+    def plan(self, request: Request, hit=None, policy=None) -> RowPlan:
+        """The one builder of a request's row state: policy, drafter, sampling, processors, stops.
+
+        Args:
+            request: What to generate.
+            hit: The prompt cache's hit for it (its draft model's caches resume), or None.
+            policy: A draft-length policy to use (default: a fresh one of the session's kind).
+        """
+        setup = self.setup
+        ids = list(request.prompt_ids)
+        drafter = steer = None
+        if not self.plain:
+            block = min(request.block_size or self.block_size, self.block_size)
+            policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
+            drafter = setup.make_drafter(policy, hit.draft if hit else None)
+            if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
+                drafter = _HiddenLog(drafter)
+            steer = policy if request.first_draft is None else FirstBlock(policy, request.first_draft)
+        sampling = request.sampling
+        if not sampling.greedy:
+            seed = request.seed
+            if seed is None:
+                # Under mlx.launch every rank must draw alike: rank 0 picks the seed.
+                seed = random.getrandbits(63) if setup.ranks is None else setup.ranks.share_one(
+                    random.randrange(1 << 31))
+            sampling = replace(sampling, seed=seed)
+        return RowPlan(policy, steer, drafter, sampling, make_processors(request, setup.tokenizer, ids),
+                       frozenset(() if request.ignore_eos else setup.eos_ids))
+
     def generate(self, request: Request, *, policy=None,
                  cancelled: Optional[Callable[[], bool]] = None) -> Iterator[Event]:
         """Run ``request``; yields the runner's events.
@@ -154,37 +206,24 @@ class Session:
         """
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
-        # The request's own processors, fresh for this run (before any cache is taken): nothing it sets outlives it.
-        processors = make_processors(request, setup.tokenizer, ids)
         block = min(request.block_size or self.block_size, self.block_size)
-        ranks = setup.ranks
-        seed = request.seed
-        if ranks is not None and seed is None and not request.sampling.greedy:
-            # Sampling must draw alike on every rank: rank 0 picks the seed (draws are then keyed by position).
-            seed = ranks.share_one(random.randrange(1 << 31))
-        drafter = None
-        if not self.plain:
-            policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
         hit = self._fetch(ids)
         cache = hit.target if hit else self.fresh_cache()
-        if not self.plain:
-            drafter = setup.make_drafter(policy, hit.draft if hit else None)
-            if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
-                drafter = _HiddenLog(drafter)
-            if request.first_draft is not None:
-                policy = FirstBlock(policy, request.first_draft)
+        # The request's own state, fresh for this run (nothing it sets outlives it).
+        plan = self.plan(request, hit, policy)
+        drafter = plan.drafter
         emitted: list[int] = []
         # Whether the caches hold whole tokens: after the prefill (the engine keeps its
         # invariant from then on), or when a cancel stopped the prefill between chunks.
         consistent = False
         events = run(
-            self.model, ids, drafter=drafter, policy=policy, max_tokens=request.max_tokens,
-            eos_ids=() if request.ignore_eos else setup.eos_ids, sampling=request.sampling, rollback=opts.rollback,
+            self.model, ids, drafter=drafter, policy=plan.steer, max_tokens=request.max_tokens,
+            eos_ids=plan.eos, sampling=plan.sampling, rollback=opts.rollback,
             rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
             prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
-            timed=request.timed, seed=seed, cache=cache, hidden_prefix=hit.hidden if hit else None,
+            timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
             marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
-            sync=ranks, processors=processors, logprobs=request.logprobs, shapes=opts.shapes,
+            sync=setup.ranks, processors=plan.processors, logprobs=request.logprobs, shapes=opts.shapes,
         )
         try:
             for event in events:
@@ -301,20 +340,11 @@ class Opening:
         self.hit = session._fetch(self.ids)
         self.cache = self.hit.target if self.hit else session.fresh_cache()
         self.cached = self.cache.length
-        block = min(request.block_size or session.block_size, session.block_size)
-        self.policy = FixedLength(0) if session.plain else make_policy(session.adaptive, block, setup.kind)
-        self.drafter = None if session.plain else setup.make_drafter(self.policy, self.hit.draft if self.hit else None)
-        if self.drafter is not None and session.prompt_cache is not None and getattr(self.drafter, "taps", None):
-            self.drafter = _HiddenLog(self.drafter)
-        policy = self.policy if request.first_draft is None else FirstBlock(self.policy, request.first_draft)
-        sampling = request.sampling
-        if not sampling.greedy:
-            # Keyed draws: the same text whatever shares the batch, and no global random state.
-            seed = request.seed if request.seed is not None else random.getrandbits(64)
-            sampling = replace(sampling, seed=seed)
-        self.row = Row(self.ids[-1], self.drafter, policy, sampling,
-                       frozenset(() if request.ignore_eos else setup.eos_ids), request.max_tokens, tag=request,
-                       processors=make_processors(request, setup.tokenizer, self.ids), logprobs=request.logprobs)
+        plan = session.plan(request, self.hit)
+        self.policy = plan.policy if plan.policy is not None else FixedLength(0)
+        self.drafter = plan.drafter
+        self.row = Row(self.ids[-1], self.drafter, plan.steer or self.policy, plan.sampling, plan.eos,
+                       request.max_tokens, tag=request, processors=plan.processors, logprobs=request.logprobs)
         self.parts: list = []
         self.prefilled: Optional[Prefilled] = None
         # Seconds spent prefilling this request (not the blocks of other rows run between its chunks).
