@@ -647,6 +647,11 @@ DecodeConcurrencyOpt = Annotated[int, _opt(
     "mlx_lm.server's and llama-server's).", rich_help_panel=LIMITS)]
 
 
+LookupCorpusOpt = Annotated[int, _opt(
+    "--lookup-corpus", metavar="TOKENS", min=0, max=1 << 20, help="Lookup also drafts from the server's "
+    "recent answers, up to TOKENS (0: off).", rich_help_panel=LIMITS)]
+
+
 class LogLevel(str, Enum):
     debug = "debug"
     info = "info"
@@ -684,6 +689,7 @@ def serve(
     queue_size: QueueOpt = 16,
     prompt_cache_size: PromptCacheSizeOpt = 10,
     prompt_cache_bytes: PromptCacheBytesOpt = None,
+    lookup_corpus: LookupCorpusOpt = 8192,
     log_level: Annotated[LogLevel, _opt(
         "--log-level", metavar="LEVEL", help=_choices(LogLevel) + "What the server logs on stderr.",
         rich_help_panel=OUTPUT)] = LogLevel.info,

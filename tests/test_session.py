@@ -299,3 +299,58 @@ def test_one_row_builder_every_face_samples_alike(setups, monkeypatch):
         for row in [r for r in engine.rows if r.finish is not None or r.room <= 0]:
             engine.remove(row)
     assert rows == seeded
+
+
+def test_the_corpus_is_bounded_in_tokens_oldest_out_first():
+    from specdec_cli.session import Corpus
+
+    corpus = Corpus(20)
+    corpus.add(list(range(5)))  # too short to copy from
+    assert corpus.outputs() == []
+    corpus.add(list(range(10)))
+    corpus.add(list(range(100, 108)))
+    assert corpus.outputs() == [tuple(range(10)), tuple(range(100, 108))] and corpus.tokens == 18
+    corpus.add(list(range(100, 112)))  # 30 tokens: the oldest goes
+    assert corpus.outputs() == [tuple(range(100, 108)), tuple(range(100, 112))] and corpus.tokens == 20
+    corpus.add(list(range(200, 230)))  # longer than the bound: its last 20 tokens, alone
+    assert corpus.outputs() == [tuple(range(210, 230))] and corpus.tokens == 20
+    assert Corpus(0).outputs() == [] and (Corpus(0).add(list(range(50))) is None)
+    with pytest.raises(ValueError):
+        Corpus(-1)
+
+
+def test_an_answer_that_recurs_is_drafted_from_the_corpus_and_decoded_exactly(setups):
+    """The second request meets the first's answer in the corpus: far more of it is accepted, same text."""
+    from specdec_cli.session import Corpus
+    from specdec_cli.session.batch import BatchEnd, run_batch
+
+    setup = setups["llama"]
+    ask = list(b"Tell me about foxes.")
+
+    def accepted(session, twice):
+        texts, total = [], 0
+        for _ in range(twice):
+            out = []
+            for event in session.generate(Request(ask, 40)):
+                if isinstance(event, Step):
+                    out += event.block.tokens
+                    total += event.block.accepted if len(texts) else 0
+            texts.append(out)
+        return texts, total
+
+    plain_texts, without = accepted(Session(setup, 16), 2)
+    corpus = Corpus()
+    texts, with_corpus = accepted(Session(setup, 16, corpus=corpus), 2)
+    assert texts == plain_texts and texts[0] == texts[1]
+    assert with_corpus >= 30 > without + 10
+    # The batch and server path (Session.open / close) feeds and reads the same corpus.
+    batch = Session(setup, 16, corpus=Corpus())
+    rows = {}
+    for event in run_batch(batch, [Request(ask, 40)], max_rows=1):
+        if not isinstance(event, BatchEnd) and isinstance(event.event, Step):
+            rows.setdefault(event.index, []).append(event.event.block)
+    assert batch.corpus.outputs() == [tuple(texts[0])]
+    again = [b for b in run_batch(batch, [Request(ask, 40)], max_rows=1)
+             if not isinstance(b, BatchEnd) and isinstance(b.event, Step)]
+    assert [t for b in again for t in b.event.block.tokens] == texts[0]
+    assert sum(b.event.block.accepted for b in again) >= 30

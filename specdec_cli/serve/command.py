@@ -18,7 +18,9 @@ from ..batch_cache import batch_problem
 from ..display import print_loading, print_stderr
 from ..errors import OptionError
 from ..limits import gb
+from ..session.corpus import DEFAULT_TOKENS
 from ..session import (
+    Corpus,
     PromptCache,
     RunOptions,
     Session,
@@ -55,6 +57,7 @@ class ServeOptions(RunOptions):
     prompt_cache_bytes: Optional[int] = None
     queue_size: int = 16
     decode_concurrency: int = 4
+    lookup_corpus: int = DEFAULT_TOKENS
     log_level: str = "info"
 
 
@@ -122,7 +125,9 @@ def serve_command(opts: ServeOptions) -> int:
     # --prompt-cache-bytes 0 turns the cache off as --prompt-cache-size 0 does (nothing could be kept).
     on = opts.prompt_cache_size > 0 and opts.prompt_cache_bytes != 0
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if on else None
-    session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
+    # Lookup rows also draft from recent answers (other drafters have nothing to copy with).
+    corpus = Corpus(opts.lookup_corpus) if opts.lookup_corpus and setup.kind == "lookup" else None
+    session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache, corpus=corpus)
     # The id clients send back: what --model named, or the bundled model's own name.
     name = opts.model if opts.model is not None else bundled.NAME
     service = Service(session, name, opts, opts.queue_size, opts.decode_concurrency)
@@ -132,6 +137,8 @@ def serve_command(opts: ServeOptions) -> int:
     print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []) + ([batching] if batching else []))
     cached = f"prompt cache {cache.max_entries} entries, up to {gb(cache.max_bytes)}" if cache is not None \
         else "no prompt cache"
+    if corpus is not None:
+        cached += f"; lookup corpus of recent answers up to {corpus.max_tokens} tokens"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
                   f"{block_size}; {cached}; up to {opts.decode_concurrency} requests decoded together",
                   f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])

@@ -6,6 +6,7 @@ through the engine and keeps the caches between them. Nothing here prints
 tokens or knows about terminals or HTTP.
 """
 
+from .corpus import Corpus
 from .generate import PREFILL_CHUNK_S, Request, Session
 from .options import (
     ModelOptions,
@@ -37,6 +38,7 @@ from .setup import (
 from .state import SavedCache
 
 __all__ = [
+    "Corpus",
     "PREFILL_CHUNK_S", "Entry", "Hit", "MemoryLimitError", "ModelOptions", "PromptCache", "PromptTooLongError", "RunOptions",
     "Request", "SavedCache", "Session", "Setup", "blas_note", "check_block_size", "check_distributed_options",
     "check_drafter_options", "check_force_download", "check_model_options", "choose_drafter", "join_ranks",

@@ -26,6 +26,7 @@ from ..sampling import GREEDY, SamplingParams
 from ..taps import Hidden, HiddenTap
 from ..defaults import HIDDEN_STATE_DRAFTERS
 from .options import make_policy
+from .corpus import Corpus
 from .prompt_cache import Entry, PromptCache
 from .setup import Setup
 from .state import SavedCache
@@ -139,17 +140,20 @@ class Session:
         prompt_cache: Keep caches across requests (None: every prompt prefilled from scratch).
         prefill_seconds: Size prefill chunks to about this long (None: ``prefill_step_size`` each).
         plain: Decode without a drafter (a baseline).
+        corpus: Recent outputs every request's lookup also drafts from; each
+            request's output joins it (None: none).
     """
 
     def __init__(self, setup: Setup, block_size: int, *, adaptive: bool = True,
                  prompt_cache: Optional[PromptCache] = None, prefill_seconds: Optional[float] = PREFILL_CHUNK_S,
-                 plain: bool = False):
+                 plain: bool = False, corpus: Optional[Corpus] = None):
         self.setup = setup
         self.block_size = block_size
         self.adaptive = adaptive
         self.prompt_cache = prompt_cache
         self.prefill_seconds = prefill_seconds
         self.plain = plain
+        self.corpus = corpus
         # auto's measured rollback choice, per block size: measured once per session.
         self._choices: dict[int, RollbackChoice] = {}
 
@@ -178,7 +182,8 @@ class Session:
         if not self.plain:
             block = min(request.block_size or self.block_size, self.block_size)
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
-            drafter = setup.make_drafter(policy, hit.draft if hit else None)
+            drafter = setup.make_drafter(policy, hit.draft if hit else None,
+                                         self.corpus.outputs() if self.corpus is not None else ())
             if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
                 drafter = _HiddenLog(drafter)
             steer = policy if request.first_draft is None else FirstBlock(policy, request.first_draft)
@@ -242,6 +247,8 @@ class Session:
             events.close()
             if self.prompt_cache is not None and consistent:
                 self._keep(ids + emitted, cache, drafter, hit)
+            if self.corpus is not None:
+                self.corpus.add(emitted)
 
     def tap_spec(self):
         """The target hidden states this session's drafter reads (a ``TapSpec``), or None."""
@@ -275,6 +282,8 @@ class Session:
         """
         if self.prompt_cache is not None and cache is not None:
             self._keep(list(opening.ids) + list(emitted), cache, opening.drafter, opening.hit)
+        if self.corpus is not None:
+            self.corpus.add(emitted)
 
     def _fetch(self, ids: list[int]):
         """The prompt cache's longest usable prefix of ``ids`` (None: a miss, or no prompt cache)."""

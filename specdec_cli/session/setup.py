@@ -10,7 +10,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -117,18 +117,20 @@ class Setup:
             )
         return requested
 
-    def make_drafter(self, policy=None, draft_cache=None) -> Drafter:
+    def make_drafter(self, policy=None, draft_cache=None, recent: Sequence[Sequence[int]] = ()) -> Drafter:
         """A fresh drafter for one generation.
 
         Args:
             policy: A lookup drafter sizes its drafts with it when it learns.
             draft_cache: A draft model's caches to resume from (a prompt cache
                 hit); the drafter then only feeds the prompt tokens they lack.
+            recent: Earlier outputs a lookup drafter also drafts from (a server's corpus).
         """
         opts = self.options
         if self.kind == "lookup":
             size = policy.size if isinstance(policy, MatchLength) else None
-            return SuffixDrafter(size, self.history.outputs() if self.history else (), self.eos_ids)
+            earlier = [*(self.history.outputs() if self.history else ()), *recent]
+            return SuffixDrafter(size, earlier, self.eos_ids)
         if self.kind == "ngram":
             return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
         if self.kind == "mtp":
