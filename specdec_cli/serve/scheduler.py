@@ -100,13 +100,17 @@ class Scheduler:
         session: The loaded session (models, drafter kind, prompt cache).
         max_rows: Requests decoding together (``--decode-concurrency``).
         max_queue: Requests that may wait beyond those; past it :meth:`submit` raises :class:`Busy`.
+        costs: The batch planner's forward costs, measured before the first request (see
+            :func:`measure_batch_costs`); None: measured when rows first share a block.
     """
 
-    def __init__(self, session: Session, max_rows: int = 4, max_queue: int = 16):
+    def __init__(self, session: Session, max_rows: int = 4, max_queue: int = 16,
+                 costs: Optional[CostTable] = None):
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
         self.session = session
         self.max_rows = max_rows
+        self._costs = costs
         self._jobs: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="specdec-generation", daemon=True)
         self._stopping = threading.Event()
@@ -256,6 +260,8 @@ class Scheduler:
             return None
 
         def measure() -> CostTable:
+            if self._costs is not None:
+                return self._costs
             start = time.perf_counter()
             costs = measure_costs(session, self.max_rows)
             log.info("measured the model's forward for %d cells of rows x tokens in %.1f s", len(costs.cells),
