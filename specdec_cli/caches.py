@@ -20,7 +20,7 @@ import copy
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -402,6 +402,35 @@ class Checkpoint:
     layers: tuple
 
 
+@runtime_checkable
+class RowCache(Protocol):
+    """What the engine asks of a target's caches, one row (:class:`ModelCache`) or many
+    (:class:`~specdec_cli.batch_cache.BatchCache`): one protocol for both.
+
+    ``feed`` runs a forward and returns its lazy logits; ``snapshot`` and ``restore`` go back
+    exactly in O(1); ``settle(snap, keep)`` keeps row b's first ``keep[b]`` tokens fed since
+    ``snap`` (attention trims; recurrent layers take the state a ``record``-ed forward kept).
+    """
+
+    model: Any
+
+    @property
+    def recurrent(self) -> bool: ...
+
+    @property
+    def can_record(self) -> bool: ...
+
+    def feed(self, tokens: mx.array, record: Optional[str] = None) -> mx.array: ...
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, snap: Any) -> None: ...
+
+    def settle(self, snap: Any, keep: Sequence[int]) -> None: ...
+
+    def state_arrays(self) -> list[mx.array]: ...
+
+
 class ModelCache:
     """One model's layer caches plus the rollback protocol.
 
@@ -644,6 +673,21 @@ class ModelCache:
             c.trim(fed - n_keep)
         self.length -= fed - n_keep
         return False
+
+    def settle(self, snap: Snapshot, keep: Sequence[int]) -> None:
+        """Keep the first ``keep[0]`` tokens fed since ``snap`` (the :class:`RowCache` form of one row).
+
+        Attention layers trim; recurrent layers take the state the forward since ``snap``
+        recorded (:meth:`rollback_recorded`), as a batch's rows do.
+
+        Raises:
+            RuntimeError: Recurrent layers, and the forward since ``snap`` was not recorded.
+        """
+        (n_keep,) = keep
+        if self._recurrent and self.length - snap.length != n_keep:
+            self.rollback_recorded(snap, n_keep)
+        elif self.rollback(snap, n_keep):
+            raise AssertionError("unreachable: attention layers never need a re-forward")
 
     def rollback_recorded(self, snap: Snapshot, n_keep: int) -> None:
         """Keep the first ``n_keep`` tokens of the recorded forward fed since ``snap``.

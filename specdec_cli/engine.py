@@ -464,12 +464,9 @@ class Engine:
         none = p.row.carry[:0]
         if p.c + n_keep == p.fed:
             return "none", none
-        if not cache.recurrent:
-            cache.rollback(snap, p.c + n_keep)
-            return "trim", none
-        if record:
-            cache.rollback_recorded(snap, p.c + n_keep)
-            return record, none
+        if not cache.recurrent or record:
+            cache.settle(snap, [p.c + n_keep])
+            return (record if cache.recurrent else "trim"), none
         if (p.row.rollback or self.rollback) == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
             cache.restore(snap)
             return "carry", kept

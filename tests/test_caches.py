@@ -142,3 +142,28 @@ def test_attention_rollback_is_a_trim_and_recurrent_rollback_asks_for_replay():
         snap = cache.snapshot()
         cache.feed(mx.array([5], dtype=mx.uint32))
         assert cache.rollback(snap, 1) is False
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
+def test_one_row_and_many_share_one_cache_protocol(family):
+    """ModelCache and BatchCache are both a RowCache; settling one row keeps what feeding it directly builds."""
+    from helpers import PROMPT, fed, max_cache_diff, prefilled, target
+
+    from specdec_cli.batch_cache import BatchCache
+    from specdec_cli.caches import RowCache
+
+    model = target(family, "float32")
+    one = prefilled(model)
+    assert isinstance(one, RowCache) and isinstance(BatchCache(model, prefilled(model)), RowCache)
+    tokens = [5, 6, 7, 8, 9]
+    snap = one.snapshot()
+    record = "capture" if one.recurrent else None
+    one.feed(mx.array(tokens, dtype=mx.uint32), record=record)
+    one.settle(snap, [2])
+    assert one.length == len(PROMPT) - 1 + 2
+    assert max_cache_diff(one, fed(model, PROMPT[:-1] + tokens[:2])) <= 1e-5
+    if one.recurrent:  # a recurrent forward that recorded nothing cannot be cut back: it says so
+        snap = one.snapshot()
+        one.feed(mx.array(tokens, dtype=mx.uint32))
+        with pytest.raises(RuntimeError):
+            one.settle(snap, [1])
