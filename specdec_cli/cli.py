@@ -648,8 +648,8 @@ DecodeConcurrencyOpt = Annotated[int, _opt(
 
 
 LookupCorpusOpt = Annotated[int, _opt(
-    "--lookup-corpus", metavar="TOKENS", min=0, max=1 << 20, help="Lookup also drafts from the server's "
-    "recent answers, up to TOKENS (0: off).", rich_help_panel=LIMITS)]
+    "--lookup-corpus", metavar="N", min=0, max=1 << 20, help="Lookup also drafts from the server's "
+    "recent answers, up to N tokens (0: off).", rich_help_panel=DRAFTING)]
 
 
 class LogLevel(str, Enum):
