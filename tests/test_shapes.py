@@ -7,6 +7,9 @@ warm-up) to exercise the same Python path a GPU takes.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -168,20 +171,34 @@ def test_lookup_fills_the_padding_with_more_of_its_match():
     assert d.propose(text[5], 6).size == 6  # never past the k the engine allows
 
 
-def test_generate_reports_its_verify_and_warm_up_shapes(monkeypatch):
-    """The issue's check: a long copy with --shapes bucketed is identical, with at most 8 of each."""
-    monkeypatch.setattr(plain_module, "compiles_per_shape", lambda: True)  # the warm-up runs, as on a GPU
+def test_generate_reports_its_verify_shapes_on_a_long_copy():
+    """The issue's check, as a user runs it (its own process, OpenBLAS preloaded): a long copy with
+    --shapes bucketed is identical to plain decoding and runs at most 8 verify widths."""
     text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin can of oil "
             "and a cloth. He polished the great lens until it gleamed, trimmed the wick, and lit the lamp.")
-    result = CliRunner().invoke(app, ["generate", f"Copy this exactly: {text}", "-m", "64", "--shapes", "bucketed",
-                                      "--compare-ar", "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    run = [sys.executable, "-m", "specdec_cli", "generate", f"Copy this exactly: {text}", "-m", "48",
+           "--shapes", "bucketed", "--compare-ar", "--json"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
     assert report["shapes"] == "bucketed" and report["compare"]["verdict"] == "identical"
     widths = {int(k.split("x")[1]) for k in report["verify_shapes"]}
-    assert 0 < len(widths) <= 8 and all(w & (w - 1) == 0 for w in widths)
-    assert 0 < report["warmup_shapes"] <= 8
+    assert 0 < len(widths) <= 8 and all(w & (w - 1) == 0 for w in widths) and max(widths) > 1
     assert sum(report["verify_shapes"].values()) == report["blocks"]
+    assert report["warmup_shapes"] == 0  # MLX's CPU backend compiles nothing per shape: no warm-up runs
+
+
+def test_the_json_reports_a_warm_up_of_the_buckets_alone(monkeypatch, tmp_path):
+    """Where the warm-up runs (a GPU; forced here), it runs at most one shape per bucket: 7 at block size 64."""
+    from specdec_cli.synthetic import make_model_dir
+
+    monkeypatch.setattr(plain_module, "compiles_per_shape", lambda: True)
+    model = make_model_dir(tmp_path / "llama", "llama", seed=0)
+    result = CliRunner().invoke(app, ["generate", "abc abc abc abc abc abc", "--model", str(model), "-m", "24",
+                                      "--shapes", "bucketed", "--ignore-chat-template", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["block_size"] == 64 and 0 < report["warmup_shapes"] <= 7
 
 
 def test_the_first_compile_note_speaks_only_for_quantized_weights_on_cuda(tmp_path):
