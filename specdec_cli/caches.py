@@ -686,8 +686,8 @@ class ModelCache:
         (n_keep,) = keep
         if self._recurrent and self.length - snap.length != n_keep:
             self.rollback_recorded(snap, n_keep)
-        elif self.rollback(snap, n_keep):
-            raise AssertionError("unreachable: attention layers never need a re-forward")
+        else:
+            self.rollback(snap, n_keep)  # attention trims; a recurrent cache keeping everything has nothing to undo
 
     def rollback_recorded(self, snap: Snapshot, n_keep: int) -> None:
         """Keep the first ``n_keep`` tokens of the recorded forward fed since ``snap``.

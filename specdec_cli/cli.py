@@ -23,8 +23,8 @@ from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from . import __version__
-from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE,
-                       MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
+from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, DRAFTER_KINDS,
+                       MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
 from .errors import EXIT_INTERRUPTED, SpecdecError
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
@@ -301,12 +301,8 @@ def _choices(enum: type[Enum]) -> str:
     return ", ".join(member.value for member in enum) + "\n\n"
 
 
-class DrafterKind(str, Enum):
-    model = "model"
-    lookup = "lookup"
-    ngram = "ngram"
-    mtp = "mtp"
-    auto = "auto"
+# --drafter's choices, from the registry of drafter kinds (defaults.DRAFTERS).
+DrafterKind = Enum("DrafterKind", [(name, name) for name in DRAFTER_KINDS], type=str)
 
 
 class Rollback(str, Enum):

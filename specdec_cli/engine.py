@@ -191,7 +191,7 @@ class Engine:
         drafter = _inner(row.drafter)
         if hasattr(drafter, "fill"):
             # A verify padded to its bucket has room for more drafts: a drafter that has them free fills it.
-            padded = self.shapes == "bucketed" and (not cache.recurrent or strategy in ("capture", "tape"))
+            padded = self._pads(cache, self._record_for(row, cache))
             drafter.fill = (lambda n: bucket(n + 1) - 1) if padded else None
         cache.ensure_reach(TARGET_REACH)
         if not self.rows:
@@ -272,6 +272,11 @@ class Engine:
             cache.feed(row.carry)
             row.carry = row.carry[:0]
 
+    def _pads(self, cache, record: Optional[str]) -> bool:
+        """Whether verifies run padded to their bucket: padding rows run through recurrent layers too,
+        so only a forward that records (capture, tape) cuts them back exactly."""
+        return self.shapes == "bucketed" and (not cache.recurrent or record is not None)
+
     def _record_for(self, row: Row, cache) -> Optional[str]:
         """What a single row's verify records for its rollback (None: nothing)."""
         strategy = row.rollback or self.rollback
@@ -337,8 +342,7 @@ class Engine:
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
             position = None if batch else cache.length
-            # Padding rows run through recurrent layers too: only a recorded forward cuts them back exactly.
-            pad = self.shapes if speculate and (record is not None or not cache.recurrent) else "exact"
+            pad = "bucketed" if speculate and self._pads(cache, record) else "exact"
             width = fed_width(max(p.x.shape[0] for p in pending), pad)
             for p in pending:
                 p.fed = width
@@ -628,4 +632,4 @@ def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry", shapes
     under ``bucketed`` shapes, the powers of two up to the one that holds them."""
     # Without drafts every block is a full accept: nothing is ever carried.
     extra = MAX_CARRY if recurrent and rollback == "carry" and max_draft > 0 else 0
-    return shape_widths(max_draft + 1 + extra, shapes if max_draft > 0 else "exact")
+    return shape_widths(max_draft + 1 + extra, shapes)

@@ -60,7 +60,6 @@ def fed(width: int, shapes: str) -> int:
     return bucket(width) if shapes == "bucketed" else width
 
 
-
 def ptx_cache_dir() -> Path:
     """Where MLX's CUDA backend keeps the kernels it compiled (``MLX_PTX_CACHE_DIR``, else under the temp dir)."""
     given = os.environ.get("MLX_PTX_CACHE_DIR")
@@ -75,7 +74,7 @@ def first_compile_note(weights: str, *, cuda: Optional[bool] = None, cache: Opti
     later processes read the kernels back from :func:`ptx_cache_dir`.
     """
     if cuda is None:
-        cuda = mx.default_device() != mx.cpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+        cuda = compiles_per_shape() and hasattr(mx, "cuda") and mx.cuda.is_available()
     if not cuda or "quantized" not in weights:
         return None
     cache = ptx_cache_dir() if cache is None else cache

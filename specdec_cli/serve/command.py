@@ -19,7 +19,6 @@ from ..batch_cache import batch_problem
 from ..display import print_loading, print_stderr
 from ..errors import OptionError
 from ..limits import gb
-from ..session.batch import measure_costs
 from ..session.corpus import DEFAULT_TOKENS
 from ..session import (
     Corpus,
@@ -132,14 +131,13 @@ def serve_command(opts: ServeOptions) -> int:
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache, corpus=corpus)
     # The id clients send back: what --model named, or the bundled model's own name.
     name = opts.model if opts.model is not None else bundled.NAME
-    costs, costs_line = None, None
-    if opts.decode_concurrency > 1 and not session.plain and block_size > 1:
-        # What a batch's forward costs by rows x tokens, measured now: never on a request's time.
-        start = time.perf_counter()
-        costs = measure_costs(session, opts.decode_concurrency)
-        costs_line = (f"batch forward costs measured at start-up in {time.perf_counter() - start:.1f} s "
-                      f"({len(costs.cells)} cells of rows x tokens)")
-    service = Service(session, name, opts, opts.queue_size, opts.decode_concurrency, costs)
+    service = Service(session, name, opts, opts.queue_size, opts.decode_concurrency)
+    # What a batch's forward costs by rows x tokens, measured now: never on a request's time.
+    start = time.perf_counter()
+    costs = service.scheduler.prepare()
+    seconds = time.perf_counter() - start
+    costs_line = None if costs is None else (f"batch forward costs measured at start-up in {seconds:.1f} s "
+                                             f"({len(costs.cells)} cells of rows x tokens)")
     app = create_app(service, api_key=opts.api_key)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host

@@ -100,17 +100,15 @@ class Scheduler:
         session: The loaded session (models, drafter kind, prompt cache).
         max_rows: Requests decoding together (``--decode-concurrency``).
         max_queue: Requests that may wait beyond those; past it :meth:`submit` raises :class:`Busy`.
-        costs: The batch planner's forward costs, measured before the first request (see
-            :func:`measure_batch_costs`); None: measured when rows first share a block.
     """
 
-    def __init__(self, session: Session, max_rows: int = 4, max_queue: int = 16,
-                 costs: Optional[CostTable] = None):
+    def __init__(self, session: Session, max_rows: int = 4, max_queue: int = 16):
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
         self.session = session
         self.max_rows = max_rows
-        self._costs = costs
+        # The batch planner's forward costs by rows x tokens, measured once (see prepare).
+        self._costs: Optional[CostTable] = None
         self._jobs: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="specdec-generation", daemon=True)
         self._stopping = threading.Event()
@@ -253,20 +251,33 @@ class Scheduler:
         if self._tap is not None:
             self._tap.close()
 
-    def _planner(self) -> Optional[BatchPlanner]:
-        """Weighs a batch's drafts against its forward's cost, measured when rows first share a block."""
+    def prepare(self) -> Optional[CostTable]:
+        """Measure the batch planner's forward costs now, before the first request (start-up), so that
+        no request's time pays for them; returns them (None: no planner runs here)."""
+        if not self._plans():
+            return None
+        if self._costs is None:
+            self._costs = measure_costs(self.session, self.max_rows)
+        return self._costs
+
+    def _plans(self) -> bool:
+        """Whether rows share blocks with drafts to weigh (several rows, a drafter, drafts per block)."""
         session = self.session
-        if self.max_rows < 2 or session.plain or session.block_size < 2:
+        return self.max_rows > 1 and not session.plain and session.block_size > 1
+
+    def _planner(self) -> Optional[BatchPlanner]:
+        """Weighs a batch's drafts against its forward's cost (measured by :meth:`prepare`, else when rows
+        first share a block)."""
+        if not self._plans():
             return None
 
         def measure() -> CostTable:
-            if self._costs is not None:
-                return self._costs
-            start = time.perf_counter()
-            costs = measure_costs(session, self.max_rows)
-            log.info("measured the model's forward for %d cells of rows x tokens in %.1f s", len(costs.cells),
-                     time.perf_counter() - start)
-            return costs
+            if self._costs is None:
+                start = time.perf_counter()
+                self.prepare()
+                log.info("measured the model's forward for %d cells of rows x tokens in %.1f s",
+                         len(self._costs.cells), time.perf_counter() - start)
+            return self._costs
 
         return BatchPlanner(measure)
 

@@ -68,11 +68,11 @@ class Service:
     """
 
     def __init__(self, session: Session, model_id: str, defaults: RunOptions, max_queue: int = 16,
-                 max_rows: int = 4, costs=None):
+                 max_rows: int = 4):
         self.session = session
         self.model_id = model_id
         self.defaults = defaults
-        self.scheduler = Scheduler(session, max_rows, max_queue, costs)
+        self.scheduler = Scheduler(session, max_rows, max_queue)
         self.names = {model_id, "default_model", str(session.setup.target.path), session.setup.target.name}
 
     @property

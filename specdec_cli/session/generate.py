@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from ..adaptive import FirstBlock, FixedLength
+from ..defaults import HIDDEN_STATE_DRAFTERS
 from ..caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
 from ..engine import Row
@@ -24,9 +25,8 @@ from ..rollback import choose as choose_rollback
 from ..runner import Finished, Prefilled, Step, Warmed, run
 from ..sampling import GREEDY, SamplingParams
 from ..taps import Hidden, HiddenTap
-from ..defaults import HIDDEN_STATE_DRAFTERS
-from .options import make_policy
 from .corpus import Corpus
+from .options import make_policy
 from .prompt_cache import Entry, PromptCache
 from .setup import Setup
 from .state import SavedCache
