@@ -8,7 +8,9 @@
 #   device, last:    scripts/gpu_check.sh run        # carry .dev/last; writes everything under $OUT as it goes
 #   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
 #
-# STEPS (default "info smoke peer generate exact nocudnn sweep serve tests probe") picks steps of `run`; GEN_ARGS adds options to
+# STEPS (default "info smoke peer generate exact nocudnn sweep serve tests probe") picks steps of `run` (also: qwarm-bg, qwait,
+# gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; PIN="taskset -c 0-7"; GEN_AHEAD=both runs each
+# generate configuration with and without the engine's step queued ahead); GEN_ARGS adds options to
 # every generate run (e.g. "--shapes exact"); BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so.
 set -uo pipefail
@@ -98,9 +100,19 @@ run_checks() {
     probe)
       step probe-cudnn 45 bash -c "$py scripts/gpu_probe.py >> $OUT/probe.jsonl"
       step probe-no-cudnn 45 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_probe.py >> $OUT/probe.jsonl" ;;
+    qwarm-bg)  # compiles the 4-bit kernels on cores 8-15 while later steps run on 0-7 (qwait joins it)
+      echo "## qwarm-bg started $(date -u +%T)" | tee -a "$LOG"
+      local pin=""; [ "$(nproc)" -ge 16 ] && pin="taskset -c 8-15"
+      timeout -k 5 "${QWARM_S:-200}" $pin $py scripts/gpu_qprobe.py --warm "${QWARM_ROWS:-1,2,4,8,16,32,64,128,512}" \
+        --timeout "${QWARM_S:-200}" > "$OUT/qwarm.jsonl" 2>&1 & QWARM_PID=$! ;;
+    qwait) step qwait 240 bash -c "while kill -0 ${QWARM_PID:-0} 2>/dev/null; do sleep 1; done; cat $OUT/qwarm.jsonl" ;;
     generate)
-      step generate 300 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
-        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} -- ${gen[*]} | tee $OUT/generate.md" ;;
+      step generate 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
+        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-on} \
+        -- ${gen[*]} | tee -a $OUT/generate.md" ;;
+    gen4)
+      step gen4 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN4_TIMEOUT:-60} \
+        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} -- ${gen[*]} | tee -a $OUT/generate.md" ;;
     exact) step exact 120 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
         --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${EXACT_PROMPTS:-copy,open} -- --shapes exact ${gen[*]} | tee -a $OUT/generate.md" ;;
     nocudnn) step nocudnn 60 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_matrix.py --out $OUT/generate.jsonl \

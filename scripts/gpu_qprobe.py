@@ -5,7 +5,13 @@ A first call that never returns (a kernel that compiles for minutes, or hangs) s
 instead of stopping the check. One JSON line per configuration: activation dtype, group size, bits,
 rows, and the first and second call's milliseconds.
 
+With ``--warm ROWS``, it instead forwards the bundled 4-bit model at each row count, one process
+per count, all at once (compiling is one CPU core per process): a fresh machine compiles the
+model's quantized kernels in parallel into MLX's PTX cache, so later runs measure decoding
+rather than the first compile.
+
 Usage: python scripts/gpu_qprobe.py [--timeout 12]
+       python scripts/gpu_qprobe.py --warm 1,2,4,8,16,32,64,128,512 [--timeout 240]
 """
 
 from __future__ import annotations
@@ -31,11 +37,44 @@ for _ in range(2):
 print(out)
 """
 
+WARM = """
+import sys, time, mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+rows = int(sys.argv[1])
+model, _ = load("specdec_cli/models/smollm2-135m-instruct")
+cache = make_prompt_cache(model)
+out = []
+for _ in range(2):  # the second forward meets a longer key length, as decoding does
+    t = time.perf_counter()
+    mx.eval(model(mx.zeros((1, rows), dtype=mx.int32), cache=cache))
+    out.append(round((time.perf_counter() - t) * 1000, 1))
+print(out)
+"""
+
+
+def warm(rows: list[int], timeout: float) -> None:
+    t0 = time.perf_counter()
+    procs = {r: subprocess.Popen([sys.executable, "-c", WARM, str(r)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for r in rows}
+    for r, p in procs.items():
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            ms = out.strip()[-300:]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            ms = f"no result in {timeout:.0f} s"
+        print(json.dumps({"warm_rows": r, "ms": ms, "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", type=float, default=12)
+    ap.add_argument("--warm", help="Row counts to forward the bundled 4-bit model at, in parallel")
     args = ap.parse_args()
+    if args.warm:
+        warm([int(r) for r in args.warm.split(",")], args.timeout)
+        return
     for dt, gs, bits, rows in [("float16", 32, 4, 1), ("bfloat16", 32, 4, 1), ("float16", 64, 4, 1),
                                ("bfloat16", 64, 4, 1), ("float16", 32, 8, 1), ("bfloat16", 32, 8, 1),
                                ("bfloat16", 32, 4, 8), ("bfloat16", 64, 4, 8)]:
