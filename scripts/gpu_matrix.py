@@ -8,7 +8,8 @@ Python stacks go to the log: where it hung), then is killed. One JSON line per
 run goes to ``--out``; a markdown table to stdout.
 
 Usage: python scripts/gpu_matrix.py --out runs.jsonl [--dtypes auto,bfloat16]
-           [--prompts copy,edit,summary,open] [--timeout 45] [--max-tokens 256] [-- EXTRA...]
+           [--prompts copy,edit,summary,open] [--timeout 45] [--max-tokens 256] [--ahead on|off|both]
+           [-- EXTRA...]
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ PROMPTS = {
 # A watchdog thread dumps them too, ahead of the time box (it needs no signal delivered to a busy main thread).
 LAUNCH = ("import faulthandler, os, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
           "faulthandler.dump_traceback_later(float(os.environ['WATCHDOG_S']), exit=False); "
-          "sys.argv = ['specdec'] + sys.argv[1:]; from specdec_cli.cli import main; main()")
+          "sys.argv = ['specdec'] + sys.argv[1:]; import specdec_cli.engine as e; "
+          "e.QUEUE_AHEAD = os.environ.get('NO_AHEAD') != '1'; from specdec_cli.cli import main; main()")
 
 
 def where(pid: int) -> dict:
@@ -63,10 +65,11 @@ def where(pid: int) -> dict:
     return seen
 
 
-def run(prompt: str, dtype: str, extra: list[str], timeout: float, max_tokens: int) -> dict:
+def run(prompt: str, dtype: str, extra: list[str], timeout: float, max_tokens: int, no_ahead: bool = False) -> dict:
     cmd = [sys.executable, "-c", LAUNCH, "generate", PROMPTS[prompt], "--compare-ar", "--json",
            "-m", str(max_tokens), "--dtype", dtype, *extra]
-    env = dict(os.environ, SPECDEC_NO_REEXEC="1", PYTHONUNBUFFERED="1", WATCHDOG_S=str(max(1.0, timeout - 6)))
+    env = dict(os.environ, SPECDEC_NO_REEXEC="1", PYTHONUNBUFFERED="1", WATCHDOG_S=str(max(1.0, timeout - 6)),
+               NO_AHEAD="1" if no_ahead else "0")
     t0 = time.perf_counter()
     # stderr into a file, not a pipe: whatever the process wrote survives its kill.
     with tempfile.TemporaryFile("w+") as errf:
@@ -109,6 +112,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=45)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--print", metavar="PROMPT", help="Print that prompt's text and exit")
+    ap.add_argument("--ahead", default="on", help="on, off or both: the engine's step queued ahead (QUEUE_AHEAD)")
     args, extra = ap.parse_known_args()
     if args.print:
         print(PROMPTS[args.print])
@@ -116,26 +120,29 @@ def main() -> None:
     extra = [x for x in extra if x != "--"]
     print("| dtype | prompt | extra | spec tok/s | plain tok/s | speedup | verdict | warm-up s | blocks | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    modes = {"on": [False], "off": [True], "both": [False, True]}[args.ahead]
     with open(args.out, "a") as f:
         for dtype in args.dtypes.split(","):
             stalled = False
             for prompt in args.prompts.split(","):
-                if stalled:  # one stall in a dtype says enough; the time box is short
-                    print(f"| {dtype} | {prompt} | | skipped after a stall | | | | | | |", flush=True)
-                    continue
-                r = run(prompt, dtype, extra, args.timeout, args.max_tokens)
-                stalled = "timed_out" in r
-                f.write(json.dumps(r) + "\n")
-                f.flush()
-                if "timed_out" in r:
-                    print(f"| {dtype} | {prompt} | {' '.join(extra)} | no output in {args.timeout:.0f} s "
-                          f"| | | | | | {r['wall_s']} |", flush=True)
-                    continue
-                fmt = lambda x, p=1: "?" if x is None else f"{x:.{p}f}"
-                print(f"| {r.get('dtype', dtype)} | {prompt} | {' '.join(extra)} | {fmt(r.get('decode_tps'))} "
-                      f"| {fmt(r.get('ar_decode_tps'))} | {fmt(r.get('speedup'), 2)}x | {r.get('verdict')} "
-                      f"| {fmt(r.get('warmup_s'), 2)} | {r.get('blocks')} | {r['wall_s']} |", flush=True)
-
+                for no_ahead in modes:
+                    label = " ".join(extra + (["(no step ahead)"] if no_ahead else []))
+                    if stalled:  # one stall in a dtype says enough; the time box is short
+                        print(f"| {dtype} | {prompt} | {label} | skipped after a stall | | | | | | |", flush=True)
+                        continue
+                    r = run(prompt, dtype, extra, args.timeout, args.max_tokens, no_ahead)
+                    r["ahead"] = not no_ahead
+                    stalled = "timed_out" in r
+                    f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    if "timed_out" in r:
+                        print(f"| {dtype} | {prompt} | {label} | no output in {args.timeout:.0f} s "
+                              f"| | | | | | {r['wall_s']} |", flush=True)
+                        continue
+                    fmt = lambda x, p=1: "?" if x is None else f"{x:.{p}f}"
+                    print(f"| {r.get('dtype', dtype)} | {prompt} | {label} | {fmt(r.get('decode_tps'))} "
+                          f"| {fmt(r.get('ar_decode_tps'))} | {fmt(r.get('speedup'), 2)}x | {r.get('verdict')} "
+                          f"| {fmt(r.get('warmup_s'), 2)} | {r.get('blocks')} | {r['wall_s']} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -252,9 +252,16 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
             return Replay(*found, emitted)  # the record does not add up
         x = carry + [last] + list(tokens[emitted : emitted + min(k, keep - 1)])
         x += [0] * (block.verify_len - len(x))
+        # A row fed ahead went in a forward of its own, before the drafts' (as the run fed them).
+        head = cache.feed(_ids(x[:1]))[:1] if block.ahead else None
         snap = cache.snapshot()
         position = cache.length
-        logits = cache.feed(_ids(x), record=record)
+        if head is None:
+            logits = cache.feed(_ids(x), record=record)
+        elif len(x) > 1:
+            logits = mx.concatenate([head, cache.feed(_ids(x[1:]), record=record)])
+        else:
+            logits = head
         rows = logits[c : c + keep]
         for proc in procs:
             rows = proc.apply(rows, x[c + 1 : c + keep])
@@ -269,19 +276,19 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
             return Replay(*found, emitted + bad)
         for proc in procs:
             proc.commit(picks[:keep])
-        n = c + keep  # rows the target keeps: carry, last, the kept drafts
+        n = c + keep - block.ahead  # rows fed since snap the target keeps: carry, last, the kept drafts
         carry = []
         if block.rollback == "trim":
             cache.rollback(snap, n)
         elif block.rollback == "carry":
             cache.restore(snap)
-            carry = x[:n]
+            carry = x[block.ahead : block.ahead + n]
         elif block.rollback in RECORDED:
             cache.rollback_recorded(snap, n)
         elif block.rollback == "reforward":
             if cache.rollback(snap, n):
-                cache.feed(_ids(x[:n]))
-        elif n != len(x):
+                cache.feed(_ids(x[block.ahead : block.ahead + n]))
+        elif n != len(x) - block.ahead:
             return Replay(*found, emitted)
         mx.eval(cache.state_arrays())
         if block.finish_reason:

@@ -47,6 +47,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "test_distributed.py": DISTRIBUTED,
     "test_drafting.py": FAST,
     "test_engine.py": FAST,
+    "test_ahead.py": FAST,  # the step queued after a block without drafts
     "test_first_hour.py": FAST,
     "test_firstrun.py": FAST,
     "test_history_file.py": FAST,
