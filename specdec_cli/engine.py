@@ -44,9 +44,10 @@ MAX_CARRY = 8
 # Drafters whose class names a batch group (``batch_group``) draft several rows in one forward
 # while their rows share a batch; False makes every row draft alone (benchmarks compare the two).
 GROUP_DRAFTS = True
-# Queue a single row's next step ahead after a block without drafts (Engine's ``ahead``); False: never
-# (benchmarks compare the two).
-QUEUE_AHEAD = True
+# Queue a single row's next step ahead after a block without drafts (Engine's ``ahead``). Off: on an
+# H100 (bf16, 2026-11-27) runs with it were not faster than without, within that check's noise
+# (docs/GPU-CHECK.md); benchmarks turn it on to measure it again (gpu_matrix.py --ahead both).
+QUEUE_AHEAD = False
 # How far the engine restores the target below the start offset of its latest
 # forward: plain decoding's queued step (the speculative loop itself only cuts
 # back to the snapshot taken right before its verify forward).

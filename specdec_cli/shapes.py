@@ -67,19 +67,23 @@ def ptx_cache_dir() -> Path:
 
 
 def first_compile_note(weights: str, *, cuda: Optional[bool] = None, cache: Optional[Path] = None) -> Optional[str]:
-    """A line for a quantized model on CUDA when no compiled kernel is cached yet (None otherwise).
+    """A line for any model on CUDA when no compiled kernel is cached yet on this machine (None otherwise).
 
-    Measured on an H100 (MLX 0.32.4): the first quantized matmul of several rows
-    compiled for 46 s, and a 4-bit model's first prompt waited minutes, silently;
-    later processes read the kernels back from :func:`ptx_cache_dir`.
+    Measured on H100s (MLX 0.32.4): a fresh machine's first bfloat16 run waited over 30 s
+    before its first token, in the first forwards (the next process, none); the first quantized
+    matmul of several rows compiled for 46 s, and a 4-bit model's first prompt waited minutes,
+    silently. Later processes read the kernels back from :func:`ptx_cache_dir`.
     """
     if cuda is None:
         cuda = compiles_per_shape() and hasattr(mx, "cuda") and mx.cuda.is_available()
-    if not cuda or "quantized" not in weights:
+    if not cuda:
         return None
     cache = ptx_cache_dir() if cache is None else cache
     if cache.is_dir() and any(cache.iterdir()):
         return None
+    if "quantized" not in weights:
+        return (f"note: MLX's CUDA backend compiles its kernels the first time they run on this machine "
+                f"(over 30 s before the first token on an H100), then keeps them in {cache}")
     return (f"note: MLX's CUDA backend compiles its quantized kernels the first time they run on this machine "
             f"(46 s for one on an H100; a few minutes in all), then keeps them in {cache}; "
             "--dtype bfloat16 starts without them")

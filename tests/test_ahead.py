@@ -27,11 +27,18 @@ from helpers import (
 
 from specdec_cli.compare import replay
 from specdec_cli.drafters import ModelDrafter
+from specdec_cli import engine
 from specdec_cli.engine import Engine, Row, speculative_generate_step
 from specdec_cli.adaptive import FixedLength
 from specdec_cli.stats import Stats
 
 RECURRENT = ("qwen3_5", "nemotron_h")
+
+
+@pytest.fixture(autouse=True)
+def queue_ahead(monkeypatch):
+    """On for the engines these tests build without saying (off by default: see engine.QUEUE_AHEAD)."""
+    monkeypatch.setattr(engine, "QUEUE_AHEAD", True)
 
 
 class Gappy:
