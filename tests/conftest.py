@@ -19,6 +19,9 @@ module-scoped fixture charged to its file's first test), every package keeping f
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -170,6 +173,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "test_templates.py::test_strict_templates_refuse_these_shapes_unfolded": SLOW,
     "test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[qwen3_5-codex]": FAST,
     "test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[mistral-middle]": FAST,
+    # The bundled model in a process of its own (tens of seconds: over the fast tier's budget alone).
+    "test_shapes.py::test_generate_reports_its_verify_shapes_on_a_long_copy": SLOW,
     "test_cli.py::test_sweep_json_has_a_row_per_block_size": SLOW,
     "test_cli.py::test_rollback_strategy_option": SLOW,
     "test_zoo_1.py::test_the_zoo_covers_every_mlx_lm_architecture": FAST,  # a listing, no model
@@ -277,6 +282,24 @@ def tier(file: str, test: str) -> tuple[str, ...]:
     """The markers of test ``test`` (its node id within the file) of ``file``."""
     keys = [key for key in TESTS if _split(key)[0] == file and _matches(_split(key)[1], test)]
     return TESTS[max(keys, key=len)] if keys else FILES[file]
+
+
+# One folder per test session, shared by pytest-xdist's workers (they inherit the environment of the
+# process that starts them): what is expensive to make and the same every time (tests/server.py's
+# tool-calling model) is made there once. Read through this name by tests/server.py.
+SESSION_DIR_ENV = "SPECDEC_TEST_SESSION_DIR"
+_OWNS_SESSION_DIR = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get(SESSION_DIR_ENV):
+        os.environ[SESSION_DIR_ENV] = tempfile.mkdtemp(prefix="specdec-tests-")
+        config.stash[_OWNS_SESSION_DIR] = True
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config.stash.get(_OWNS_SESSION_DIR, False):
+        shutil.rmtree(os.environ.pop(SESSION_DIR_ENV), ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"serving the OpenAI API on (http://\S+)/v1")
 # Hang guards only: a healthy start takes seconds, the bundled model ~20 s on a busy machine.
 START_TIMEOUT_S = 180
+# A folder that every process of one test session shares (set by tests/conftest.py).
+SHARED_ENV = "SPECDEC_TEST_SESSION_DIR"
 STOP_TIMEOUT_S = 30
 
 
@@ -135,8 +137,31 @@ def tool_model_dir(path: Path, steps: int = 300) -> Path:
 
     Its chat template renders tools the way Qwen2.5's does, so mlx-lm infers
     its json_tools parser; greedy decoding reproduces the call exactly (checked).
+
+    Trained once per test session (four server files use it; tests/conftest.py names the folder
+    the session's processes share) and copied to ``path``: the same deterministic training, checked
+    the same way, without repeating it in every file.
     """
-    return said_model_dir(path, TOOL_ANSWER, steps)
+    return _once_per_session(path, f"tool-model-{steps}", lambda p: said_model_dir(p, TOOL_ANSWER, steps))
+
+
+def _once_per_session(path: Path, key: str, make) -> Path:
+    """``make(path)``, or a copy of what it made earlier in this test session (under every xdist worker)."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = os.environ.get(SHARED_ENV)
+    if not root:  # not under this suite's conftest: make it here
+        return make(path)
+    made = Path(root) / key
+    with FileLock(str(made) + ".lock"):
+        if not (made / ".complete").exists():
+            shutil.rmtree(made, ignore_errors=True)
+            make(made)
+            (made / ".complete").touch()
+    shutil.copytree(made, path, ignore=shutil.ignore_patterns(".complete"), dirs_exist_ok=True)
+    return path
 
 
 def said_model_dir(path: Path, answer: str, steps: int = 300) -> Path:
