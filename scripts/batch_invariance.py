@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if __name__ == "__main__":
     # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
     # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
@@ -96,8 +96,8 @@ def ops(dtype, h=576, o=1536):
 
 
 def model_check(path, dtype):
-    from specdec_cli.caches import ModelCache
-    from specdec_cli.loading import load
+    from specdec_cli.cache.caches import ModelCache
+    from specdec_cli.session.loading import load
 
     model = load(path, None if dtype == "as-shipped" else dtype).model
     ids = list(range(1000, 1060))

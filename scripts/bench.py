@@ -62,7 +62,7 @@ from typing import Callable, Optional
 if __name__ == "__main__":
     # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
     # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
@@ -72,20 +72,20 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx.utils import tree_flatten
 
-from specdec_cli.adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
-from specdec_cli.caches import ModelCache, cache_kinds
-from specdec_cli import bundled
+from specdec_cli.core.adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
+from specdec_cli.cache.caches import ModelCache, cache_kinds
+from specdec_cli.model import bundled
 from specdec_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_io import load_head
-from specdec_cli.loading import read_config
-from specdec_cli.engine import MAX_CARRY
-from specdec_cli.loading import load
-from specdec_cli.measure import measure
-from specdec_cli.runner import collect, run
-from specdec_cli.sampling import GREEDY, SamplingParams
-from specdec_cli.synthetic import build_model
-from specdec_cli.taps import Hidden, HiddenTap, target_parts
+from specdec_cli.session.loading import read_config
+from specdec_cli.loop.engine import MAX_CARRY
+from specdec_cli.session.loading import load
+from specdec_cli.session.measure import measure
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.core.sampling import GREEDY, SamplingParams
+from specdec_cli.session.synthetic import build_model
+from specdec_cli.model.taps import Hidden, HiddenTap, target_parts
 
 CATEGORIES = {
     "code_python": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring and type hints.",

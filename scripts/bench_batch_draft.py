@@ -45,11 +45,11 @@ def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tupl
     """Decode ``prompts`` as one batch; returns aggregate decode tok/s, each row's tokens, and acceptance."""
     import mlx.core as mx
 
-    from specdec_cli.adaptive import FixedLength
-    from specdec_cli.caches import ModelCache
+    from specdec_cli.core.adaptive import FixedLength
+    from specdec_cli.cache.caches import ModelCache
     from specdec_cli.drafters import ModelDrafter
     from specdec_cli.drafters.model_batch import DraftBatch
-    from specdec_cli.engine import Engine, Row
+    from specdec_cli.loop.engine import Engine, Row
 
     fits = DraftBatch.fits
     if not together:
@@ -81,8 +81,8 @@ def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tupl
 
 def run_mtp(session, prompts, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
     """The same through the session layer with the bundled MTP head (``generate --prompts-file``'s path)."""
-    from specdec_cli import engine
-    from specdec_cli.runner import Step
+    from specdec_cli.loop import engine
+    from specdec_cli.loop.runner import Step
     from specdec_cli.session import Request
     from specdec_cli.session.batch import BatchEnd, run_batch
 
@@ -113,8 +113,8 @@ def main() -> None:
     args = parser.parse_args()
     blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
 
-    from specdec_cli import bundled
-    from specdec_cli.loading import load as load_files, resolve_dtype
+    from specdec_cli.model import bundled
+    from specdec_cli.session.loading import load as load_files, resolve_dtype
 
     def load(path):
         return load_files(path, resolve_dtype("auto"))

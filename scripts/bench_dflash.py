@@ -34,7 +34,7 @@ from pathlib import Path
 if __name__ == "__main__":
     # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
     # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
@@ -44,10 +44,10 @@ from mlx.utils import tree_flatten
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # bench.py; this checkout
 from bench import provenance  # noqa: E402
 
-from specdec_cli.caches import ModelCache  # noqa: E402
+from specdec_cli.cache.caches import ModelCache  # noqa: E402
 from specdec_cli.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, default_target_layer_ids  # noqa: E402
-from specdec_cli.synthetic import build_model, dflash_config  # noqa: E402
-from specdec_cli.taps import Hidden, HiddenTap, TapSpec, target_parts  # noqa: E402
+from specdec_cli.session.synthetic import build_model, dflash_config  # noqa: E402
+from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, target_parts  # noqa: E402
 
 
 def target_config(family: str, hidden: int, layers: int, vocab: int) -> dict:

@@ -48,7 +48,7 @@ from pathlib import Path
 
 if __name__ == "__main__" and "--worker" not in sys.argv:
     # Before MLX loads: run again once with the system OpenBLAS preloaded, as the CLI does.
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench  # noqa: E402  (this script's folder is first on sys.path)
 
 from specdec_cli import distributed  # noqa: E402
-from specdec_cli.runner import Finished, Step, Warmed  # noqa: E402
+from specdec_cli.loop.runner import Finished, Step, Warmed  # noqa: E402
 from specdec_cli.session import ModelOptions, Request, Session, load_setup  # noqa: E402
-from specdec_cli.stats import Stats  # noqa: E402
-from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir  # noqa: E402
+from specdec_cli.core.stats import Stats  # noqa: E402
+from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir  # noqa: E402
 
 PROMPTS = ("verbatim_copy", "edit_type_hints")
 LATENCIES_S = {"JACCL (Thunderbolt 5 RDMA)": 30e-6, "ring over Thunderbolt": 200e-6, "ring over Ethernet": 1e-3}
@@ -167,7 +167,7 @@ def worker(args) -> None:
 
 def bundled_shards(ranks: int) -> bool:
     """Whether the bundled model's heads divide over ``ranks`` (3 do; 2 do not)."""
-    from specdec_cli import bundled
+    from specdec_cli.model import bundled
 
     config = json.loads((bundled.require() / "config.json").read_text())
     try:

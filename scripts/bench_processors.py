@@ -70,7 +70,7 @@ def mask_costs(tokenizer, hf) -> dict:
     import llguidance
     import llguidance.numpy as lnp
 
-    from specdec_cli.processors import JSON_OPTIONS, ll_tokenizer
+    from specdec_cli.core.processors import JSON_OPTIONS, ll_tokenizer
 
     t0 = time.perf_counter()
     lltok = ll_tokenizer(tokenizer)
@@ -124,7 +124,7 @@ class Timed:
     """Wraps Grammar._mask_into to time each mask."""
 
     def __init__(self):
-        from specdec_cli import processors
+        from specdec_cli.core import processors
 
         self.seconds, self.masks = 0.0, 0
         real = processors.Grammar._mask_into
@@ -146,8 +146,8 @@ def main() -> None:
     args = ap.parse_args()
     blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
 
-    from specdec_cli.processors import Constraint
-    from specdec_cli.prompts import encode_prompt
+    from specdec_cli.core.processors import Constraint
+    from specdec_cli.model.prompts import encode_prompt
     from specdec_cli.session import Request, RunOptions, Session, check_model_options, load_setup
     from specdec_cli.session.options import resolve_block_size
 
@@ -169,8 +169,8 @@ def main() -> None:
                      "block_size": block, "repeats": args.repeats, "cases": {}}
 
     def once(session: Session, request: Request) -> tuple[float, list[int], float, int]:
-        from specdec_cli.runner import Step
-        from specdec_cli.stats import Stats
+        from specdec_cli.loop.runner import Step
+        from specdec_cli.core.stats import Stats
 
         stats, out = Stats(prompt_tokens=len(request.prompt_ids)), []
         seconds, masks = timer.seconds, timer.masks

@@ -35,16 +35,16 @@ from pathlib import Path
 if __name__ == "__main__":
     # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
     # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
 import mlx.core as mx
 
-from specdec_cli.adaptive import FixedLength
-from specdec_cli.caches import ModelCache
-from specdec_cli.runner import collect, run
-from specdec_cli.synthetic import build_model
+from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.cache.caches import ModelCache
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import build_model
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent / "bench.py")
 bench = importlib.util.module_from_spec(_spec)

@@ -60,7 +60,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec_cli import blas, bundled  # noqa: E402
+from specdec_cli.model import blas
+from specdec_cli import bundled  # noqa: E402
 
 NOTICE = (
     "Notice to all residents of Elm Street. The city will repair the water main under Elm Street starting on "

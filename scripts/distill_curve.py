@@ -29,23 +29,23 @@ import time
 from pathlib import Path
 
 if __name__ == "__main__":
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
 import mlx.core as mx
 
-from specdec_cli import bundled
+from specdec_cli.model import bundled
 from specdec_cli.distill.data import answer_prompts, prompt_ids, seed_prompts, teacher_states
 from specdec_cli.distill.pipeline import DistillOptions, load_corpus, make_result, save_corpus, split, write_head
 from specdec_cli.distill.train import Trainer, TrainConfig, frequent_tokens, head_config, windows
-from specdec_cli.distill_command import EVAL_PROMPTS
+from specdec_cli.cli.distill_command import EVAL_PROMPTS
 from specdec_cli.drafters.history import tokenizer_fingerprint
 from specdec_cli.drafters.mtp_head import MTPHead
 from specdec_cli.drafters.mtp_io import load_head
-from specdec_cli.loading import load, read_config
-from specdec_cli.runner import collect, run
-from specdec_cli.taps import target_parts
+from specdec_cli.session.loading import load, read_config
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.model.taps import target_parts
 
 import bench  # noqa: E402  (this script's folder is first on sys.path)
 

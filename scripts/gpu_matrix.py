@@ -43,8 +43,8 @@ PROMPTS = {
 # A watchdog thread dumps them too, ahead of the time box (it needs no signal delivered to a busy main thread).
 LAUNCH = ("import faulthandler, os, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
           "faulthandler.dump_traceback_later(float(os.environ['WATCHDOG_S']), exit=False); "
-          "sys.argv = ['specdec'] + sys.argv[1:]; import specdec_cli.engine as e; "
-          "e.QUEUE_AHEAD = os.environ.get('NO_AHEAD') != '1'; from specdec_cli.cli import main; main()")
+          "sys.argv = ['specdec'] + sys.argv[1:]; import specdec_cli.loop.engine as e; "
+          "e.QUEUE_AHEAD = os.environ.get('NO_AHEAD') != '1'; from specdec_cli.cli.app import main; main()")
 
 
 def where(pid: int) -> dict:

@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if __name__ == "__main__":
     # Before MLX loads (the dynamic loader reads LD_PRELOAD only at start-up): run again once with
     # the system OpenBLAS preloaded, as the CLI does (SPECDEC_NO_REEXEC=1 turns it off).
-    from specdec_cli.blas import maybe_reexec
+    from specdec_cli.model.blas import maybe_reexec
 
     maybe_reexec()
 
 from specdec_cli import caches  # noqa: E402
-from specdec_cli.commands import GenerateOptions, prompt_ids  # noqa: E402
+from specdec_cli.cli.commands import GenerateOptions, prompt_ids  # noqa: E402
 from specdec_cli.session import check_model_options, load_setup, make_policy, resolve_block_size  # noqa: E402
-from specdec_cli.runner import collect, run  # noqa: E402
+from specdec_cli.loop.runner import collect, run  # noqa: E402
 
 PROMPTS = {
     "summarize": "Summarize in two sentences: The city council met on Tuesday to discuss the new park. The park "

@@ -21,8 +21,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from specdec_cli.bundled import model_dir as bundled_model_dir
-from specdec_cli.synthetic import TINY_CONFIGS, build_model, save_model_dir
+from specdec_cli.model.bundled import model_dir as bundled_model_dir
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, save_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -47,7 +47,7 @@ def hello_model_dir(path: Path, template_name: str) -> Path:
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from specdec_cli.prompts import render_messages
+    from specdec_cli.model.prompts import render_messages
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from specdec_cli import compare, measure, runner
-from specdec_cli.cli import app
+from specdec_cli.loop import compare, runner
+from specdec_cli.session import measure
+from specdec_cli.cli.app import app
 from specdec_cli.session import generate as session_generate
 
 

@@ -6,12 +6,12 @@ import functools
 
 import mlx.core as mx
 
-from specdec_cli.caches import ModelCache, WindowKVCache
+from specdec_cli.cache.caches import ModelCache, WindowKVCache
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.blocks import Block
-from specdec_cli.engine import speculative_generate_step
-from specdec_cli.plain import plain_generate_step
-from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
+from specdec_cli.core.blocks import Block
+from specdec_cli.loop.engine import speculative_generate_step
+from specdec_cli.loop.plain import plain_generate_step
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, perturb
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"]
 DTYPES = ["float32", "bfloat16"]
@@ -195,7 +195,7 @@ def assert_exact(model, dtype: str, blocks: list[Block], ref: list[int], prompt=
     if kernels_agree(dtype):
         assert out == ref
         return
-    from specdec_cli.compare import TIE, explain
+    from specdec_cli.loop.compare import TIE, explain
 
     d = explain(model, prompt, out, ref, blocks, eos_ids=eos_ids)
     assert d is None or d.verdict == TIE, d

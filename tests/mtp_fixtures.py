@@ -21,11 +21,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from specdec_cli.caches import ModelCache
+from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters.mtp_head import MTPConfig, MTPHead, random_head
-from specdec_cli.runner import collect, run
-from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, VOCAB_SIZE, build_model, write_tokenizer
-from specdec_cli.taps import HiddenTap, TapSpec, target_parts
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, VOCAB_SIZE, build_model, write_tokenizer
+from specdec_cli.model.taps import HiddenTap, TapSpec, target_parts
 
 QWEN3_NEXT = {
     "model_type": "qwen3_next",

@@ -24,7 +24,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import openai
 
-from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, save_model_dir, write_tokenizer
+from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, build_model, save_model_dir, write_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"serving the OpenAI API on (http://\S+)/v1")
@@ -167,7 +167,7 @@ def _once_per_session(path: Path, key: str, make) -> Path:
 def said_model_dir(path: Path, answer: str, steps: int = 300) -> Path:
     """A tiny llama trained (seconds) to answer ``TOOL_QUESTION``, with the weather tool offered, with
     ``answer`` then EOS (greedy decoding reproduces it exactly: checked)."""
-    from specdec_cli.prompts import render_messages
+    from specdec_cli.model.prompts import render_messages
 
     config = TINY_CONFIGS["llama"]
     model = build_model(config, seed=3)

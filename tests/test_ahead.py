@@ -25,12 +25,12 @@ from helpers import (
     tokens,
 )
 
-from specdec_cli.compare import replay
+from specdec_cli.loop.compare import replay
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli import engine
-from specdec_cli.engine import Engine, Row, speculative_generate_step
-from specdec_cli.adaptive import FixedLength
-from specdec_cli.stats import Stats
+from specdec_cli.loop import engine
+from specdec_cli.loop.engine import Engine, Row, speculative_generate_step
+from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.core.stats import Stats
 
 RECURRENT = ("qwen3_5", "nemotron_h")
 

@@ -14,13 +14,13 @@ import mlx.core as mx
 import pytest
 from helpers import DTYPES, FAMILIES, fed, kernels_agree, max_cache_diff, noisy_drafter, prefilled, target
 
-from specdec_cli.adaptive import FixedLength, MatchLength
-from specdec_cli.batch_cache import BatchCache
-from specdec_cli.caches import ModelCache
+from specdec_cli.core.adaptive import FixedLength, MatchLength
+from specdec_cli.cache.batch_cache import BatchCache
+from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specdec_cli.engine import Engine, Row
-from specdec_cli.plain import plain_generate_step
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.loop.engine import Engine, Row
+from specdec_cli.loop.plain import plain_generate_step
+from specdec_cli.core.sampling import SamplingParams
 
 FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
 # Prompts of different lengths; two repeat themselves, so lookup drafts get accepted.
@@ -378,9 +378,9 @@ def test_rows_merged_and_taken_out_equal_their_own_caches(family):
         assert max_cache_diff(batch.row(b), direct) == 0.0
 
 
-# --- the batch's draft width (specdec_cli/batch_policy.py) ---------------------------------------------
+# --- the batch's draft width (specdec_cli/loop/batch_policy.py) ---------------------------------------------
 
-from specdec_cli.batch_policy import BatchPlanner, CostTable  # noqa: E402
+from specdec_cli.loop.batch_policy import BatchPlanner, CostTable  # noqa: E402
 from specdec_cli.drafters import Draft  # noqa: E402
 
 
@@ -476,7 +476,7 @@ def _mtp_run(model, head, parts, specs, monkeypatch=None, interrupt_at=None):
     """Rows with MTP drafters of one head (``specs``: prompt, k, joins after n blocks); returns rows, drafters,
     each row's tokens and the row counts of every head forward in blocks where rows shared the batch."""
     from specdec_cli.drafters.mtp import MTPDrafter
-    from specdec_cli.taps import Hidden, HiddenTap
+    from specdec_cli.model.taps import Hidden, HiddenTap
 
     drafters = [MTPDrafter(head, parts) for _ in specs]
     shapes, shared, fired = [], [], []
@@ -531,7 +531,7 @@ def test_mtp_heads_of_one_head_draft_every_row_in_one_forward(monkeypatch):
     from mtp_fixtures import target as mtp_target
 
     from specdec_cli.drafters.mtp import MTPDrafter
-    from specdec_cli.taps import target_parts
+    from specdec_cli.model.taps import target_parts
 
     # A row that drafts nothing feeds its waiting pairs after 4 blocks (the batch's first forward does it).
     monkeypatch.setattr(MTPDrafter, "MAX_PENDING", 4)
@@ -556,7 +556,7 @@ def test_an_interrupt_inside_a_batched_mtp_draft_leaves_every_row_as_it_was(monk
     from mtp_fixtures import fitted_head
     from mtp_fixtures import target as mtp_target
 
-    from specdec_cli.taps import target_parts
+    from specdec_cli.model.taps import target_parts
 
     model = mtp_target("qwen3_5")
     parts, head = target_parts(model), fitted_head("qwen3_5")

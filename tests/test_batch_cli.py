@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specdec_cli.cli import app
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.cli.app import app
+from specdec_cli.session.synthetic import make_model_dir
 
 # Byte-level prompts of different lengths; two repeat themselves, so lookup drafts get accepted.
 PROMPTS = [
@@ -203,7 +203,7 @@ def test_bad_combinations_and_a_missing_file(models, tmp_path):
 
 
 def test_ctrl_c_shows_what_each_row_had_and_exits_130(models, tmp_path, monkeypatch):
-    from specdec_cli.engine import Engine
+    from specdec_cli.loop.engine import Engine
 
     real = Engine.step
     calls = {"n": 0}

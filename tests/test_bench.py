@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import GEN, PROMPT, assert_exact, kernels_agree, plain, prefilled, target, tokens
 
-from specdec_cli.engine import speculative_generate_step
+from specdec_cli.loop.engine import speculative_generate_step
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent.parent / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(_spec)

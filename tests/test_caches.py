@@ -15,7 +15,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from specdec_cli.caches import ModelCache, WindowKVCache, cache_kinds, make_cache
+from specdec_cli.cache.caches import ModelCache, WindowKVCache, cache_kinds, make_cache
 from specdec_cli.errors import UnsupportedModelError
 
 
@@ -53,7 +53,7 @@ def test_chunked_cache_keeps_every_key():
     # back across forwards would lose keys its chunk still needs.
     from mlx_lm.models.cache import ChunkedKVCache
 
-    from specdec_cli.caches import ChunkKVCache
+    from specdec_cli.cache.caches import ChunkKVCache
 
     cache = make_cache(_FakeModel([ChunkedKVCache(4)]))[0]
     assert type(cache) is ChunkKVCache and cache.chunk_size == 4
@@ -149,8 +149,8 @@ def test_one_row_and_many_share_one_cache_protocol(family):
     """ModelCache and BatchCache are both a RowCache; settling one row keeps what feeding it directly builds."""
     from helpers import PROMPT, fed, max_cache_diff, prefilled, target
 
-    from specdec_cli.batch_cache import BatchCache
-    from specdec_cli.caches import RowCache
+    from specdec_cli.cache.batch_cache import BatchCache
+    from specdec_cli.cache.caches import RowCache
 
     model = target(family, "float32")
     one = prefilled(model)

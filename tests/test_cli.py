@@ -13,11 +13,11 @@ import pytest
 from huggingface_hub import errors as hub_errors
 from typer.testing import CliRunner
 
-import specdec_cli.loading as loading
-import specdec_cli.runner as runner_module
-from specdec_cli.cli import app
+import specdec_cli.session.loading as loading
+import specdec_cli.loop.runner as runner_module
+from specdec_cli.cli.app import app
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
 ANSI = re.compile(r"\x1b\[")
 JSON_FIELDS = {
@@ -342,7 +342,7 @@ def test_missing_path_and_tokenizer_mismatch(models, tmp_path):
 def test_refused_cache_exits_one_before_generating(models, monkeypatch):
     from mlx_lm.models.cache import KVCache
 
-    import specdec_cli.caches as caches
+    import specdec_cli.cache.caches as caches
 
     class OddKVCache(KVCache):  # a model file's own cache: its trim contract is unknown
         pass
@@ -492,7 +492,7 @@ def test_sweep_bad_block_sizes(models, sizes, message):
 
 
 def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
-    import specdec_cli.measure as measure_module
+    import specdec_cli.session.measure as measure_module
 
     real = measure_module.run
 

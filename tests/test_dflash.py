@@ -20,10 +20,10 @@ from helpers import PROMPT
 
 from specdec_cli.drafters.dflash import DFlashConfig, DFlashDrafter, check_target, default_target_layer_ids
 from specdec_cli.errors import ModelLoadError, UnsupportedModelError
-from specdec_cli.loading import load_dflash
-from specdec_cli.runner import collect, run
-from specdec_cli.synthetic import TINY_CONFIGS, build_model, dflash_config, save_dflash_dir
-from specdec_cli.taps import Hidden, HiddenTap, TapSpec, _backbone, target_parts
+from specdec_cli.session.loading import load_dflash
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, dflash_config, save_dflash_dir
+from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, _backbone, target_parts
 
 YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 ATTENTION = {
@@ -177,7 +177,7 @@ def test_speculative_equals_plain_and_the_context_is_the_one_built_directly(fami
         # Every fed position's row is in the drafter's context, as a direct build has it.
         fed = PROMPT + out[:-1]
         direct = DFlashDrafter(model, parts)
-        from specdec_cli.caches import ModelCache
+        from specdec_cli.cache.caches import ModelCache
 
         with HiddenTap(target, drafter.taps) as tap:
             ModelCache(target).feed(mx.array(fed, dtype=mx.uint32))
@@ -246,8 +246,8 @@ def _draw(drafter_cls, tmp_path, samples=600):
     """First tokens of seeded speculative runs with a DFlash drafter on test_sampling's 16-token target."""
     from test_sampling import CONFIG, FILTERED, POSITIONS, PROMPT as P, VOCAB, models
 
-    from specdec_cli.caches import ModelCache
-    from specdec_cli.engine import speculative_generate_step
+    from specdec_cli.cache.caches import ModelCache
+    from specdec_cli.loop.engine import speculative_generate_step
 
     target, _ = models()
     parts = target_parts(target)
@@ -291,7 +291,7 @@ def test_a_q_without_the_targets_transforms_fails_the_same_check(tmp_path):
     from test_sampling import FILTERED, POSITIONS, chi_square, exact_marginals
 
     from specdec_cli.drafters.base import Draft
-    from specdec_cli.sampling import SamplingParams, log_probs, sample
+    from specdec_cli.core.sampling import SamplingParams, log_probs, sample
 
     class Unfiltered(DFlashDrafter):
         def propose(self, last, k, params):
@@ -400,7 +400,7 @@ def test_config_json_round_trip_is_the_publishers_layout(tmp_path):
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from specdec_cli.synthetic import make_model_dir
+    from specdec_cli.session.synthetic import make_model_dir
 
     root = tmp_path_factory.mktemp("dflash-cli")
     out = {f: make_model_dir(root / f, f, seed=0) for f in ("qwen3", "qwen3_5")}
@@ -418,7 +418,7 @@ def dirs(tmp_path_factory):
 def cli(*args):
     from typer.testing import CliRunner
 
-    from specdec_cli.cli import app
+    from specdec_cli.cli.app import app
 
     return CliRunner().invoke(app, [*map(str, args)])
 
@@ -454,7 +454,7 @@ def test_cli_refusals_are_one_line_before_generating(dirs, args, code, message):
 
 
 def test_cli_sweep_and_hub_ids(dirs, monkeypatch):
-    import specdec_cli.loading as loading
+    import specdec_cli.session.loading as loading
 
     known = {"z-lab/tiny-DFlash": dirs["qwen3-dflash"], "org/tiny-qwen3": dirs["qwen3"]}
     monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(known[repo_id]))

@@ -23,7 +23,7 @@ from specdec_cli.serve import anthropic as messages_api
 from specdec_cli.serve import responses as responses_api
 from specdec_cli.serve.protocol import ApiError
 from specdec_cli.session.reply import Piece
-from specdec_cli.synthetic import CHAT_TEMPLATE, TINY_CONFIGS, VOCAB_SIZE, make_model_dir
+from specdec_cli.session.synthetic import CHAT_TEMPLATE, TINY_CONFIGS, VOCAB_SIZE, make_model_dir
 
 KEY = "sesame"
 N = 24

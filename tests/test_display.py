@@ -7,9 +7,9 @@ import re
 
 from rich.console import Console
 
-from specdec_cli.display import LiveText, summary_lines, take_lines
-from specdec_cli.blocks import Block
-from specdec_cli.stats import Stats
+from specdec_cli.cli.display import LiveText, summary_lines, take_lines
+from specdec_cli.core.blocks import Block
+from specdec_cli.core.stats import Stats
 
 
 def test_take_lines_splits_on_newlines_and_wraps_long_lines():
@@ -55,7 +55,7 @@ def test_summary_has_mlx_lm_lines_first():
 # --- the sweep table at any width --------------------------------------------------------
 
 def _sweep_result():
-    from specdec_cli.measure import SweepResult, SweepRow
+    from specdec_cli.session.measure import SweepResult, SweepRow
 
     rows = [SweepRow(b, 20.0 + b, s, 0.612, 1.83, 12.3, 45.6, 1.2, 2.0, v == "identical", v)
             for b, s, v in ((2, 1.13, "identical"), (4, 1.52, "rounding tie"), (16, 0.87, "diverged"))]
@@ -63,7 +63,7 @@ def _sweep_result():
 
 
 def _render_sweep(width: int) -> str:
-    from specdec_cli.display import print_sweep
+    from specdec_cli.cli.display import print_sweep
 
     out = io.StringIO()
     print_sweep(_sweep_result(), "lookup", Console(file=out, width=width, highlight=False))
@@ -107,8 +107,8 @@ def test_sweep_at_20_columns_falls_back_to_lines():
 
 
 def test_a_run_of_no_tokens_claims_no_speedup():
-    from specdec_cli.compare import Comparison
-    from specdec_cli.display import comparison_lines
+    from specdec_cli.loop.compare import Comparison
+    from specdec_cli.cli.display import comparison_lines
 
     def stats(generated, seconds):
         s = Stats()
@@ -123,8 +123,8 @@ def test_a_run_of_no_tokens_claims_no_speedup():
 
 
 def test_a_sweep_of_no_tokens_shows_no_speedup():
-    from specdec_cli.display import print_sweep
-    from specdec_cli.measure import SweepResult, SweepRow
+    from specdec_cli.cli.display import print_sweep
+    from specdec_cli.session.measure import SweepResult, SweepRow
 
     out = io.StringIO()
     row = SweepRow(4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True)
@@ -144,7 +144,7 @@ def _chat_stats() -> Stats:
 
 
 def test_chat_line_fits_the_terminal_and_drops_the_least_useful_numbers_first():
-    from specdec_cli.chat import turn_line
+    from specdec_cli.cli.chat import turn_line
 
     stats = _chat_stats()
     full = turn_line(stats, interrupted=True)
@@ -170,6 +170,6 @@ def test_chat_line_fits_the_terminal_and_drops_the_least_useful_numbers_first():
 
 
 def test_chat_line_too_narrow_for_anything_keeps_the_essentials():
-    from specdec_cli.chat import turn_line
+    from specdec_cli.cli.chat import turn_line
 
     assert turn_line(_chat_stats(), True, 10) == "[400 tokens, 500.0 tok/s; stopped]"

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import specdec_cli.distill.train as train_module
-from specdec_cli.cli import app
+from specdec_cli.cli.app import app
 from specdec_cli.distill.data import read_source, seed_prompts, teacher_states
 from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
 from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
@@ -28,10 +28,10 @@ from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_head import MTPHead, random_head
 from specdec_cli.drafters.mtp_io import build_head, embedding_probe, load_head
 from specdec_cli.errors import OptionError, UnsupportedModelError
-from specdec_cli.loading import read_config
-from specdec_cli.runner import collect, run
-from specdec_cli.synthetic import build_model, make_model_dir, TINY_CONFIGS
-from specdec_cli.taps import target_parts
+from specdec_cli.session.loading import read_config
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import build_model, make_model_dir, TINY_CONFIGS
+from specdec_cli.model.taps import target_parts
 
 from helpers import PROMPT, target
 
@@ -277,7 +277,7 @@ def _distill(*args):
 def test_pipeline_answers_prompts_and_reuses_its_cache(tmp_path):
     model = target("llama", "float32")
     parts = target_parts(model)
-    from specdec_cli.loading import load
+    from specdec_cli.session.loading import load
 
     tok = load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
     jsonl = tmp_path / "p.jsonl"
@@ -304,7 +304,7 @@ def first_stage(model, tok, out, opts, key) -> str:
 
 def test_the_corpus_cache_is_keyed_by_the_model_and_the_data_content(tmp_path):
     from specdec_cli.distill.pipeline import model_key
-    from specdec_cli.loading import load
+    from specdec_cli.session.loading import load
 
     base = make_model_dir(tmp_path / "base", "llama", seed=0)
     tuned = make_model_dir(tmp_path / "tuned", "llama", seed=0, noise=0.05)  # same tokenizer, other weights
@@ -334,7 +334,7 @@ def test_the_corpus_cache_is_keyed_by_the_model_and_the_data_content(tmp_path):
 @pytest.mark.parametrize("data", ["prompts", None])
 def test_every_number_reported_is_the_number_used(tmp_path, data):
     from specdec_cli.distill.pipeline import Stage, States
-    from specdec_cli.loading import load
+    from specdec_cli.session.loading import load
 
     model, tok = target("llama", "float32"), load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
     if data:
@@ -405,7 +405,7 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path, tiny_dir, args, message):
     ({"cache/other.bin": "x"}, "would overwrite cache"),
 ])
 def test_out_refuses_a_folder_of_other_files_before_loading(tmp_path, tiny_dir, monkeypatch, files, message):
-    import specdec_cli.distill_command as command
+    import specdec_cli.cli.distill_command as command
 
     monkeypatch.setattr(command, "load_target", lambda *a, **kw: pytest.fail("the model loaded"))
     out = tmp_path / "project"
@@ -420,7 +420,7 @@ def test_out_refuses_a_folder_of_other_files_before_loading(tmp_path, tiny_dir, 
 
 
 def test_out_accepts_new_empty_an_earlier_head_and_an_interrupted_run(tmp_path):
-    from specdec_cli.distill_command import check_out
+    from specdec_cli.cli.distill_command import check_out
 
     assert check_out(str(tmp_path / "new")) == tmp_path / "new"
     (tmp_path / "empty").mkdir()

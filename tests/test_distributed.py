@@ -21,11 +21,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from specdec_cli import distributed
-from specdec_cli.distributed import Ranks, RanksDisagree, ShardingRefused, Watchdog, check_heads, checksum
+from specdec_cli.model import distributed
+from specdec_cli.model.distributed import Ranks, RanksDisagree, ShardingRefused, Watchdog, check_heads, checksum
 from specdec_cli.errors import OptionError
 from specdec_cli.session import ModelOptions, check_distributed_options
-from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
 HANG_GUARD_S = 900
@@ -105,7 +105,7 @@ def test_backend_read_from_what_mlx_launch_exports():
 
 
 def test_ranks_sharing_this_machine_get_its_cores_for_blas(tmp_path):
-    from specdec_cli import blas
+    from specdec_cli.model import blas
 
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
@@ -136,7 +136,7 @@ def test_pipeline_alone_is_refused(monkeypatch):
 
 
 def test_the_watchdog_ends_a_process_whose_peers_stopped_answering():
-    code = ("from specdec_cli.distributed import Watchdog\nimport time\n"
+    code = ("from specdec_cli.model.distributed import Watchdog\nimport time\n"
             "w = Watchdog(1, 0.5, 2)\nwith w.armed():\n    time.sleep(600)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 1
@@ -321,7 +321,7 @@ def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
 # machine): rank 1 reaches the same refusal and would exit first.
 SLOW_RANK_0 = """
 import os, sys, time
-from specdec_cli import cli
+from specdec_cli.cli import app
 if os.environ.get("MLX_RANK") == "0":
     write = cli._err
     cli._err = lambda line: (time.sleep(3), write(line))

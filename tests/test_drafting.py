@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import GEN, PROMPT, assert_exact, noisy_drafter, plain, prefilled, target, tokens
 
-from specdec_cli.adaptive import AdaptiveLength, FixedLength
+from specdec_cli.core.adaptive import AdaptiveLength, FixedLength
 from specdec_cli.drafters import LookupDrafter, ModelDrafter
-from specdec_cli.engine import speculative_generate_step
+from specdec_cli.loop.engine import speculative_generate_step
 
 
 def lookup_after(history: list[int], last: int, k: int, **kw) -> list[int]:

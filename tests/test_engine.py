@@ -4,7 +4,7 @@ Tolerances. On the CPU with MLX's bundled BLAS, a batched verify and a
 one-token decode give bit-identical results for every family here, the Mamba2
 layers of nemotron_h included: mlx-lm computes T > 1 tokens with a chunked SSD
 formula that differs from its one-token formula in the last bit, so specdec's
-recurrent hooks (specdec_cli/recurrent.py) compute every token after the prompt
+recurrent hooks (specdec_cli/model/recurrent.py) compute every token after the prompt
 with the one-token formula. With an optimised BLAS (OpenBLAS) float32 matmul
 results depend on the row count (~1e-6 on logits), so float32 comparisons
 allow 1e-5; bfloat16 ones allow nothing. Token sequences must match exactly.
@@ -33,7 +33,7 @@ from helpers import (
 from mlx_lm.generate import generate_step
 
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.engine import speculative_generate_step
+from specdec_cli.loop.engine import speculative_generate_step
 
 FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
 KS = range(1, 9)

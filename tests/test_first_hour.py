@@ -12,8 +12,8 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from specdec_cli.cli import app
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.cli.app import app
+from specdec_cli.session.synthetic import make_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def help_at(width: int, *args: str) -> list[str]:
 
 
 def test_help_at_80_columns_cuts_no_option_name_and_splits_no_choice_list():
-    from specdec_cli.cli import DrafterKind, DType, LogLevel, Rollback
+    from specdec_cli.cli.app import DrafterKind, DType, LogLevel, Rollback
 
     choices = {"--drafter": DrafterKind, "--rollback": Rollback, "--dtype": DType, "--log-level": LogLevel}
     for command in COMMANDS:
@@ -77,7 +77,7 @@ TERMINAL = {"TTY_COMPATIBLE": "1"}
 
 
 def test_the_loading_line_names_the_bundled_model_and_the_drafter():
-    from specdec_cli.display import loading_line
+    from specdec_cli.cli.display import loading_line
 
     assert loading_line(None, None) == "Loading SmolLM2-135M-Instruct (bundled) ..."
     assert loading_line("org/big", "org/small") == "Loading org/big with drafter org/small ..."
@@ -130,7 +130,7 @@ def test_the_batch_summary_leads_with_the_same_batch_decoded_plainly(models, tmp
 # --- chat ----------------------------------------------------------------------------------
 
 def test_chat_ends_the_prompt_line_at_ctrl_d(models, monkeypatch):
-    import specdec_cli.chat as chat
+    import specdec_cli.cli.chat as chat
 
     args = ["chat", "--model", str(models["llama"]), "--no-live", "-m", "4"]
     monkeypatch.setattr(chat, "_interactive", lambda: True)  # a person at a terminal: "> " is shown

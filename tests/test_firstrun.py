@@ -16,12 +16,12 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
-import specdec_cli.doctor as doctor
-from specdec_cli import blas, bundled
-from specdec_cli.blas import Probe, decide
-from specdec_cli.cli import app
-from specdec_cli.loading import load, resolve_dtype
-from specdec_cli.synthetic import make_model_dir
+import specdec_cli.cli.doctor as doctor
+from specdec_cli.model import blas, bundled
+from specdec_cli.model.blas import Probe, decide
+from specdec_cli.cli.app import app
+from specdec_cli.session.loading import load, resolve_dtype
+from specdec_cli.session.synthetic import make_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_REL = f"specdec_cli/models/{bundled.NAME}"

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specdec_cli.cli import app
+from specdec_cli.cli.app import app
 from specdec_cli.drafters.history import FORMAT, VERSION, HistoryFileError, LookupHistory, check_path
 from specdec_cli.errors import OptionError
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.session.synthetic import make_model_dir
 
 
 def ours(entries=((("tokA"), [1, 2, 3]),)) -> str:

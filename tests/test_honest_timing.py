@@ -34,17 +34,17 @@ from helpers import (
 from typer.testing import CliRunner
 
 import specdec_cli.session.setup as session_setup
-import specdec_cli.plain as plain_module
-import specdec_cli.runner as runner_module
-from specdec_cli.cli import app
-from specdec_cli.compare import DIVERGED, IDENTICAL, TIE, explain, recompute
+import specdec_cli.loop.plain as plain_module
+import specdec_cli.loop.runner as runner_module
+from specdec_cli.cli.app import app
+from specdec_cli.loop.compare import DIVERGED, IDENTICAL, TIE, explain, recompute
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.engine import speculative_generate_step, verify_rows
-from specdec_cli.plain import warm_up
-from specdec_cli.measure import sweep
-from specdec_cli.runner import collect, run
-from specdec_cli.sampling import SamplingParams
-from specdec_cli.synthetic import TINY_CONFIGS, build_model, make_model_dir, perturb
+from specdec_cli.loop.engine import speculative_generate_step, verify_rows
+from specdec_cli.loop.plain import warm_up
+from specdec_cli.session.measure import sweep
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.core.sampling import SamplingParams
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, make_model_dir, perturb
 
 
 def fresh(family: str, dtype: str = "bfloat16", noise: float = 0.0):
@@ -200,7 +200,7 @@ def test_sweep_marks_ties_and_keeps_the_exit_code(capsys):
     assert [r.verdict for r in result.rows] == [TIE, TIE]
     assert not any(r.identical for r in result.rows)
     assert all(r.warmup_s >= 0 for r in result.rows) and "warmup_s" in result.rows[0].to_dict()
-    from specdec_cli.display import print_sweep
+    from specdec_cli.cli.display import print_sweep
 
     print_sweep(result, "model")
     assert re.search(r"│\s+tie\s+│", capsys.readouterr().out)
@@ -275,7 +275,7 @@ def test_cli_bug_is_diverged_and_exits_three(dirs, monkeypatch):
 
 
 def test_missing_or_doubled_mlx_backend_is_named(dirs, monkeypatch):
-    import specdec_cli.backend as backend
+    import specdec_cli.model.backend as backend
 
     monkeypatch.setattr(backend.sys, "platform", "linux")
     monkeypatch.setattr(backend, "installed_backends", lambda: [])
@@ -296,7 +296,7 @@ def test_missing_or_doubled_mlx_backend_is_named(dirs, monkeypatch):
 
 
 def test_active_backend_is_read_from_the_library_in_place():
-    import specdec_cli.backend as backend
+    import specdec_cli.model.backend as backend
 
     import sys
 

@@ -1,4 +1,4 @@
-"""The hooks into mlx-lm model internals (``specdec_cli/taps.py``, ``specdec_cli/recurrent.py``).
+"""The hooks into mlx-lm model internals (``specdec_cli/model/taps.py``, ``specdec_cli/model/recurrent.py``).
 
 These fail loudly when the pinned mlx-lm moves what the hooks rely on: where
 the decoder layers, the final norm, the embedding and the lm_head live, and
@@ -13,15 +13,15 @@ import pytest
 from helpers import PROMPT, target
 
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.runner import collect, run
-from specdec_cli.taps import Hidden, HiddenTap, TapSpec, target_parts
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, target_parts
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"]
 
 
 def tapped_forward(model, ids, spec):
     """One forward over ``ids`` with fresh caches, and what the tap recorded."""
-    from specdec_cli.caches import ModelCache
+    from specdec_cli.cache.caches import ModelCache
 
     cache = ModelCache(model)
     with HiddenTap(model, spec) as tap:
@@ -42,7 +42,7 @@ def test_final_state_through_the_lm_head_is_the_logits(family):
 def test_last_layer_output_is_the_residual_stream_before_the_final_norm(family):
     # norm(output of the last decoder layer) == the final-normed state: the
     # layer tap sits where Hugging Face's hidden_states[id + 1] does.
-    from specdec_cli.taps import _backbone
+    from specdec_cli.model.taps import _backbone
 
     model = target(family, "float32")
     stack, layers, norm, _ = _backbone(model)
@@ -80,7 +80,7 @@ def classes(model) -> list[type]:
 
 
 def test_a_tap_that_fails_midway_leaves_every_layer_its_own_class(monkeypatch):
-    import specdec_cli.taps as taps
+    import specdec_cli.model.taps as taps
 
     model = target("llama", "float32")
     before = classes(model)
@@ -143,7 +143,7 @@ def test_embedding_is_what_the_first_layer_receives_gemma_scale_included():
     # embedding drafters reuse must be exactly what its first layer gets.
     import copy
 
-    from specdec_cli.synthetic import TINY_CONFIGS, build_model
+    from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
     cfg = copy.deepcopy(TINY_CONFIGS["gemma3_text"])
     cfg.update(hidden_size=80, head_dim=20, query_pre_attn_scalar=20)
@@ -161,7 +161,7 @@ def test_a_transformed_embedding_is_refused(family):
     from zoo_configs import ZOO
 
     from specdec_cli.errors import UnsupportedModelError
-    from specdec_cli.synthetic import build_model
+    from specdec_cli.session.synthetic import build_model
 
     model = build_model(ZOO[family], seed=0)
     with pytest.raises(UnsupportedModelError, match="first decoder layer receives"):
@@ -188,8 +188,8 @@ def test_the_step_functions_keep_the_signatures_the_hooks_bind():
 
 @pytest.mark.parametrize("family,kind", [("qwen3_5", "GatedDeltaNet"), ("nemotron_h", "Mamba2")])
 def test_recurrent_hooks_install_and_pass_their_probe(family, kind):
-    from specdec_cli.recurrent import RecurrentSteps
-    from specdec_cli.synthetic import TINY_CONFIGS, build_model
+    from specdec_cli.model.recurrent import RecurrentSteps
+    from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
     model = build_model(TINY_CONFIGS[family], seed=3, dtype=mx.float32)
     steps = RecurrentSteps(model)
@@ -207,8 +207,8 @@ def test_recurrent_hooks_install_and_pass_their_probe(family, kind):
 def test_recurrent_hooks_that_fail_midway_leave_every_instance_its_own_class(monkeypatch, family, where, error):
     # Not one of the refusals the hooks expect (those fall back and say why): the error propagates,
     # after the mixers already hooked (the first of two, or all before the probe) got their classes back.
-    import specdec_cli.recurrent as recurrent
-    from specdec_cli.synthetic import TINY_CONFIGS, build_model
+    import specdec_cli.model.recurrent as recurrent
+    from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
     model = build_model(TINY_CONFIGS[family], seed=3, dtype=mx.float32)
     before = classes(model)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 
-from specdec_cli.adaptive import HybridLength
+from specdec_cli.core.adaptive import HybridLength
 from specdec_cli.drafters import HybridDrafter, SuffixDrafter
 from specdec_cli.drafters.mtp import MTPDrafter
-from specdec_cli.runner import collect, run
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.core.sampling import SamplingParams
 
 from helpers import target
 from test_distill import trained

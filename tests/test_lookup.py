@@ -8,10 +8,10 @@ import random
 import pytest
 from helpers import GEN, PROMPT, plain, prefilled, target, tokens
 
-from specdec_cli.adaptive import BLOCK_SIZES, MatchLength
+from specdec_cli.core.adaptive import BLOCK_SIZES, MatchLength
 from specdec_cli.drafters import LookupHistory, SuffixDrafter
 from specdec_cli.drafters.history import FORMAT, VERSION
-from specdec_cli.engine import MAX_CARRY, speculative_generate_step
+from specdec_cli.loop.engine import MAX_CARRY, speculative_generate_step
 
 
 def everything(match: int, k: int) -> int:

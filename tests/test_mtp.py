@@ -40,16 +40,16 @@ from mtp_fixtures import (
 )
 from typer.testing import CliRunner
 
-from specdec_cli.caches import ModelCache
-from specdec_cli.cli import app
+from specdec_cli.cache.caches import ModelCache
+from specdec_cli.cli.app import app
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_head import MTPConfig, random_head
 from specdec_cli.drafters.mtp_io import build_head, hf_to_head, load_head, save_head
-from specdec_cli.engine import speculative_generate_step
+from specdec_cli.loop.engine import speculative_generate_step
 from specdec_cli.errors import UnsupportedModelError
-from specdec_cli.loading import load, load_mtp, read_config
-from specdec_cli.runner import collect, run
-from specdec_cli.taps import Hidden, HiddenTap, target_parts
+from specdec_cli.session.loading import load, load_mtp, read_config
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.model.taps import Hidden, HiddenTap, target_parts
 
 FAMILIES = ["qwen3_5", "qwen3_next"]
 GEN = 60

@@ -25,15 +25,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from test_sampling import POSITIONS, VOCAB, chi_square, models
 
-from specdec_cli.adaptive import FixedLength, MatchLength
-from specdec_cli.caches import ModelCache
+from specdec_cli.core.adaptive import FixedLength, MatchLength
+from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specdec_cli.engine import Engine, Row, speculative_generate_step
-from specdec_cli.plain import plain_generate_step
-from specdec_cli.processors import Constraint, Grammar, Penalties, grammar_text, make_processors
-from specdec_cli.sampling import SamplingParams, log_probs
+from specdec_cli.loop.engine import Engine, Row, speculative_generate_step
+from specdec_cli.loop.plain import plain_generate_step
+from specdec_cli.core.processors import Constraint, Grammar, Penalties, grammar_text, make_processors
+from specdec_cli.core.sampling import SamplingParams, log_probs
 from specdec_cli.session import Request
-from specdec_cli.synthetic import EOS_ID, write_tokenizer
+from specdec_cli.session.synthetic import EOS_ID, write_tokenizer
 
 GEN = 40
 # Draws per chi-square check. Not test_sampling's 1,000: the residual-row check below scores chi2 ~104
@@ -167,7 +167,7 @@ def test_speculative_equals_plain_with_the_same_processor(family, dtype, drafter
                       max_tokens=max_tokens, k=5)
     if not kernels_agree(dtype):
         # Batched kernels round differently here (a GPU, OpenBLAS): identical, or a proven rounding tie.
-        from specdec_cli.compare import TIE, explain
+        from specdec_cli.loop.compare import TIE, explain
 
         d = explain(model, prompt, tokens(blocks), tokens(plain), blocks, eos_ids=[EOS_ID],
                     processors=lambda: make(kind, prompt))
@@ -460,7 +460,7 @@ def test_sampled_tokens_follow_the_processed_distribution(kind, drafter):
 def test_without_the_residual_row_a_cut_sampled_draft_is_lossy(monkeypatch):
     # A cut draft of a sampling drafter must draw the next token from the residual of the cut
     # position's q (as the uncut draft's certain rejection would), not from p: the check sees the difference.
-    import specdec_cli.engine as engine
+    import specdec_cli.loop.engine as engine
 
     real = engine._allowed
 
@@ -497,7 +497,7 @@ def test_make_processors_reads_a_request_and_makes_fresh_state_each_time():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from specdec_cli.synthetic import make_model_dir
+    from specdec_cli.session.synthetic import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("gen") / "llama", "llama", seed=0)
 
@@ -505,7 +505,7 @@ def model_dir(tmp_path_factory):
 def cli(*args):
     from typer.testing import CliRunner
 
-    from specdec_cli.cli import app
+    from specdec_cli.cli.app import app
 
     return CliRunner().invoke(app, ["generate", *map(str, args)])
 

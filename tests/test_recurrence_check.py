@@ -18,13 +18,13 @@ import mlx_lm.models.qwen3_5 as qwen3_5_module
 import pytest
 from helpers import PROMPT, max_cache_diff, noisy_drafter, plain, speculative, tokens
 
-import specdec_cli.recurrent as recurrent
-from specdec_cli.caches import ModelCache
+import specdec_cli.model.recurrent as recurrent
+from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.errors import UnsupportedModelError
-from specdec_cli.rollback import choose
-from specdec_cli.runner import collect, run
-from specdec_cli.synthetic import TINY_CONFIGS, build_model
+from specdec_cli.cache.rollback import choose
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
 
 def differing_gdn(monkeypatch, rows=lambda t: t > 1, factor=1.5):

@@ -19,16 +19,16 @@ import pytest
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
-import specdec_cli.commands as commands
+import specdec_cli.cli.commands as commands
 import specdec_cli.session.generate as session_generate
 import specdec_cli.session.setup as session_setup
-import specdec_cli.loading as loading
-from specdec_cli.caches import ModelCache, make_cache
-from specdec_cli.cli import app
-from specdec_cli.limits import cache_bytes, context_length
-from specdec_cli.loading import load
-from specdec_cli.runner import collect, run
-from specdec_cli.synthetic import EOS_ID, TINY_CONFIGS, build_model, make_model_dir, perturb
+import specdec_cli.session.loading as loading
+from specdec_cli.cache.caches import ModelCache, make_cache
+from specdec_cli.cli.app import app
+from specdec_cli.cache.limits import cache_bytes, context_length
+from specdec_cli.session.loading import load
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, build_model, make_model_dir, perturb
 
 REPO = Path(__file__).resolve().parents[1]
 # A Python exception class name in a message ("ValueError", "KeyError: ...").
@@ -166,7 +166,7 @@ def _runner(module):
 
 
 class _Patch(importlib.abc.MetaPathFinder):
-    patches = {{"specdec_cli.caches": _caches, "specdec_cli.runner": _runner}}
+    patches = {{"specdec_cli.cache.caches": _caches, "specdec_cli.loop.runner": _runner}}
 
     def find_spec(self, name, path, target=None):
         if name not in self.patches:
@@ -568,7 +568,7 @@ def test_extra_eos_token_refuses_what_is_not_a_token(models, token, message):
 
 def test_extra_eos_token_names_the_leading_space_form():
     # The bundled model's BPE: "Blue" and "ĠBlue" (" Blue", what follows "2." in a list) are two tokens.
-    from specdec_cli import bundled
+    from specdec_cli.model import bundled
 
     result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", " Blue")
     assert result.exit_code == 2
@@ -591,8 +591,8 @@ def test_a_run_of_no_tokens_has_no_speedup_in_json(models):
     assert report["generated_tokens"] == 0 and report["compare"]["identical"]
     assert report["compare"]["speedup"] is None  # the text line says "no speedup measurable"
     # Whichever side generated nothing (a divergence can leave one side empty), or took no time: null, not 0.0.
-    from specdec_cli.compare import Comparison, comparison_dict
-    from specdec_cli.stats import Stats
+    from specdec_cli.loop.compare import Comparison, comparison_dict
+    from specdec_cli.core.stats import Stats
 
     some = Stats(generated=5, decode_s=0.5)
     for specdec, plain in ((Stats(generated=0, decode_s=0.5), some), (some, Stats(generated=0, decode_s=0.5)),
@@ -643,8 +643,8 @@ def test_the_live_panel_leaves_room_for_the_echoed_ctrl_c():
 
     from rich.console import Console
 
-    from specdec_cli.display import LiveText
-    from specdec_cli.stats import Stats
+    from specdec_cli.cli.display import LiveText
+    from specdec_cli.core.stats import Stats
 
     console = Console(file=io.StringIO(), width=80, force_terminal=True)
     view = LiveText(console, "lookup")

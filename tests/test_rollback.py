@@ -25,12 +25,12 @@ from helpers import (
 )
 from zoo_configs import ZOO
 
-from specdec_cli.caches import ModelCache, WindowKVCache
+from specdec_cli.cache.caches import ModelCache, WindowKVCache
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.engine import speculative_generate_step
-from specdec_cli.recurrent import RecurrentSteps
-from specdec_cli.rollback import choose
-from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
+from specdec_cli.loop.engine import speculative_generate_step
+from specdec_cli.model.recurrent import RecurrentSteps
+from specdec_cli.cache.rollback import choose
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, perturb
 
 # Every family mlx-lm builds from a GatedDeltaNet, Mamba2 or Mamba mixer that
 # runs in bfloat16 on the CPU (MoE layers made dense: GatherMM is float32-only there).

@@ -22,13 +22,13 @@ import math
 import mlx.core as mx
 import pytest
 
-import specdec_cli.engine as engine
-from specdec_cli.caches import ModelCache
+import specdec_cli.loop.engine as engine
+from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters import LookupDrafter, ModelDrafter
-from specdec_cli.engine import speculative_generate_step
-from specdec_cli.plain import plain_generate_step
-from specdec_cli.sampling import SamplingParams, log_probs
-from specdec_cli.synthetic import TINY_CONFIGS, build_model, perturb
+from specdec_cli.loop.engine import speculative_generate_step
+from specdec_cli.loop.plain import plain_generate_step
+from specdec_cli.core.sampling import SamplingParams, log_probs
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, perturb
 
 VOCAB = 16
 CONFIG = {**TINY_CONFIGS["llama"], "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64}
@@ -210,7 +210,7 @@ def test_greedy_drafter_with_one_hot_q_is_lossless_too():
 
 def test_keyed_draws_follow_the_distribution():
     # Gumbel-max with the position noise: one draw per position, 20,000 positions, one seed.
-    from specdec_cli.sampling import keyed_pick
+    from specdec_cli.core.sampling import keyed_pick
 
     p = [0.4, 0.3, 0.15, 0.1, 0.04, 0.01, 0.0, 0.0]
     logp = mx.log(mx.array(p))[None, :]

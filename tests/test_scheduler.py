@@ -11,7 +11,7 @@ from specdec_cli.serve.scheduler import Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, Request, Session, load_setup
 from specdec_cli.session.reply import Reply, TextStream
 from specdec_cli.session.setup import MemoryLimitError
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.session.synthetic import make_model_dir
 
 PROMPTS = [list(b"The quick brown fox jumps over the lazy dog, twice: the quick brown fox."),
            list(b"abc abc abc abc abc abc"), list(b"Hello there, how are you?")]

@@ -16,12 +16,12 @@ import pytest
 from helpers import PROMPT, noisy_drafter, target
 from typer.testing import CliRunner
 
-from specdec_cli.adaptive import AdaptiveLength, FixedLength, MatchLength
-from specdec_cli.cli import app
+from specdec_cli.core.adaptive import AdaptiveLength, FixedLength, MatchLength
+from specdec_cli.cli.app import app
 from specdec_cli.drafters import ModelDrafter, SuffixDrafter
-from specdec_cli.runner import collect, run
-from specdec_cli.sampling import SamplingParams
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.core.sampling import SamplingParams
+from specdec_cli.session.synthetic import make_model_dir
 
 SAMPLED = SamplingParams(temp=0.9, top_k=40)
 TOKENS = 48
@@ -73,7 +73,7 @@ def test_an_mtp_head_with_a_draft_vocabulary_keeps_the_seeded_text():
 
     from specdec_cli.drafters.mtp import MTPDrafter
     from specdec_cli.drafters.mtp_head import MTPConfig, random_head
-    from specdec_cli.taps import target_parts
+    from specdec_cli.model.taps import target_parts
 
     model, _ = models()
     parts = target_parts(model)
@@ -123,8 +123,8 @@ def test_a_dflash_block_drafter_keeps_the_seeded_text(tmp_path):
     from test_dflash import parts_of, tiny
 
     from specdec_cli.drafters.dflash import DFlashDrafter
-    from specdec_cli.loading import load_dflash
-    from specdec_cli.synthetic import TINY_CONFIGS, dflash_config, save_dflash_dir
+    from specdec_cli.session.loading import load_dflash
+    from specdec_cli.session.synthetic import TINY_CONFIGS, dflash_config, save_dflash_dir
 
     cfg = dflash_config(TINY_CONFIGS["qwen3"], schema="old", layers=1, block_size=9)
     model = load_dflash(str(save_dflash_dir(tmp_path / "d", cfg, seed=5))).model

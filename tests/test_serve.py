@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from server import TOOL_QUESTION, WEATHER_TOOL, Server, tool_model_dir
-from specdec_cli.cli import app
-from specdec_cli.synthetic import TINY_CONFIGS, make_model_dir
+from specdec_cli.cli.app import app
+from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
 FAMILIES = ["llama", "qwen3_5", "gemma3_text"]
 QUESTION = "Copy this: the quick brown fox jumps over the lazy dog, and the quick brown fox runs."

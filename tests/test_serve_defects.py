@@ -19,13 +19,13 @@ import mlx.core as mx
 import pytest
 
 from server import TOOL_ANSWER, TOOL_QUESTION, WEATHER_TOOL, Server, said_model_dir, tool_model_dir, tools_tokenizer
-from specdec_cli.processors import Constraint, ConstraintError, Grammar, grammar_text
+from specdec_cli.core.processors import Constraint, ConstraintError, Grammar, grammar_text
 from specdec_cli.serve import protocol
 from specdec_cli.serve.scheduler import Busy, Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
 from specdec_cli.session import prompt_cache as prompt_cache_module
 from specdec_cli.session.reply import Reply, TextStream
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.session.synthetic import make_model_dir
 
 KEY = "sk-test-key"
 # A tool call whose JSON is a number: mlx-lm's json_tools parser returns 42, not a call.
@@ -225,7 +225,7 @@ def test_a_fault_outside_any_row_fails_the_rows_in_flight_and_the_thread_serves_
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_generation_thread_that_ended_fails_its_requests_and_health_says_503(setup, monkeypatch):
     from specdec_cli.serve.app import create_app
-    from specdec_cli.serve.command import ServeOptions
+    from specdec_cli.cli.serve_command import ServeOptions
     from specdec_cli.serve.service import Service
 
     session = Session(setup, 8, prompt_cache=PromptCache())

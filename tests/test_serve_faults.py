@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from server import Server
-from specdec_cli.synthetic import TINY_CONFIGS, VOCAB_SIZE, make_model_dir
+from specdec_cli.session.synthetic import TINY_CONFIGS, VOCAB_SIZE, make_model_dir
 
 # Every forward of the server's caches sleeps this long (a test-only sitecustomize, as tests/test_robust.py
 # slows its Ctrl-C children): a 100,000-token prefill in chunks of at most 2,048 tokens then lasts at
@@ -29,7 +29,7 @@ import importlib.abc, importlib.util, sys, time
 
 class _Patch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "specdec_cli.caches":
+        if name != "specdec_cli.cache.caches":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -208,7 +208,7 @@ def test_requests_queued_at_shutdown_get_a_503_with_retry_after(dirs):
 # --- 9. half-sent headers do not hold a connection open ----------------------------------------------
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(server):
-    from specdec_cli.serve.command import HEADERS_TIMEOUT_S
+    from specdec_cli.cli.serve_command import HEADERS_TIMEOUT_S
 
     url = urlparse(server.url)
     socks = []

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server import TOOL_QUESTION, WEATHER_TOOL, Server, tool_model_dir
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.session.synthetic import make_model_dir
 
 COPY = [{"role": "user", "content": "Copy this: the quick brown fox jumps over the lazy dog, and the quick brown fox."}]
 N = 40

@@ -8,12 +8,12 @@ import pytest
 from helpers import PROMPT, cache_arrays, max_cache_diff
 from mtp_fixtures import fitted_head, hf_checkpoint
 from server import TOOL_ANSWER, tools_tokenizer
-from specdec_cli.caches import ModelCache
+from specdec_cli.cache.caches import ModelCache
 from specdec_cli.errors import Cancelled
-from specdec_cli.runner import Prefilled, Step
+from specdec_cli.loop.runner import Prefilled, Step
 from specdec_cli.session import ModelOptions, PromptCache, Request, SavedCache, Session, load_setup
 from specdec_cli.session.reply import Reply, TextStream
-from specdec_cli.synthetic import make_model_dir
+from specdec_cli.session.synthetic import make_model_dir
 
 FAMILIES = ["llama", "qwen3_5", "gemma3_text", "nemotron_h"]
 MORE = list(b" And once more, the quick brown fox jumps over the lazy dog.")
@@ -275,8 +275,8 @@ def test_one_row_builder_every_face_samples_alike(setups, monkeypatch):
     path as on the batch and server path, so both give the text that seed gives."""
     import random
 
-    from specdec_cli.engine import Engine
-    from specdec_cli.sampling import SamplingParams
+    from specdec_cli.loop.engine import Engine
+    from specdec_cli.core.sampling import SamplingParams
 
     setup = setups["llama"]
     session = Session(setup, 8)

@@ -16,17 +16,17 @@ import pytest
 from helpers import DTYPES, FAMILIES, PROMPT, fed, kernels_agree, max_cache_diff, noisy_drafter, prefilled, target
 from typer.testing import CliRunner
 
-from specdec_cli import plain as plain_module
-from specdec_cli import shapes
-from specdec_cli.adaptive import FixedLength
-from specdec_cli.cli import app
-from specdec_cli.compare import replay
+from specdec_cli.loop import plain as plain_module
+from specdec_cli.core import shapes
+from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.cli.app import app
+from specdec_cli.loop.compare import replay
 from specdec_cli.drafters import ModelDrafter, SuffixDrafter
-from specdec_cli.engine import Engine, Row, speculative_generate_step, verify_rows
+from specdec_cli.loop.engine import Engine, Row, speculative_generate_step, verify_rows
 from specdec_cli.errors import OptionError
-from specdec_cli.plain import warm_up
-from specdec_cli.runner import Prefilled, collect, run
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.loop.plain import warm_up
+from specdec_cli.loop.runner import Prefilled, collect, run
+from specdec_cli.core.sampling import SamplingParams
 
 FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
 RECURRENT = ("qwen3_5", "nemotron_h")
@@ -190,7 +190,7 @@ def test_generate_reports_its_verify_shapes_on_a_long_copy():
 
 def test_the_json_reports_a_warm_up_of_the_buckets_alone(monkeypatch, tmp_path):
     """Where the warm-up runs (a GPU; forced here), it runs at most one shape per bucket: 7 at block size 64."""
-    from specdec_cli.synthetic import make_model_dir
+    from specdec_cli.session.synthetic import make_model_dir
 
     monkeypatch.setattr(plain_module, "compiles_per_shape", lambda: True)
     model = make_model_dir(tmp_path / "llama", "llama", seed=0)
@@ -212,7 +212,7 @@ def test_the_first_compile_note_speaks_only_on_cuda_before_its_kernels_are_cache
 
 
 def test_cudnn_attention_is_off_by_default_on_cuda_only_unless_the_user_chose():
-    from specdec_cli.backend import CUDNN_SDPA, decode_attention_default
+    from specdec_cli.model.backend import CUDNN_SDPA, decode_attention_default
 
     env = {}
     assert decode_attention_default(env, backend="cuda") and env == {CUDNN_SDPA: "0"}

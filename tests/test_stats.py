@@ -1,7 +1,7 @@
 """Every number has one definition."""
 
-from specdec_cli.blocks import Block, PhaseTimes
-from specdec_cli.stats import Stats
+from specdec_cli.core.blocks import Block, PhaseTimes
+from specdec_cli.core.stats import Stats
 
 
 def test_definitions():

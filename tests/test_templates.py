@@ -17,9 +17,9 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from agents import template
-from specdec_cli.bundled import model_dir
+from specdec_cli.model.bundled import model_dir
 from specdec_cli.errors import OptionError
-from specdec_cli.prompts import _folded, _template, encode_messages, fold_roles, render_messages
+from specdec_cli.model.prompts import _folded, _template, encode_messages, fold_roles, render_messages
 
 TEMPLATES = ["qwen3_5", "gemma3", "mistral", "llama3", "smollm2"]
 

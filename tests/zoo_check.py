@@ -109,12 +109,12 @@ def check_one(name: str, max_tokens: int) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specdec_cli.caches import ModelCache
+    from specdec_cli.cache.caches import ModelCache
     from specdec_cli.drafters import ModelDrafter
-    from specdec_cli.engine import speculative_generate_step
-    from specdec_cli.plain import plain_generate_step
+    from specdec_cli.loop.engine import speculative_generate_step
+    from specdec_cli.loop.plain import plain_generate_step
     from specdec_cli.errors import UnsupportedModelError
-    from specdec_cli.synthetic import build_model, perturb
+    from specdec_cli.session.synthetic import build_model, perturb
     from zoo_configs import ZOO
 
     t0 = time.perf_counter()
@@ -318,7 +318,7 @@ def logit_check(model, prompt: list[int], plain: list[int], chunk: int = 4, keep
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specdec_cli.caches import ModelCache
+    from specdec_cli.cache.caches import ModelCache
 
     P = len(prompt)
     n = len(plain)
@@ -402,7 +402,7 @@ def _is_greedy_continuation(model, context: list[int], tokens: list[int]) -> boo
     :func:`_one_shot`): no incremental cache state is involved, so stock
     decode quirks (plamo3's window) cannot leak into the oracle.
     """
-    from specdec_cli.sampling import greedy
+    from specdec_cli.core.sampling import greedy
 
     logits = _one_shot(model, context + tokens[:-1])[len(context) - 1 :]
     return greedy(logits).tolist() == tokens
@@ -416,9 +416,9 @@ def drafter_check(model, draft, prompt: list[int], k: int, max_tokens: int) -> d
     acceptance. This replays each block's committed context through the
     draft model with fresh stock caches and compares.
     """
-    from specdec_cli.caches import ModelCache
+    from specdec_cli.cache.caches import ModelCache
     from specdec_cli.drafters import ModelDrafter
-    from specdec_cli.engine import speculative_generate_step
+    from specdec_cli.loop.engine import speculative_generate_step
 
     c = ModelCache(model)
     c.prefill(prompt[:-1])

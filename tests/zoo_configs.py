@@ -1,7 +1,7 @@
 """Tiny configs for every mlx-lm text architecture (the "zoo").
 
 Each entry of :data:`ZOO` is a config.json-style dict that
-``specdec_cli.synthetic.build_model`` turns into a random-weight model:
+``specdec_cli.session.synthetic.build_model`` turns into a random-weight model:
 hidden size 32-64, 2-4 layers, a few heads, vocab 259 (the synthetic byte
 tokenizer), small expert counts, and sliding windows of 8 so that windows are
 shorter than the ~80-token sequences the zoo check generates. Layer patterns
@@ -20,7 +20,7 @@ import sys
 import types
 from typing import Any
 
-VOCAB = 259  # specdec_cli.synthetic.VOCAB_SIZE
+VOCAB = 259  # specdec_cli.session.synthetic.VOCAB_SIZE
 W = 8  # sliding window / chunk size: shorter than the test sequences
 
 _BASE: dict[str, Any] = {

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import OptionError
-from ..taps import HiddenTap, TapSpec
+from ..model.taps import HiddenTap, TapSpec
 
 # Seed prompts: topics x request kinds, far from the benchmark's evaluation
 # prompts (scripts/bench.py: hash tables, Japan, a poem about the sea, Fibonacci, ...).

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from ..defaults import DISTILL
 from ..drafters.mtp_head import MTPConfig, MTPHead
-from ..taps import TargetParts
+from ..model.taps import TargetParts
 
 
 @dataclass(frozen=True)

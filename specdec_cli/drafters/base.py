@@ -14,8 +14,8 @@ from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..sampling import GREEDY, SamplingParams
-from ..taps import Hidden, TapSpec
+from ..core.sampling import GREEDY, SamplingParams
+from ..model.taps import Hidden, TapSpec
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..sampling import GREEDY, SamplingParams, draw, top_probability
-from ..taps import Hidden, TapSpec, TargetParts
+from ..core.sampling import GREEDY, SamplingParams, draw, top_probability
+from ..model.taps import Hidden, TapSpec, TargetParts
 from .base import Draft, no_draft
 from .layers import MLP
 
@@ -370,7 +370,7 @@ class DFlashDrafter:
 
     Args:
         model: The loaded drafter.
-        parts: The target's embedding and lm_head (:func:`~specdec_cli.taps.target_parts`).
+        parts: The target's embedding and lm_head (:func:`~specdec_cli.model.taps.target_parts`).
         p_min: Keep drafts while the drafter's top-1 probability is at least this.
     """
 

@@ -4,7 +4,7 @@ Lookup wins where the text repeats (copies, edits, agent loops), the head
 where it does not. Both follow every committed token: the one that did not
 draft a block is told what was committed (the head gets the target's hidden
 rows either way, so its cache stays what one pass over the text gives).
-Which one drafts is the policy's call (:class:`~specdec_cli.adaptive.HybridLength`:
+Which one drafts is the policy's call (:class:`~specdec_cli.core.adaptive.HybridLength`:
 ``size(match, k)`` sets its ``source`` and ``head_n``).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..sampling import GREEDY, SamplingParams
-from ..taps import Hidden
+from ..core.sampling import GREEDY, SamplingParams
+from ..model.taps import Hidden
 from .base import Draft, no_draft
 from .mtp import MTPDrafter
 from .suffix import SuffixDrafter

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..sampling import GREEDY, SamplingParams
+from ..core.sampling import GREEDY, SamplingParams
 from .base import Draft, no_draft
 
 

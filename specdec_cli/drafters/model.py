@@ -7,8 +7,8 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..caches import ModelCache, Snapshot
-from ..sampling import GREEDY, SamplingParams, draw, greedy, log_probs, top_probability
+from ..cache.caches import ModelCache, Snapshot
+from ..core.sampling import GREEDY, SamplingParams, draw, greedy, log_probs, top_probability
 from .base import Draft, as_tokens, no_draft
 
 

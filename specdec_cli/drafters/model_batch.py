@@ -2,7 +2,7 @@
 
 While the engine decodes rows together, their :class:`ModelDrafter`-s that
 share a draft model join a :class:`DraftBatch`: their caches become rows of
-one :class:`~specdec_cli.batch_cache.BatchCache`, and a block drafts ``k``
+one :class:`~specdec_cli.cache.batch_cache.BatchCache`, and a block drafts ``k``
 tokens for every row in ``max(k)`` forwards of ``B`` rows instead of ``sum(k)``
 forwards of one. Each drafter keeps its own bookkeeping (tokens not yet fed,
 the state after each draft, its drafts), so ``accept`` and ``cancel`` stay the
@@ -17,9 +17,9 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from ..batch_cache import BatchCache, BatchSnapshot, batch_problem
-from ..caches import ModelCache
-from ..sampling import SamplingParams, draw
+from ..cache.batch_cache import BatchCache, BatchSnapshot, batch_problem
+from ..cache.caches import ModelCache
+from ..core.sampling import SamplingParams, draw
 from .base import Draft, as_tokens, no_draft
 from .model import ModelDrafter
 

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from ..sampling import GREEDY, SamplingParams, draw, keyed_pick, log_probs, top_probability
-from ..taps import Hidden, TapSpec, TargetParts
+from ..core.sampling import GREEDY, SamplingParams, draw, keyed_pick, log_probs, top_probability
+from ..model.taps import Hidden, TapSpec, TargetParts
 from .base import Draft, as_tokens, no_draft
 from .mtp_head import MTPHead
 

@@ -2,7 +2,7 @@
 
 While the engine decodes rows together, their :class:`MTPDrafter`-s that share
 a head join an :class:`MTPBatch`: the head's attention caches become rows of
-a :class:`~specdec_cli.batch_cache.RowsKVCache` (each row at its own length,
+a :class:`~specdec_cli.cache.batch_cache.RowsKVCache` (each row at its own length,
 its own RoPE positions and mask), and a block feeds every row's waiting pairs
 (the target's hidden rows with their next tokens) in one forward, then
 chains ``max(k) - 1`` forwards of every row on the head's own outputs. Each
@@ -18,8 +18,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from ..batch_cache import RowsKVCache
-from ..sampling import SamplingParams
+from ..cache.batch_cache import RowsKVCache
+from ..core.sampling import SamplingParams
 from .base import Draft, no_draft
 from .mtp import MTPDrafter
 

@@ -236,7 +236,7 @@ class MTPHead(nn.Module):
     """The head as a model: ``(embeddings of x_{t+1}, h_t) -> normed output o_t``.
 
     The target's embedding and lm_head are not part of it: :class:`MTPDrafter`
-    borrows them from the target (:class:`~specdec_cli.taps.TargetParts`).
+    borrows them from the target (:class:`~specdec_cli.model.taps.TargetParts`).
 
     Args:
         config: The head's shape.

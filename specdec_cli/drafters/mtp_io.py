@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..taps import TargetParts
+from ..model.taps import TargetParts
 from .mtp_head import MTPConfig, MTPHead
 
 # config.json model_type of MTP-only folders: mlx-vlm's converted sidecar, and ours.

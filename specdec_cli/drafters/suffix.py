@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 
-from ..sampling import GREEDY, SamplingParams
+from ..core.sampling import GREEDY, SamplingParams
 from .base import Draft, no_draft
 
 # Counts and recency are updated along the suffix-link path of each new token,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..stats import Stats
+from ..core.stats import Stats
 
 
 class ApiError(Exception):
@@ -84,9 +84,9 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-# OpenAI's seed is a 64-bit integer; draws are keyed by all 64 bits (see specdec_cli.sampling).
+# OpenAI's seed is a 64-bit integer; draws are keyed by all 64 bits (see specdec_cli.core.sampling).
 SEED_MAX = 2**64 - 1
-# OpenAI's most alternatives per token (specdec_cli.processors.MAX_TOP_LOGPROBS).
+# OpenAI's most alternatives per token (specdec_cli.core.processors.MAX_TOP_LOGPROBS).
 MAX_TOP_LOGPROBS = 20
 # OpenAI's logit_bias range.
 BIAS_MAX = 100.0

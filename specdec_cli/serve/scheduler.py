@@ -26,16 +26,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..batch_policy import BatchPlanner, CostTable
-from ..shapes import resolve as resolve_shapes
-from ..engine import Engine, Row
-from ..runner import Step
+from ..loop.batch_policy import BatchPlanner, CostTable
+from ..core.shapes import resolve as resolve_shapes
+from ..loop.engine import Engine, Row
+from ..loop.runner import Step
 from ..session import Session
 from ..session.batch import measure_costs
 from ..session.generate import Opening
 from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
-from ..taps import HiddenTap
+from ..model.taps import HiddenTap
 
 log = logging.getLogger("specdec.serve")
 

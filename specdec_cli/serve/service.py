@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import OptionError
-from ..processors import Constraint, ConstraintError, check_constraint
-from ..prompts import Rendered, encode_text, render_messages
-from ..sampling import SamplingParams
+from ..core.processors import Constraint, ConstraintError, check_constraint
+from ..model.prompts import Rendered, encode_text, render_messages
+from ..core.sampling import SamplingParams
 from ..session import Request, RunOptions, Session
 from ..session.reply import Piece, Reply, TextStream, token_bytes
 from ..session.setup import MemoryLimitError, PromptTooLongError

@@ -2,7 +2,7 @@
 
 :func:`run_batch` is the loop behind ``specdec generate --prompts-file``: it
 opens requests while fewer than ``max_rows`` decode, prefills each prompt
-whole, admits it to the :class:`~specdec_cli.engine.Engine`, runs one block
+whole, admits it to the :class:`~specdec_cli.loop.engine.Engine`, runs one block
 for every row, and takes out the rows that ended; waiting requests join as
 rows leave. It yields typed events and never prints. :func:`concurrency_sweep`
 runs it over copies of one prompt for ``specdec sweep --concurrency``.
@@ -25,14 +25,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
-from ..batch_cache import batch_problem
-from ..batch_policy import WIDTHS, BatchPlanner, CostTable
-from ..compare import IDENTICAL, explain
-from ..shapes import resolve as resolve_shapes
-from ..engine import Engine, Row
-from ..measure import Progress
-from ..runner import Finished, Prefilled, Step, cache_bytes, collect, run
-from ..taps import HiddenTap
+from ..cache.batch_cache import batch_problem
+from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable
+from ..loop.compare import IDENTICAL, explain
+from ..core.shapes import resolve as resolve_shapes
+from ..loop.engine import Engine, Row
+from .measure import Progress
+from ..loop.runner import Finished, Prefilled, Step, cache_bytes, collect, run
+from ..model.taps import HiddenTap
 from .generate import Opening, Request, Session
 from .setup import Setup
 
@@ -83,7 +83,7 @@ def batch_refusal(session: Session) -> Optional[str]:
 
 
 def measure_costs(session: Session, max_rows: int) -> CostTable:
-    """The target's verify forward cost by rows x width, for a :class:`~specdec_cli.batch_policy.BatchPlanner`."""
+    """The target's verify forward cost by rows x width, for a :class:`~specdec_cli.loop.batch_policy.BatchPlanner`."""
     rows = sorted({1, 2, max_rows})
     widths = sorted({w for w in WIDTHS if w <= session.block_size} | {session.block_size})
     return CostTable.measure(session.model, session.fresh_cache, rows, widths)
@@ -111,7 +111,7 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
         requests: What to generate, in order; they start in this order.
         max_rows: The most rows decoding together; more wait and join as rows leave.
         planner: Cut a batch's drafts to the width worth its forward
-            (:mod:`specdec_cli.batch_policy`); its costs are measured before the clock starts.
+            (:mod:`specdec_cli.loop.batch_policy`); its costs are measured before the clock starts.
         timed: Time each block's phases (adds host syncs).
     """
     if max_rows < 1:

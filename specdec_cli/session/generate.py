@@ -1,6 +1,6 @@
 """One engine for every face: a :class:`Session` holds the models, the drafter kind and the prompt cache.
 
-``generate`` runs one :class:`Request` through :func:`~specdec_cli.runner.run`
+``generate`` runs one :class:`Request` through :func:`~specdec_cli.loop.runner.run`
 and yields its events (``Prefilled``, ``Warmed``, one ``Step`` per block,
 ``Finished``). Closing the generator cancels the generation at the next
 block; whatever ended it, the caches are left as the engine's invariant
@@ -14,17 +14,17 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
-from ..adaptive import FirstBlock, FixedLength
+from ..core.adaptive import FirstBlock, FixedLength
 from ..defaults import HIDDEN_STATE_DRAFTERS
-from ..caches import ModelCache, _leaves, fixed_position, make_cache
+from ..cache.caches import ModelCache, _leaves, fixed_position, make_cache
 from ..errors import Cancelled
-from ..engine import Row
-from ..processors import Constraint, make_processors
-from ..rollback import RollbackChoice
-from ..rollback import choose as choose_rollback
-from ..runner import Finished, Prefilled, Step, Warmed, run
-from ..sampling import GREEDY, SamplingParams
-from ..taps import Hidden, HiddenTap
+from ..loop.engine import Row
+from ..core.processors import Constraint, make_processors
+from ..cache.rollback import RollbackChoice
+from ..cache.rollback import choose as choose_rollback
+from ..loop.runner import Finished, Prefilled, Step, Warmed, run
+from ..core.sampling import GREEDY, SamplingParams
+from ..model.taps import Hidden, HiddenTap
 from .corpus import Corpus
 from .options import make_policy
 from .prompt_cache import Entry, PromptCache
@@ -257,7 +257,7 @@ class Session:
         return self.setup.make_drafter(make_policy(self.adaptive, self.block_size, self.setup.kind)).taps
 
     def open(self, request: Request, tap: Optional[HiddenTap] = None) -> "Opening":
-        """Start ``request`` for an :class:`~specdec_cli.engine.Engine` shared with others.
+        """Start ``request`` for an :class:`~specdec_cli.loop.engine.Engine` shared with others.
 
         Returns an :class:`Opening`: step it to prefill the prompt a chunk at a
         time (between other rows' blocks), then admit its ``row`` and ``cache``
@@ -324,7 +324,7 @@ class Session:
 
 
 class Opening:
-    """One request on its way into a shared :class:`~specdec_cli.engine.Engine`.
+    """One request on its way into a shared :class:`~specdec_cli.loop.engine.Engine`.
 
     :meth:`step` prefills the prompt a chunk at a time (each chunk sized to
     about ``Session.prefill_seconds``) and returns True once the drafter is
@@ -335,7 +335,7 @@ class Opening:
     Attributes:
         row: The engine row (after the last step).
         cache: The target caches, the prompt but its last token in them.
-        prefilled: The :class:`~specdec_cli.runner.Prefilled` event of this request.
+        prefilled: The :class:`~specdec_cli.loop.runner.Prefilled` event of this request.
     """
 
     def __init__(self, session: Session, request: Request, tap: Optional[HiddenTap]):

@@ -10,13 +10,13 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from ..adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
+from ..core.adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
 from ..defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, DRAFTERS, HIDDEN_STATE_DRAFTERS, MAX_BLOCK_SIZE,
                         NGRAM_MAX, NGRAM_MIN)
 from ..drafters.history import check_path
 from ..errors import OptionError
-from ..loading import is_local
-from ..sampling import SamplingParams
+from .loading import is_local
+from ..core.sampling import SamplingParams
 
 
 @dataclass
@@ -38,7 +38,7 @@ class ModelOptions:
     prefill_step_size: int = 2048
     rollback: str = "auto"
     rollback_memory_cap: Optional[float] = None  # MiB
-    shapes: str = "auto"  # verify widths: auto, exact, bucketed (specdec_cli.shapes)
+    shapes: str = "auto"  # verify widths: auto, exact, bucketed (specdec_cli.core.shapes)
     adapter_path: Optional[str] = None
     trust_remote_code: bool = False
     force_download: bool = False
@@ -233,7 +233,7 @@ def processor_fields(opts: RunOptions) -> dict:
     Raises:
         OptionError: A bad value, or a schema file that cannot be read or is not JSON.
     """
-    from ..processors import Constraint
+    from ..core.processors import Constraint
 
     fields: dict = {}
     penalty = opts.repetition_penalty

@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..caches import ModelCache
-from ..limits import total_memory
-from ..taps import Hidden
+from ..cache.caches import ModelCache
+from ..cache.limits import total_memory
+from ..model.taps import Hidden
 from .state import SavedCache
 
 

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-from ..prompts import byte_level_bytes
-from ..runner import Step
-from ..stats import Stats
+from ..model.prompts import byte_level_bytes
+from ..loop.runner import Step
+from ..core.stats import Stats
 from .generate import Request, Session
 
 log = logging.getLogger("specdec")

@@ -14,23 +14,24 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .. import __version__, blas, bundled
-from .. import distributed
-from ..adaptive import MatchLength
-from ..caches import cache_kinds, check_kv_quantization
+from .. import __version__
+from ..model import blas, bundled
+from ..model import distributed
+from ..core.adaptive import MatchLength
+from ..cache.caches import cache_kinds, check_kv_quantization
 from ..defaults import DEFAULT_BLOCK_SIZE, DRAFTERS, NGRAM_MAX, NGRAM_MIN
-from ..distributed import Ranks, model_fingerprint
+from ..model.distributed import Ranks, model_fingerprint
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
-from ..limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
-from ..shapes import first_compile_note
-from ..loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
-from ..prompts import longest_token_chars
-from ..taps import TargetParts, target_parts
+from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
+from ..core.shapes import first_compile_note
+from .loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
+from ..model.prompts import longest_token_chars
+from ..model.taps import TargetParts, target_parts
 from .options import ModelOptions, check_block_size, hidden_states_refused
 
 
@@ -161,7 +162,7 @@ class Setup:
 
     @functools.cached_property
     def longest_token(self) -> Optional[int]:
-        """The most characters one token stands for (see :func:`~specdec_cli.prompts.longest_token_chars`)."""
+        """The most characters one token stands for (see :func:`~specdec_cli.model.prompts.longest_token_chars`)."""
         return longest_token_chars(self.tokenizer)
 
     def check_prompt_chars(self, chars: int) -> None:

@@ -1,7 +1,7 @@
 """A model's caches saved at some length, apart from the live caches, and resumed later.
 
 A saved state shares no array object with any live cache (see
-:func:`~specdec_cli.caches.clone_layer`), so neither side's writes reach the
+:func:`~specdec_cli.cache.caches.clone_layer`), so neither side's writes reach the
 other. Attention layers that keep every key resume at any shorter length (a
 trim). The others can only resume where their state was kept: recurrent
 layers, and sliding-window layers once their window has moved past the keys
@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from ..caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position, rebuild
+from ..cache.caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position, rebuild
 
 
 def _holds_keys_for(leaf: Any, length: int) -> bool:

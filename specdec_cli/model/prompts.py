@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .errors import OptionError
+from ..errors import OptionError
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,6 +1,6 @@
 """Plain decoding with the engine's interface (the exactness oracle and the baseline), and the warm-up.
 
-:func:`plain_generate_step` yields one :class:`~specdec_cli.blocks.Block` per
+:func:`plain_generate_step` yields one :class:`~specdec_cli.core.blocks.Block` per
 token; :func:`warm_up` runs every shape a coming generation can use once, so
 kernel compilation (GPUs) stays out of what is timed.
 """
@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from .blocks import Block
-from .caches import ModelCache
-from .drafters import Drafter
+from ..core.blocks import Block
+from ..cache.caches import ModelCache
+from ..drafters import Drafter
 from .engine import verify_rows
-from .processors import logprob_arrays, logprob_entries
-from .sampling import GREEDY, SamplingParams, choose, greedy, log_probs
-from .shapes import compiles_per_shape
-from .taps import HiddenTap
+from ..core.processors import logprob_arrays, logprob_entries
+from ..core.sampling import GREEDY, SamplingParams, choose, greedy, log_probs
+from ..core.shapes import compiles_per_shape
+from ..model.taps import HiddenTap
 
 if TYPE_CHECKING:
-    from .distributed import Ranks
+    from ..model.distributed import Ranks
 
 
 @dataclass(frozen=True)

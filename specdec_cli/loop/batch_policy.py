@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from .batch_cache import BatchCache
-from .caches import ModelCache
-from .drafters import Draft
+from ..cache.batch_cache import BatchCache
+from ..cache.caches import ModelCache
+from ..drafters import Draft
 
 # Widths measured (up to the block size), and how many timed forwards each.
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)

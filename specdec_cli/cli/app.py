@@ -22,10 +22,10 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
-from . import __version__
-from .defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, DRAFTER_KINDS,
+from .. import __version__
+from ..defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, DRAFTER_KINDS,
                        MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
-from .errors import EXIT_INTERRUPTED, SpecdecError
+from ..errors import EXIT_INTERRUPTED, SpecdecError
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
 EXIT_USAGE = 2
@@ -145,9 +145,9 @@ def _unexpected(e: BaseException) -> str:
 
 def _ranks(e: BaseException) -> tuple[str, bool]:
     """Under mlx.launch: who failed (``rank N: `` on ranks but 0), and whether rank 0 says it for every rank."""
-    if "specdec_cli.distributed" not in sys.modules:
+    if "specdec_cli.model.distributed" not in sys.modules:
         return "", False  # never joined any ranks
-    from .distributed import error_prefix, silent
+    from ..model.distributed import error_prefix, silent
 
     return error_prefix(), silent(e)
 
@@ -164,7 +164,7 @@ def error_boundary(debug: bool) -> Iterator[None]:
             raise
         who, silent = _ranks(e)
         if silent:
-            from .distributed import leave_to_rank_0
+            from ..model.distributed import leave_to_rank_0
 
             leave_to_rank_0()
         else:
@@ -228,7 +228,7 @@ def _root(
     ] = False,
 ) -> None:
     """Lossless speculative decoding for MLX / mlx-lm."""
-    from .backend import backend_problem
+    from ..model.backend import backend_problem
 
     problem, fatal = backend_problem()
     # doctor still runs: it is where a broken install gets reported.
@@ -709,7 +709,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (chat and text completions) with exact speculative decoding."""
     params = dict(locals())
-    from .serve.command import ServeOptions, serve_command
+    from .serve_command import ServeOptions, serve_command
 
     _run(serve_command, ServeOptions, params)
 
@@ -827,11 +827,11 @@ def doctor(json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    from .blas import maybe_reexec
+    from ..model.blas import maybe_reexec
 
     # Before mlx is imported: the dynamic loader reads LD_PRELOAD only at start-up.
     maybe_reexec()
-    from .backend import decode_attention_default
+    from ..model.backend import decode_attention_default
 
     decode_attention_default()
     try:
@@ -841,8 +841,8 @@ def main() -> None:
     except SystemExit as e:
         # Under mlx.launch a rank that left its error to rank 0 must not exit first: the launcher
         # would end rank 0 before it says why.
-        if "specdec_cli.distributed" in sys.modules:
-            from .distributed import outlast_rank_0
+        if "specdec_cli.model.distributed" in sys.modules:
+            from ..model.distributed import outlast_rank_0
 
             outlast_rank_0(e.code if isinstance(e.code, int) else 1)
         raise

@@ -36,8 +36,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .errors import Cancelled, UnsupportedModelError
-from .recurrent import RecurrentSteps, StepRecord, recurrent_steps
+from ..errors import Cancelled, UnsupportedModelError
+from ..model.recurrent import RecurrentSteps, StepRecord, recurrent_steps
 
 # How far (in tokens) a restore may go below the offset at which the latest
 # forward started, unless a user of the cache asks for more (ensure_reach).
@@ -405,7 +405,7 @@ class Checkpoint:
 @runtime_checkable
 class RowCache(Protocol):
     """What the engine asks of a target's caches, one row (:class:`ModelCache`) or many
-    (:class:`~specdec_cli.batch_cache.BatchCache`): one protocol for both.
+    (:class:`~specdec_cli.cache.batch_cache.BatchCache`): one protocol for both.
 
     ``feed`` runs a forward and returns its lazy logits; ``snapshot`` and ``restore`` go back
     exactly in O(1); ``settle(snap, keep)`` keeps row b's first ``keep[b]`` tokens fed since
@@ -502,7 +502,7 @@ class ModelCache:
 
         The recurrent layers' several-token recurrence is checked against its
         one-token steps at every row count (see
-        :meth:`~specdec_cli.recurrent.RecurrentSteps.check_rows`); where it differs
+        :meth:`~specdec_cli.model.recurrent.RecurrentSteps.check_rows`); where it differs
         the hooks compute it one token at a time.
 
         Raises:
@@ -540,7 +540,7 @@ class ModelCache:
         Args:
             tokens: Token ids.
             step_size: Tokens per chunk (the most, when sized by time).
-            tap: A :class:`~specdec_cli.taps.HiddenTap` on the model, or None.
+            tap: A :class:`~specdec_cli.model.taps.HiddenTap` on the model, or None.
             seconds: Aim each chunk's evaluation at about this long: the size
                 adapts to the measured speed (which falls as the context
                 grows), so no single evaluation keeps the host waiting long.

@@ -50,7 +50,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from .errors import OptionError, SpecdecError, UnsupportedModelError
+from ..errors import OptionError, SpecdecError, UnsupportedModelError
 
 # Seconds without a completed agreement, during a generation, after which a
 # rank gives up on the others (the bound is 30 s from a peer's death).

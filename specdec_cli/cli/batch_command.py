@@ -16,8 +16,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .compare import Comparison, compare_with_plain, comparison_dict
-from .defaults import DEFAULT_DECODE_CONCURRENCY
+from ..loop.compare import Comparison, compare_with_plain, comparison_dict
+from ..defaults import DEFAULT_DECODE_CONCURRENCY
 from .display import (
     batch_lines,
     batch_view,
@@ -29,11 +29,11 @@ from .display import (
     row_lines,
     sweep_progress,
 )
-from .errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError, SpecdecError
-from .processors import ConstraintError, check_constraint, make_processors
-from .prompts import FilePrompt, clean, encode_messages, encode_prompt, read_prompts_file
-from .runner import Finished, Prefilled, Step
-from .session import (
+from ..errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError, SpecdecError
+from ..core.processors import ConstraintError, check_constraint, make_processors
+from ..model.prompts import FilePrompt, clean, encode_messages, encode_prompt, read_prompts_file
+from ..loop.runner import Finished, Prefilled, Step
+from ..session import (
     Request,
     Session,
     Setup,
@@ -44,8 +44,8 @@ from .session import (
     resolve_block_size,
     sampling_params,
 )
-from .session.batch import BatchEnd, ConcurrencyResult, batch_refusal, concurrency_sweep, run_batch
-from .stats import BatchStats, Stats
+from ..session.batch import BatchEnd, ConcurrencyResult, batch_refusal, concurrency_sweep, run_batch
+from ..core.stats import BatchStats, Stats
 
 
 @dataclass

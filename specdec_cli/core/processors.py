@@ -3,7 +3,7 @@
 A processor changes the target's distribution at each position from what came
 before it, so it must see, at every verify row, exactly the context plain
 decoding would have there: the committed tokens plus the drafts before that
-row. The engine (:mod:`specdec_cli.engine`) calls, per block and per row of
+row. The engine (:mod:`specdec_cli.loop.engine`) calls, per block and per row of
 the batch:
 
 - ``allowed(drafts)``: how many leading drafts could ever be accepted (a
@@ -43,7 +43,7 @@ from typing import Any, Optional, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import OptionError
+from ..errors import OptionError
 
 # mlx-lm's default context of each penalty (make_logits_processors).
 DEFAULT_CONTEXT = 20

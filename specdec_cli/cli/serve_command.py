@@ -14,11 +14,11 @@ from typing import Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .. import bundled
-from ..batch_cache import batch_problem
-from ..display import print_loading, print_stderr
+from ..model import bundled
+from ..cache.batch_cache import batch_problem
+from .display import print_loading, print_stderr
 from ..errors import OptionError
-from ..limits import gb
+from ..cache.limits import gb
 from ..session.corpus import DEFAULT_TOKENS
 from ..session import (
     Corpus,
@@ -31,8 +31,8 @@ from ..session import (
     sampling_params,
     single_process,
 )
-from .app import create_app
-from .service import Service
+from ..serve.app import create_app
+from ..serve.service import Service
 
 log = logging.getLogger("specdec.serve")
 # uvicorn's own wait for open connections once asked to stop; generation is

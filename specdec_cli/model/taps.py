@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 # Where mlx-lm keeps the decoder stack, and what its final norm is called.
 _BACKBONES = ("language_model.model", "model", "backbone", "model.language_model", "transformer")

@@ -1,7 +1,7 @@
 """The draft -> verify -> accept loop over rows (:class:`Engine`), and one sequence as a generator.
 
-:func:`speculative_generate_step` yields one :class:`~specdec_cli.blocks.Block`
-per target forward, as plain decoding (:mod:`specdec_cli.plain`) does. Neither
+:func:`speculative_generate_step` yields one :class:`~specdec_cli.core.blocks.Block`
+per target forward, as plain decoding (:mod:`specdec_cli.loop.plain`) does. Neither
 prints or times display; the caller owns the caches (prefilled with all but
 the last prompt token) and passes the last prompt token in.
 
@@ -20,21 +20,21 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from .adaptive import DraftPolicy, FixedLength
-from .batch_cache import BatchCache
-from .blocks import Block, PhaseTimes, cut_committed
-from .caches import ModelCache
-from .drafters import Draft, Drafter, no_draft
-from .errors import UnsupportedModelError
-from .processors import logprob_arrays, logprob_entries
-from .shapes import bucket
-from .shapes import fed as fed_width
-from .shapes import widths as shape_widths
-from .sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
-from .taps import Hidden, HiddenTap
+from ..core.adaptive import DraftPolicy, FixedLength
+from ..cache.batch_cache import BatchCache
+from ..core.blocks import Block, PhaseTimes, cut_committed
+from ..cache.caches import ModelCache
+from ..drafters import Draft, Drafter, no_draft
+from ..errors import UnsupportedModelError
+from ..core.processors import logprob_arrays, logprob_entries
+from ..core.shapes import bucket
+from ..core.shapes import fed as fed_width
+from ..core.shapes import widths as shape_widths
+from ..core.sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
+from ..model.taps import Hidden, HiddenTap
 
 if TYPE_CHECKING:
-    from .distributed import Ranks
+    from ..model.distributed import Ranks
 
 
 ROLLBACKS = ("reforward", "carry", "capture", "tape")
@@ -75,7 +75,7 @@ class Row:
         drafted: Drafts verified so far.
         accepted: Drafts accepted so far.
         blocks: Blocks (target forwards) it was in.
-        processors: The row's logits processors (see :mod:`specdec_cli.processors`),
+        processors: The row's logits processors (see :mod:`specdec_cli.core.processors`),
             the row's own state: drafts are cut to what they allow, each verify
             row's logits go through them in order, and they see every commit.
         logprobs: None: off; 0: each emitted token's log-probability; n: also
@@ -133,9 +133,9 @@ class Engine:
     """The draft -> verify -> accept loop over rows: one target forward per block for all of them.
 
     A single row (``generate``, ``--compare-ar``, ``sweep``, under ``mlx.launch``)
-    runs on its own :class:`~specdec_cli.caches.ModelCache` with every
+    runs on its own :class:`~specdec_cli.cache.caches.ModelCache` with every
     recurrent rollback strategy. Several rows share a
-    :class:`~specdec_cli.batch_cache.BatchCache`: their drafts are padded to the
+    :class:`~specdec_cli.cache.batch_cache.BatchCache`: their drafts are padded to the
     longest, verified in one forward, and each row accepts and rolls back at
     its own depth (recurrent layers by ``capture``; a model that cannot record
     its recurrent states decodes a batch plainly). Rows join (:meth:`admit`)
@@ -150,9 +150,9 @@ class Engine:
         tap: Records the target's hidden states for drafters that read them.
         sync: The ranks of a sharded target (one row only).
         planner: Weighs each row's expected tokens against what its drafts
-            add to a batch's forward (see :mod:`specdec_cli.batch_policy`).
+            add to a batch's forward (see :mod:`specdec_cli.loop.batch_policy`).
         shapes: ``exact`` or ``bucketed``: verify widths rounded up to a power
-            of two (see :mod:`specdec_cli.shapes`); the padding rows' outputs
+            of two (see :mod:`specdec_cli.core.shapes`); the padding rows' outputs
             are ignored and their cache entries dropped like a rejected draft's
             (on recurrent layers only where the forward records: capture, tape).
         ahead: After a single row's block without drafts, queue its next token's
@@ -632,7 +632,7 @@ def speculative_generate_step(
 
     The :class:`Engine` with one row. Sampling is rejection sampling, or with
     a seed (``sampling.seed``) draws keyed by position (see
-    :mod:`specdec_cli.sampling`): then the text does not depend on the draft
+    :mod:`specdec_cli.core.sampling`): then the text does not depend on the draft
     lengths.
 
     Each block drafts up to k tokens, verifies ``[last, d1..dk]`` in one
@@ -653,7 +653,7 @@ def speculative_generate_step(
         drafter: A prefilled drafter in step with ``cache``.
         max_tokens: Stop after this many emitted tokens.
         num_draft_tokens: Drafts per block (block size - 1), when no policy is given.
-        policy: Chooses each block's draft length (see :mod:`specdec_cli.adaptive`).
+        policy: Chooses each block's draft length (see :mod:`specdec_cli.core.adaptive`).
         eos_ids: Token ids that end generation (not emitted).
         sampling: Greedy (default) or sampling options.
         rollback: Recurrent rollback strategy: ``reforward``, ``carry``,
@@ -667,7 +667,7 @@ def speculative_generate_step(
             together with a check that every rank verified the same tokens;
             a clocked policy reads rank 0's block time (one more small
             collective and sync per block).
-        processors: Logits processors (see :mod:`specdec_cli.processors`),
+        processors: Logits processors (see :mod:`specdec_cli.core.processors`),
             fresh for this run: built with the prompt, they follow its commits.
         logprobs: None, or how many alternatives each emitted token's
             log-probability comes with (``Block.logprobs``).

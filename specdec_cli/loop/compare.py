@@ -1,7 +1,7 @@
 """``--compare-ar``: plain decoding on the same prompt ids, side by side, and a verdict.
 
 Greedy, or sampled with a seed: seeded draws are keyed by (seed, position)
-(see :mod:`specdec_cli.sampling`), so plain decoding with the same seed
+(see :mod:`specdec_cli.core.sampling`), so plain decoding with the same seed
 samples the very text a lossless speculative run must produce.
 
 When the outputs differ, the target's prediction at the first differing
@@ -18,9 +18,9 @@ rollback each block reports; the engine itself is not used). Verdicts:
 - ``diverged``: anything else (a path does not reproduce its run): a bug.
 
 The quantities are the ones selection compares: log-probabilities in the
-model's dtype (see :func:`specdec_cli.sampling.greedy`); with a seed, the
+model's dtype (see :func:`specdec_cli.core.sampling.greedy`); with a seed, the
 sampling distribution's log-probabilities plus the position's Gumbel noise,
-whose argmax is the keyed draw (see :func:`specdec_cli.sampling.keyed_pick`).
+whose argmax is the keyed draw (see :func:`specdec_cli.core.sampling.keyed_pick`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import ModelCache, make_cache
-from .blocks import Block
+from ..cache.caches import ModelCache, make_cache
+from ..core.blocks import Block
 from .runner import collect, run
-from .sampling import GREEDY, SamplingParams, greedy, keyed_pick, log_probs, position_noise
-from .stats import Stats
+from ..core.sampling import GREEDY, SamplingParams, greedy, keyed_pick, log_probs, position_noise
+from ..core.stats import Stats
 
 if TYPE_CHECKING:
-    from .distributed import Ranks
+    from ..model.distributed import Ranks
 
 IDENTICAL, TIE, DIVERGED = "identical", "rounding tie", "diverged"
 RECORDED = ("capture", "tape")

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .loading import cast
-from .prompts import byte_level_chars
+from ..model.prompts import byte_level_chars
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # 256 byte tokens, then the special tokens.
@@ -296,7 +296,7 @@ def save_dflash_dir(path: Path, config: dict[str, Any], seed: int = 0, prefix: s
     Every parameter is random (norm weights around 1), so a fidelity check
     exercises each of them.
     """
-    from .drafters.dflash import DFlashConfig, DFlashModel
+    from ..drafters.dflash import DFlashConfig, DFlashModel
 
     model = DFlashModel(DFlashConfig.from_dict(config))
     key = mx.random.key(seed)

@@ -1,6 +1,6 @@
 """The engine's caches with a row dimension: several sequences, each at its own length, in one forward.
 
-A batch is built by merging one-row caches (:class:`~specdec_cli.caches.ModelCache`,
+A batch is built by merging one-row caches (:class:`~specdec_cli.cache.caches.ModelCache`,
 prefilled alone, or resumed from the prompt cache), and a row leaves it as a
 one-row cache again. In between, one forward of ``B x T`` tokens appends up to
 ``T`` positions to every row, and each row keeps its own accepted count:
@@ -33,8 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, _leaves, rebuild
-from .errors import UnsupportedModelError
-from .recurrent import StepRecord
+from ..errors import UnsupportedModelError
+from ..model.recurrent import StepRecord
 
 
 class RowsKVCache:

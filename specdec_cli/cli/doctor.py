@@ -14,7 +14,8 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
-from . import __version__, blas, bundled
+from .. import __version__
+from ..model import blas, bundled
 
 PACKAGES = ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "mlx-lm", "transformers", "typer", "huggingface-hub",
             "rich")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 NAME = "smollm2-135m-instruct"
 DISPLAY_NAME = "SmolLM2-135M-Instruct (bundled)"

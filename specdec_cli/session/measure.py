@@ -18,12 +18,12 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
-from .adaptive import DraftPolicy, FixedLength
-from .compare import IDENTICAL, explain
-from .drafters import Drafter
-from .runner import collect, run
-from .sampling import GREEDY, SamplingParams
-from .stats import Stats
+from ..core.adaptive import DraftPolicy, FixedLength
+from ..loop.compare import IDENTICAL, explain
+from ..drafters import Drafter
+from ..loop.runner import collect, run
+from ..core.sampling import GREEDY, SamplingParams
+from ..core.stats import Stats
 
 
 def measure(
@@ -44,7 +44,7 @@ def measure(
 ) -> tuple[Stats, list[int]]:
     """One generation (plain when ``drafter`` is None) with a fixed block size, or with ``policy``'s.
 
-    ``run_options`` go to :func:`~specdec_cli.runner.run` (prefill sizing, KV quantization).
+    ``run_options`` go to :func:`~specdec_cli.loop.runner.run` (prefill sizing, KV quantization).
     """
     return collect(run(
         model, prompt_ids, drafter=drafter, policy=policy if policy is not None else FixedLength(block_size - 1),
@@ -176,10 +176,10 @@ def sweep(
             other run reuses its sizes, so all of them start from identical caches.
         kv_bits: Quantized KV cache for the target (None: off).
         kv_group_size: Its group size.
-        sync: The ranks of a sharded target (see :mod:`specdec_cli.distributed`).
+        sync: The ranks of a sharded target (see :mod:`specdec_cli.model.distributed`).
         default: Also measure ``generate``'s default setting, as one more configuration
             (its row is ``SweepResult.default``).
-        shapes: Verify widths, ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.shapes`).
+        shapes: Verify widths, ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.core.shapes`).
     """
     kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size,
               kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)

@@ -10,17 +10,17 @@ from typing import Optional
 from mlx.utils import tree_flatten
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .session import ModelOptions, check_force_download, load_target
-from .defaults import DISTILL
+from ..session import ModelOptions, check_force_download, load_target
+from ..defaults import DISTILL
 from .display import Console, print_stderr
-from .distill.data import Generated
-from .distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
+from ..distill.data import Generated
+from ..distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
                                model_key, write_head)
-from .distill.train import Step, TrainConfig
-from .drafters.mtp_io import SPECDEC_TYPE
-from .errors import EXIT_INTERRUPTED, OptionError
-from .limits import gb
-from .taps import target_parts
+from ..distill.train import Step, TrainConfig
+from ..drafters.mtp_io import SPECDEC_TYPE
+from ..errors import EXIT_INTERRUPTED, OptionError
+from ..cache.limits import gb
+from ..model.taps import target_parts
 
 # Held-out prompts for the acceptance measured after training: in no seed prompt.
 EVAL_PROMPTS = (

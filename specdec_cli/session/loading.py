@@ -20,9 +20,9 @@ import mlx.nn as nn
 from huggingface_hub import errors as hub_errors
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .caches import make_cache
-from .distributed import Ranks, shard
-from .errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
+from ..cache.caches import make_cache
+from ..model.distributed import Ranks, shard
+from ..errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
 
 # Files mlx-lm needs from a repo (its own download patterns).
 ALLOW_PATTERNS = [
@@ -187,7 +187,7 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
         trust_remote_code: Allow a model's own Python files (model and tokenizer).
         force_download: Download a Hub repo's files again.
         path: Where ``name`` was already resolved to (no second download).
-        ranks: Shard the model over these ranks (see :mod:`specdec_cli.distributed`):
+        ranks: Shard the model over these ranks (see :mod:`specdec_cli.model.distributed`):
             built lazily, cast, then sharded by mlx-lm's own ``shard()`` or
             ``pipeline()`` before any weight is read, as ``sharded_load`` does.
 
@@ -271,7 +271,7 @@ def load_dflash(name: str, dtype: Optional[str] = None, path: Optional[Path] = N
         ModelLoadError: Missing or unreadable files, missing weights.
         UnsupportedModelError: DFlash2, a missing mask token id, or extras it would not use.
     """
-    from .drafters.dflash import load_dflash_model
+    from ..drafters.dflash import load_dflash_model
 
     path = resolve(name) if path is None else path
     try:
@@ -396,7 +396,7 @@ def read_config(path: Path) -> dict:
 
 def is_mtp_sidecar(path: Optional[Path]) -> bool:
     """Whether the directory ``path`` is an MTP-only folder (mlx-vlm's or specdec's)."""
-    from .drafters.mtp_io import is_sidecar
+    from ..drafters.mtp_io import is_sidecar
 
     return path is not None and (path / "config.json").is_file() and is_sidecar(read_config(path))
 
@@ -417,8 +417,8 @@ def load_mtp(name: Optional[str], path: Optional[Path], target: Loaded, dtype: O
     Raises:
         UnsupportedModelError: No head, several MTP layers, or a head for another model.
     """
-    from .drafters.mtp_io import load_head
-    from .taps import target_parts
+    from ..drafters.mtp_io import load_head
+    from ..model.taps import target_parts
 
     path = target.path if name is None else (path or resolve(name))
     config = read_config(path)

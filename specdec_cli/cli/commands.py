@@ -18,11 +18,11 @@ import mlx.core as mx
 
 from . import doctor
 from .batch_command import check_batch_options, generate_batch, parse_concurrency, sweep_concurrency
-from .compare import DIVERGED, compare_with_plain, comparison_dict
+from ..loop.compare import DIVERGED, compare_with_plain, comparison_dict
 
 # Block-size and n-gram limits live in a module without heavy imports: the CLI
 # declares its option ranges with them before MLX is loaded.
-from .defaults import (  # noqa: F401  (re-exported: the limits are commands' to check)
+from ..defaults import (  # noqa: F401  (re-exported: the limits are commands' to check)
     DEFAULT_BLOCK_SIZE,
     DRAFTER_KINDS,
     MAX_ANY_BLOCK_SIZE,
@@ -43,14 +43,14 @@ from .display import (
     sweep_progress,
     text_view,
 )
-from .distributed import peer_errors
-from .errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError
-from .limits import gb
-from .measure import DefaultSetting, SweepResult, sweep
-from .processors import ConstraintError, check_constraint, make_processors
-from .prompts import clean, encode_prompt, read_prompt
-from .runner import Step
-from .session import (
+from ..model.distributed import peer_errors
+from ..errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError
+from ..cache.limits import gb
+from ..session.measure import DefaultSetting, SweepResult, sweep
+from ..core.processors import ConstraintError, check_constraint, make_processors
+from ..model.prompts import clean, encode_prompt, read_prompt
+from ..loop.runner import Step
+from ..session import (
     PREFILL_CHUNK_S,
     ModelOptions,
     Request,
@@ -68,7 +68,7 @@ from .session import (
     resolve_block_size,
     sampling_params,
 )
-from .stats import Stats
+from ..core.stats import Stats
 
 
 @dataclass

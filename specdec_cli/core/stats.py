@@ -57,7 +57,7 @@ class Stats:
     # Row counts warmed (target, drafter) and whether the backend measured free.
     warmup_rows: tuple = ((), ())
     warmup_free: bool = False
-    # Verify shapes: exact or bucketed (specdec_cli.shapes), and each verify forward's rows x positions, counted.
+    # Verify shapes: exact or bucketed (specdec_cli.core.shapes), and each verify forward's rows x positions, counted.
     shapes: str = "exact"
     verify_shapes: Counter = field(default_factory=Counter)
     # Every block, in order (what --compare-ar needs to recompute a position).
@@ -78,7 +78,7 @@ class Stats:
             self.cache_bytes = dict(event.cache_bytes)
 
     def warm(self, event) -> None:
-        """Record a :class:`~specdec_cli.runner.Warmed` event."""
+        """Record a :class:`~specdec_cli.loop.runner.Warmed` event."""
         self.warmup_s += event.seconds
         self.warmup_rows = (event.what.target_rows, event.what.drafter_rows)
         self.warmup_free = event.what.free

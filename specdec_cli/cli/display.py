@@ -20,12 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextCo
 from rich.table import Table
 from rich.text import Text
 
-from .compare import Comparison
-from .measure import Progress, SweepResult, default_label
-from .stats import BatchStats, Stats
+from ..loop.compare import Comparison
+from ..session.measure import Progress, SweepResult, default_label
+from ..core.stats import BatchStats, Stats
 
 if TYPE_CHECKING:
-    from .session.batch import ConcurrencyResult
+    from ..session.batch import ConcurrencyResult
 
 # Set on ranks other than 0 under mlx.launch: rank 0 alone shows the run.
 _MUTED = False
@@ -586,7 +586,7 @@ def print_stderr(lines: list[str]) -> None:
 
 def loading_line(model: Optional[str], draft_model: Optional[str]) -> str:
     """What is about to load: ``--model`` (or the bundled model) and ``--draft-model``."""
-    from .bundled import DISPLAY_NAME
+    from ..model.bundled import DISPLAY_NAME
 
     drafter = f" with drafter {draft_model}" if draft_model else ""
     return f"Loading {model if model is not None else DISPLAY_NAME}{drafter} ..."

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .display import print_loading, print_stderr, stderr_width, text_view
-from .errors import OptionError
-from .prompts import clean, render_messages
-from .session import (
+from ..errors import OptionError
+from ..model.prompts import clean, render_messages
+from ..session import (
     PromptCache,
     PromptTooLongError,
     Request,
@@ -29,9 +29,9 @@ from .session import (
     sampling_params,
     single_process,
 )
-from .session.options import RunOptions
-from .session.reply import Reply, TextStream
-from .stats import Stats
+from ..session.options import RunOptions
+from ..session.reply import Reply, TextStream
+from ..core.stats import Stats
 
 HELP = "Type a message. /reset starts over, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer."
 

@@ -15,21 +15,21 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
-from .adaptive import DraftPolicy
-from .caches import Checkpoint, ModelCache, make_cache
-from .drafters import Drafter
-from .blocks import Block
+from ..core.adaptive import DraftPolicy
+from ..cache.caches import Checkpoint, ModelCache, make_cache
+from ..drafters import Drafter
+from ..core.blocks import Block
 from .engine import speculative_generate_step, verify_rows
 from .plain import Warmup, plain_generate_step, warm_up
-from .errors import OptionError
-from .rollback import RollbackChoice, choose
-from .sampling import GREEDY, SamplingParams
-from .shapes import resolve as resolve_shapes
-from .stats import Stats
-from .taps import Hidden, HiddenTap
+from ..errors import OptionError
+from ..cache.rollback import RollbackChoice, choose
+from ..core.sampling import GREEDY, SamplingParams
+from ..core.shapes import resolve as resolve_shapes
+from ..core.stats import Stats
+from ..model.taps import Hidden, HiddenTap
 
 if TYPE_CHECKING:
-    from .distributed import Ranks
+    from ..model.distributed import Ranks
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Prefilled:
     cached: int = 0
     # The target's checkpoints at the ``marks`` run() was given, in order.
     marks: tuple[Checkpoint, ...] = ()
-    # The verify shapes decoding runs with: exact or bucketed (see specdec_cli.shapes).
+    # The verify shapes decoding runs with: exact or bucketed (see specdec_cli.core.shapes).
     shapes: str = "exact"
 
 
@@ -127,7 +127,7 @@ def run(
         eos_ids: Ids that end generation.
         sampling: Greedy or sampling options.
         rollback: Recurrent rollback strategy: ``auto`` (chosen after the
-            prefill, see :mod:`specdec_cli.rollback`), ``reforward``, ``carry``,
+            prefill, see :mod:`specdec_cli.cache.rollback`), ``reforward``, ``carry``,
             ``capture`` or ``tape``.
         rollback_memory_cap: Most extra bytes capture may hold per verify.
         prefill_step_size: Prompt chunk size (the most, when sized by time).
@@ -139,10 +139,10 @@ def run(
         kv_group_size: Group size of the KV quantization.
         timed: Ask the engine for per-phase timings (adds syncs).
         warmup: Run every shape once before decoding (see
-            :func:`~specdec_cli.plain.warm_up`), timed apart.
+            :func:`~specdec_cli.loop.plain.warm_up`), timed apart.
         seed: At temperature > 0, key every draw by (seed, position): the
             text is then the same whatever the draft lengths, and equal to
-            plain decoding's with the same seed (see :mod:`specdec_cli.sampling`).
+            plain decoding's with the same seed (see :mod:`specdec_cli.core.sampling`).
         cache: The target's caches holding a prefix of ``prompt_ids`` (a
             prompt cache hit), built fresh when None. The caller may keep
             them after the run: they then hold the prompt and every
@@ -156,13 +156,13 @@ def run(
             :class:`~specdec_cli.errors.Cancelled` (between blocks, close the generator).
         sync: The ranks of a sharded target: every rank then uses rank 0's
             prefill chunk sizes, rollback choice and decisions (see
-            :mod:`specdec_cli.distributed`), and a watchdog ends a rank whose
+            :mod:`specdec_cli.model.distributed`), and a watchdog ends a rank whose
             peers stop answering.
         processors: Logits processors built for this prompt
-            (:func:`specdec_cli.processors.make_processors`), used by this run only.
+            (:func:`specdec_cli.core.processors.make_processors`), used by this run only.
         logprobs: None, or how many alternatives each emitted token's
             log-probability comes with (``Block.logprobs``).
-        shapes: ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.shapes`):
+        shapes: ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.core.shapes`):
             bucketed rounds verify widths up to powers of two; auto buckets on
             devices that compile per shape (on a recurrent target only with a
             recording rollback).
