@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_serve import OPEN, OPEN2, OPEN3, ask, free_port, start  # noqa: E402
 
 from specdec_cli.model import blas
-from specdec_cli import bundled  # noqa: E402
+from specdec_cli.model import bundled  # noqa: E402
 
 QUESTIONS = [OPEN, OPEN2, OPEN3]
 ASKERS = ["You answer a student.", "You answer a colleague."]

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec_cli import blas  # noqa: E402
+from specdec_cli.model import blas  # noqa: E402
 
 COPY = ("Copy this text exactly: The city council met on Tuesday to discuss the new park. The park will have a "
         "playground, a small lake and walking paths. The council said the park will open next spring, and that "

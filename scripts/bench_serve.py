@@ -36,7 +36,7 @@ each against chat completions, and whether the three texts are identical.
 Results go to ``bench-results/serve-dialects.json``.
 
 Usage: python scripts/bench_serve.py [--repeats 3] [--out bench-results/serve.json]
-       python scripts/bench_serve.py --concurrency 1,2,4,8 [--decode-concurrency 8]
+       python scripts/bench_serve.py --concurrency 1,2,4,8 [--decode-concurrency 8|default]
        python scripts/bench_serve.py --dialects [--repeats 5]
 """
 
@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec_cli.model import blas
-from specdec_cli import bundled  # noqa: E402
+from specdec_cli.model import bundled  # noqa: E402
 
 NOTICE = (
     "Notice to all residents of Elm Street. The city will repair the water main under Elm Street starting on "
@@ -239,8 +239,9 @@ def main() -> None:
                     help="the edit request through chat completions, /v1/messages and /v1/responses (specdec only)")
     ap.add_argument("--dtype", default="float32",
                     help="The dtype both servers' copy of the bundled model is written in (bfloat16 on a GPU)")
-    ap.add_argument("--decode-concurrency", type=int, default=8,
-                    help="Both servers' --decode-concurrency in the --concurrency runs (mlx_lm.server's default "
+    ap.add_argument("--decode-concurrency", default="8",
+                    help="Both servers' --decode-concurrency in the --concurrency runs, or 'default': each server's "
+                         "own (specdec's measured at start-up; mlx_lm.server's default "
                          "is 32; it only matters up to the number of clients)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else None
@@ -260,7 +261,7 @@ def main() -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     ports = {"mlx_lm": free_port(), "specdec": free_port()}
-    batch = ["--decode-concurrency", str(args.decode_concurrency)] if levels else []
+    batch = ["--decode-concurrency", args.decode_concurrency] if levels and args.decode_concurrency != "default" else []
     procs = {} if args.dialects else {
         "mlx_lm": start([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32), "--port",
                          str(ports["mlx_lm"]), *batch], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
@@ -279,6 +280,9 @@ def main() -> None:
             results["dialects"] = dialects(ports["specdec"], args.repeats)
         elif levels:
             results["decode_concurrency"] = args.decode_concurrency
+            # What specdec runs with (its default is chosen at start-up): its health endpoint says.
+            results["specdec_decode_concurrency"] = httpx.get(
+                f"http://127.0.0.1:{ports['specdec']}/health", timeout=10).json().get("decode_concurrency")
             results["workloads"] = concurrency(ports, levels, args.workloads.split(","))
         else:
             single(ports, results, args.repeats)

@@ -28,7 +28,7 @@ if __name__ == "__main__":
 
     maybe_reexec()
 
-from specdec_cli import caches  # noqa: E402
+from specdec_cli.cache import caches  # noqa: E402
 from specdec_cli.cli.commands import GenerateOptions, prompt_ids  # noqa: E402
 from specdec_cli.session import check_model_options, load_setup, make_policy, resolve_block_size  # noqa: E402
 from specdec_cli.loop.runner import collect, run  # noqa: E402

@@ -321,7 +321,7 @@ def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
 # machine): rank 1 reaches the same refusal and would exit first.
 SLOW_RANK_0 = """
 import os, sys, time
-from specdec_cli.cli import app
+from specdec_cli.cli import app as cli
 if os.environ.get("MLX_RANK") == "0":
     write = cli._err
     cli._err = lambda line: (time.sleep(3), write(line))

@@ -71,7 +71,7 @@ def _pip(*args: str, cwd: Path) -> None:
 
 
 def _bundled_dir_in(site: Path) -> dict:
-    code = ("import json; from specdec_cli import bundled; d = bundled.require(); "
+    code = ("import json; from specdec_cli.model import bundled; d = bundled.require(); "
             "print(json.dumps({'dir': str(d), 'ok': all(c.ok for c in bundled.check_files(d, full=True))}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=site, env=fresh_env(PYTHONPATH=str(site)),
                          capture_output=True, text=True)
