@@ -380,7 +380,7 @@ def test_rows_merged_and_taken_out_equal_their_own_caches(family):
 
 # --- the batch's draft width (specdec_cli/loop/batch_policy.py) ---------------------------------------------
 
-from specdec_cli.loop.batch_policy import BatchPlanner, CostTable  # noqa: E402
+from specdec_cli.loop.batch_policy import BatchPlanner, CostTable, knee  # noqa: E402
 from specdec_cli.drafters import Draft  # noqa: E402
 
 
@@ -415,6 +415,18 @@ def test_the_cost_table_interpolates_between_and_beyond_what_it_measured():
     guess = table.cost(4, 32)
     table.learn(4, 32, guess * 3)
     assert table.cost(4, 32) == guess * 3  # an estimate is replaced by what a block of that shape took
+
+
+def test_the_decode_concurrency_default_stops_where_doubling_the_rows_stops_paying():
+    # A GPU-like curve (a step costs the same up to 32 rows): all 32, as mlx_lm.server.
+    assert knee({1: 10, 2: 10, 4: 10, 8: 10, 16: 10, 32: 10}) == 32
+    # Compute-bound from the start: each row costs as much as the first; one row at a time.
+    assert knee({1: 10, 2: 20, 4: 40, 8: 80}) == 1
+    # A CPU-like curve: cheap up to 4 rows, then nearly linear; 8 rows add 5%, under the 10% asked.
+    assert knee({1: 58, 2: 65, 4: 83, 8: 158, 16: 316}) == 4
+    assert knee({1: 58, 2: 65, 4: 83, 8: 158}, gain=0.01) == 8
+    # Measured noise that makes a larger count look worse stops there, never past it.
+    assert knee({1: 10, 2: 25, 4: 12}) == 1
 
 
 def test_the_planner_drafts_nothing_when_nothing_is_accepted_and_wide_when_all_is():

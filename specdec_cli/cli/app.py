@@ -638,9 +638,10 @@ PromptCacheBytesOpt = Annotated[Optional[str], _opt(
 QueueOpt = Annotated[int, _opt(
     "--queue-size", metavar="N", min=1, max=1 << 16, help="Requests that may wait; more get 503.",
     rich_help_panel=LIMITS)]
-DecodeConcurrencyOpt = Annotated[int, _opt(
+DecodeConcurrencyOpt = Annotated[Optional[int], _opt(
     "--decode-concurrency", "--parallel", metavar="N", min=1, max=256, help="Requests decoded together (as "
-    "mlx_lm.server's and llama-server's).", rich_help_panel=LIMITS)]
+    "mlx_lm.server's and llama-server's).", rich_help_panel=LIMITS,
+    **_default("measured at start-up: rows are doubled, up to 32, while that adds 10% to a step's tokens/s"))]
 
 
 LookupCorpusOpt = Annotated[int, _opt(
@@ -681,7 +682,7 @@ def serve(
     top_p: TopPOpt = 0.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
-    decode_concurrency: DecodeConcurrencyOpt = 4,
+    decode_concurrency: DecodeConcurrencyOpt = None,
     queue_size: QueueOpt = 16,
     prompt_cache_size: PromptCacheSizeOpt = 10,
     prompt_cache_bytes: PromptCacheBytesOpt = None,

@@ -19,6 +19,8 @@ from ..cache.batch_cache import batch_problem
 from .display import print_loading, print_stderr
 from ..errors import OptionError
 from ..cache.limits import gb
+from ..loop.batch_policy import KNEE_GAIN
+from ..session.batch import auto_concurrency
 from ..session.corpus import DEFAULT_TOKENS
 from ..session import (
     Corpus,
@@ -57,7 +59,7 @@ class ServeOptions(RunOptions):
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
     queue_size: int = 16
-    decode_concurrency: int = 4
+    decode_concurrency: Optional[int] = None  # None: chosen at start-up (session.batch.auto_concurrency)
     lookup_corpus: int = DEFAULT_TOKENS
     log_level: str = "info"
 
@@ -103,6 +105,14 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def concurrency_line(rows: int, steps: dict[int, float]) -> str:
+    """What the start-up measurement chose for ``--decode-concurrency`` and why, in one line."""
+    rates = ", ".join(f"{b}: {b / s:.0f}" for b, s in sorted(steps.items()))
+    why = "the most tried" if rows == max(steps) else f"{2 * rows} would add under {KNEE_GAIN:.0%}"
+    return (f"decode concurrency {rows}, chosen at start-up ({why}; tokens/s of a one-token step by rows: "
+            f"{rates}); --decode-concurrency sets it")
+
+
 def serve_command(opts: ServeOptions) -> int:
     """Run ``specdec serve``; returns the exit code."""
     single_process(opts, "serve")
@@ -118,11 +128,15 @@ def serve_command(opts: ServeOptions) -> int:
     setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
     block_size = setup.run_block_size(block_size)
     batching = None
-    if opts.decode_concurrency > 1:
+    if opts.decode_concurrency is None or opts.decode_concurrency > 1:
         problem = batch_problem(setup.target.model, Session(setup, block_size).fresh_cache)
         if problem:
             batching = f"note: requests are decoded one at a time: {problem}"
             opts.decode_concurrency = 1
+    if opts.decode_concurrency is None:
+        # As many rows as still pay: measured here, before the first request (docs/SERVER.md).
+        opts.decode_concurrency, steps = auto_concurrency(Session(setup, block_size))
+        batching = concurrency_line(opts.decode_concurrency, steps)
     # --prompt-cache-bytes 0 turns the cache off as --prompt-cache-size 0 does (nothing could be kept).
     on = opts.prompt_cache_size > 0 and opts.prompt_cache_bytes != 0
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if on else None

@@ -51,6 +51,27 @@ _LEARN = 0.2
 # A wider block must promise this much more than a plain one (W = 1) to be chosen: near the
 # boundary the estimates' noise decides, and plain batched decoding is the floor to keep.
 MARGIN = 0.05
+# serve's --decode-concurrency default: the row counts tried at start-up (mlx_lm.server decodes up to
+# 32 together), and what doubling the rows must add to the tokens a one-token step returns per second.
+AUTO_ROWS = (1, 2, 4, 8, 16, 32)
+KNEE_GAIN = 0.1
+
+
+def knee(costs: dict[int, float], gain: float = KNEE_GAIN) -> int:
+    """The most rows worth decoding together, from one-token steps' seconds by row count.
+
+    Rows are added while the next measured count (double the last) returns at
+    least ``gain`` more tokens per second (rows / step seconds) than the one
+    before: past that, every row waits longer per token for little more
+    throughput. The first count is always kept.
+    """
+    rows = sorted(costs)
+    chosen = rows[0]
+    for lo, hi in zip(rows, rows[1:]):
+        if hi / costs[hi] < (1.0 + gain) * lo / costs[lo]:
+            break
+        chosen = hi
+    return chosen
 
 
 class CostTable:
@@ -82,7 +103,6 @@ class CostTable:
         whole measurement under ``budget`` seconds; each row count's first
         (narrowest) width is always measured. The caches are throwaway.
         """
-        start = time.perf_counter()
         base = fresh()
         base.prefill([(7 * i) % 97 + 1 for i in range(context)])
         caches: dict[int, Any] = {}
@@ -92,6 +112,8 @@ class CostTable:
                 caches[b] = BatchCache(model, base)
                 for _ in range(b - 1):
                     caches[b].add(base)
+        # The budget is for timing forwards: building the caches above is not (32 rows' took seconds).
+        start = time.perf_counter()
         cells: dict[tuple[int, int], float] = {}
         slow: set[int] = set()
         # Narrow widths of every row count first (what blocks use most), then wider ones while time remains.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
 from ..cache.batch_cache import batch_problem
-from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable
+from ..loop.batch_policy import AUTO_ROWS, WIDTHS, BatchPlanner, CostTable, knee
 from ..loop.compare import IDENTICAL, explain
 from ..core.shapes import resolve as resolve_shapes
 from ..loop.engine import Engine, Row
@@ -80,6 +80,15 @@ class BatchEnd:
 def batch_refusal(session: Session) -> Optional[str]:
     """Why this model's rows cannot share a batch (a layer cache with no row form: ``--kv-bits``), or None."""
     return batch_problem(session.model, session.fresh_cache)
+
+
+def auto_concurrency(session: Session, rows: Sequence[int] = AUTO_ROWS) -> tuple[int, dict[int, float]]:
+    """serve's ``--decode-concurrency`` default: :func:`~specdec_cli.loop.batch_policy.knee` of the target's
+    one-token step measured at ``rows`` rows; returns it and the seconds by row count."""
+    # Every row count is measured (one-token steps are quick); none is extrapolated.
+    table = CostTable.measure(session.model, session.fresh_cache, rows, (1,), budget=float("inf"))
+    costs = {b: table.cost(b, 1) for b in rows}
+    return knee(costs), costs
 
 
 def measure_costs(session: Session, max_rows: int) -> CostTable:
