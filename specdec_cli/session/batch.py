@@ -93,7 +93,8 @@ def auto_concurrency(session: Session, rows: Sequence[int] = AUTO_ROWS) -> tuple
 
 def measure_costs(session: Session, max_rows: int) -> CostTable:
     """The target's verify forward cost by rows x width, for a :class:`~specdec_cli.loop.batch_policy.BatchPlanner`."""
-    rows = sorted({1, 2, max_rows})
+    # Past 8 rows the table extrapolates: measuring 32 rows' wide forwards would take the whole budget.
+    rows = sorted({1, 2, min(max_rows, 8)})
     widths = sorted({w for w in WIDTHS if w <= session.block_size} | {session.block_size})
     return CostTable.measure(session.model, session.fresh_cache, rows, widths)
 
