@@ -34,6 +34,22 @@ def noisy_drafter(family: str, dtype: str):
     return model
 
 
+class Interrupting:
+    """Wraps a model and raises KeyboardInterrupt on its n-th forward."""
+
+    def __init__(self, model, at_call: int):
+        self._model, self._at, self._calls = model, at_call, 0
+
+    def __call__(self, *args, **kwargs):
+        self._calls += 1
+        if self._calls == self._at:
+            raise KeyboardInterrupt
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 def prefilled(model, prompt=PROMPT) -> ModelCache:
     cache = ModelCache(model)
     cache.prefill(prompt[:-1])

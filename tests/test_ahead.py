@@ -15,6 +15,7 @@ from helpers import (
     DTYPES,
     FAMILIES,
     GEN,
+    Interrupting,
     PROMPT,
     assert_exact,
     max_cache_diff,
@@ -147,22 +148,6 @@ def test_closing_after_a_queued_step_leaves_plain_caches(family):
     assert max_cache_diff(cache, direct) == 0.0
 
 
-class _Interrupting:
-    """A target that raises KeyboardInterrupt on its n-th forward."""
-
-    def __init__(self, model, at_call: int):
-        self._model, self._at, self._calls = model, at_call, 0
-
-    def __call__(self, *args, **kwargs):
-        self._calls += 1
-        if self._calls == self._at:
-            raise KeyboardInterrupt
-        return self._model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
 @pytest.mark.parametrize("at_call", [3, 4, 5, 6, 7])
 def test_interrupt_around_a_queued_step_resumes_exactly(family, at_call):
@@ -170,7 +155,7 @@ def test_interrupt_around_a_queued_step_resumes_exactly(family, at_call):
     # drafts' own after it: interrupting each of them in turn.
     model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
     ref, _ = plain(model)
-    cache = prefilled(_Interrupting(model, at_call))
+    cache = prefilled(Interrupting(model, at_call))
     drafter = Gappy(draft, (True, False))
     drafter.inner.prefill(PROMPT[:-1])
     out: list[int] = []

@@ -21,6 +21,7 @@ from helpers import (
     FAMILIES,
     fed,
     GEN,
+    Interrupting,
     PROMPT,
     max_cache_diff,
     noisy_drafter,
@@ -174,30 +175,14 @@ def test_early_close_leaves_caches_consistent(family):
     assert max_cache_diff(cache, direct) == 0.0
 
 
-class _Interrupting:
-    """Wraps a model and raises KeyboardInterrupt on its n-th forward."""
-
-    def __init__(self, model, at_call: int):
-        self._model, self._at, self._calls = model, at_call, 0
-
-    def __call__(self, *args, **kwargs):
-        self._calls += 1
-        if self._calls == self._at:
-            raise KeyboardInterrupt
-        return self._model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
 @pytest.mark.parametrize("who", ["target", "drafter"])
 def test_interrupt_mid_block_restores_caches_and_resumes_exactly(family, who):
     model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
     ref, _ = plain(model)
     # Prefill is one forward; interrupt a later one, mid-block.
-    wrapped_target = _Interrupting(model, at_call=6) if who == "target" else model
-    wrapped_draft = _Interrupting(draft, at_call=9) if who == "drafter" else draft
+    wrapped_target = Interrupting(model, at_call=6) if who == "target" else model
+    wrapped_draft = Interrupting(draft, at_call=9) if who == "drafter" else draft
     cache = prefilled(wrapped_target)
     drafter = ModelDrafter(wrapped_draft)
     drafter.prefill(PROMPT[:-1])
@@ -286,7 +271,7 @@ def test_carry_early_close_flushes_the_carry(family):
 def test_carry_interrupt_mid_block_resumes_exactly(family, at_call):
     model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
     ref, _ = plain(model)
-    cache = prefilled(_Interrupting(model, at_call=at_call))
+    cache = prefilled(Interrupting(model, at_call=at_call))
     drafter = ModelDrafter(draft)
     drafter.prefill(PROMPT[:-1])
     out: list[int] = []

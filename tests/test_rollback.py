@@ -253,7 +253,7 @@ def test_sliding_window_rollback_past_its_reach_fails_loudly():
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_eos_max_tokens_and_interrupt_leave_exact_caches(family, strategy):
-    from test_engine import _Interrupting
+    from helpers import Interrupting
 
     m, draft = model(family), model(family, noise=0.05)
     ref, _ = plain(m)
@@ -267,7 +267,7 @@ def test_eos_max_tokens_and_interrupt_leave_exact_caches(family, strategy):
     blocks, cache, _ = speculative(m, draft, 4, eos_ids=(eos,), rollback=strategy)
     assert tokens(blocks) == ref_eos and max_cache_diff(cache, eos_cache) == 0.0
     # Interrupted inside a verify forward: back to the block's start, then resumed.
-    cache = prefilled(_Interrupting(m, at_call=6))
+    cache = prefilled(Interrupting(m, at_call=6))
     drafter = ModelDrafter(draft)
     drafter.prefill(PROMPT[:-1])
     out: list[int] = []
