@@ -243,6 +243,8 @@ def main() -> None:
                     help="Both servers' --decode-concurrency in the --concurrency runs, or 'default': each server's "
                          "own (specdec's measured at start-up; mlx_lm.server's default "
                          "is 32; it only matters up to the number of clients)")
+    ap.add_argument("--specdec-args", default="", help="More options for specdec serve, e.g. '--lookup-corpus 0' "
+                    "(the workloads repeat their requests: with the corpus, a repeat copies the earlier answer)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else None
     name = "serve-dialects.json" if args.dialects else "serve-concurrency.json" if levels else "serve.json"
@@ -269,7 +271,8 @@ def main() -> None:
         # from mlx_lm.convert's, which changes near-tie tokens.
     }
     procs["specdec"] = start([sys.executable, "-m", "specdec_cli", "serve", "--model", str(f32), "--port",
-                              str(ports["specdec"]), *batch], ports["specdec"], env, work / "specdec.log")
+                              str(ports["specdec"]), *batch, *args.specdec_args.split()], ports["specdec"], env,
+                             work / "specdec.log")
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
                      "blas": str(library) if library else "bundled reference BLAS", "repeats": args.repeats,
                      "requests": {}}
@@ -280,6 +283,7 @@ def main() -> None:
             results["dialects"] = dialects(ports["specdec"], args.repeats)
         elif levels:
             results["decode_concurrency"] = args.decode_concurrency
+            results["specdec_args"] = args.specdec_args
             # What specdec runs with (its default is chosen at start-up): its health endpoint says.
             results["specdec_decode_concurrency"] = httpx.get(
                 f"http://127.0.0.1:{ports['specdec']}/health", timeout=10).json().get("decode_concurrency")
