@@ -83,6 +83,10 @@ FILES: dict[str, tuple[str, ...]] = {
 
 # Tests whose tier is not their file's.
 TESTS: dict[str, tuple[str, ...]] = {
+    # The step queued ahead (off by default): every family and dtype, every ending and interrupt point.
+    "test_ahead.py::test_gaps_equal_plain_and_leave_plain_caches": SLOW,
+    "test_ahead.py::test_interrupt_around_a_queued_step_resumes_exactly": SLOW,
+    "test_ahead.py::test_max_tokens_right_after_a_gap": SLOW,
     # Statistical (chi-square) checks: thousands of draws each.
     "test_sampling.py::test_sampled_tokens_follow_the_target_distribution": SLOW,
     "test_sampling.py::test_seeded_speculative_sampling_follows_the_target_distribution": SLOW,
