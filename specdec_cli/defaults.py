@@ -59,11 +59,16 @@ MAX_NGRAM = MAX_ANY_BLOCK_SIZE
 
 # generate --prompts-file: rows decoded together when --decode-concurrency is not given (fewer prompts: all).
 DEFAULT_DECODE_CONCURRENCY = 8
+# serve's --decode-concurrency default (loop.batch_policy.knee): the row counts tried at start-up
+# (mlx_lm.server decodes up to 32 together), and what doubling the rows must add to a one-token
+# step's tokens per second.
+AUTO_ROWS = (1, 2, 4, 8, 16, 32)
+KNEE_GAIN = 0.1
 
 # specdec distill's defaults (the CLI, the command's options and the trainer read them here).
 DISTILL = {"data_tokens": 40_000, "steps": 400, "batch_size": 8, "seq_len": 128, "lr": 1e-3, "depth": 3,
            "draft_vocab": 8192, "seed": 0}
 
-__all__ = ["DISTILL", "DEFAULT_BLOCK_SIZE", "DEFAULT_DECODE_CONCURRENCY", "DEFAULT_KV_GROUP_SIZE", "DRAFTERS",
+__all__ = ["AUTO_ROWS", "KNEE_GAIN", "DISTILL", "DEFAULT_BLOCK_SIZE", "DEFAULT_DECODE_CONCURRENCY", "DEFAULT_KV_GROUP_SIZE", "DRAFTERS",
            "DRAFTER_KINDS", "DrafterKind", "HIDDEN_STATE_DRAFTERS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_NGRAM",
            "NGRAM_MAX", "NGRAM_MIN"]

@@ -23,8 +23,8 @@ from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from .. import __version__
-from ..defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, DRAFTER_KINDS,
-                       MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
+from ..defaults import (AUTO_ROWS, DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL,
+                        DRAFTER_KINDS, KNEE_GAIN, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
 from ..errors import EXIT_INTERRUPTED, SpecdecError
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
@@ -641,7 +641,8 @@ QueueOpt = Annotated[int, _opt(
 DecodeConcurrencyOpt = Annotated[Optional[int], _opt(
     "--decode-concurrency", "--parallel", metavar="N", min=1, max=256, help="Requests decoded together (as "
     "mlx_lm.server's and llama-server's).", rich_help_panel=LIMITS,
-    **_default("measured at start-up: rows are doubled, up to 32, while that adds 10% to a step's tokens/s"))]
+    **_default(f"measured at start-up: rows are doubled, up to {AUTO_ROWS[-1]}, while that adds {KNEE_GAIN:.0%} to a "
+               "step's tokens/s"))]
 
 
 LookupCorpusOpt = Annotated[int, _opt(

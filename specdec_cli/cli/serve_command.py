@@ -17,9 +17,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..model import bundled
 from ..cache.batch_cache import batch_problem
 from .display import print_loading, print_stderr
+from ..defaults import KNEE_GAIN
 from ..errors import OptionError
 from ..cache.limits import gb
-from ..loop.batch_policy import KNEE_GAIN
 from ..session.batch import auto_concurrency
 from ..session.corpus import DEFAULT_TOKENS
 from ..session import (
@@ -127,22 +127,22 @@ def serve_command(opts: ServeOptions) -> int:
     setup = load_setup(opts, kind)
     setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
     block_size = setup.run_block_size(block_size)
-    batching = None
-    if opts.decode_concurrency is None or opts.decode_concurrency > 1:
-        problem = batch_problem(setup.target.model, Session(setup, block_size).fresh_cache)
-        if problem:
-            batching = f"note: requests are decoded one at a time: {problem}"
-            opts.decode_concurrency = 1
-    if opts.decode_concurrency is None:
-        # As many rows as still pay: measured here, before the first request (docs/SERVER.md).
-        opts.decode_concurrency, steps = auto_concurrency(Session(setup, block_size))
-        batching = concurrency_line(opts.decode_concurrency, steps)
     # --prompt-cache-bytes 0 turns the cache off as --prompt-cache-size 0 does (nothing could be kept).
     on = opts.prompt_cache_size > 0 and opts.prompt_cache_bytes != 0
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if on else None
     # Lookup rows also draft from recent answers (other drafters have nothing to copy with).
     corpus = Corpus(opts.lookup_corpus) if opts.lookup_corpus and setup.kind == "lookup" else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache, corpus=corpus)
+    batching = None
+    if opts.decode_concurrency is None or opts.decode_concurrency > 1:
+        problem = batch_problem(setup.target.model, session.fresh_cache)
+        if problem:
+            batching = f"note: requests are decoded one at a time: {problem}"
+            opts.decode_concurrency = 1
+    if opts.decode_concurrency is None:
+        # As many rows as still pay: measured here, before the first request (docs/SERVER.md).
+        opts.decode_concurrency, steps = auto_concurrency(session)
+        batching = concurrency_line(opts.decode_concurrency, steps)
     # The id clients send back: what --model named, or the bundled model's own name.
     name = opts.model if opts.model is not None else bundled.NAME
     service = Service(session, name, opts, opts.queue_size, opts.decode_concurrency)

@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from ..cache.batch_cache import BatchCache
 from ..cache.caches import ModelCache
+from ..defaults import KNEE_GAIN
 from ..drafters import Draft
 
 # Widths measured (up to the block size), and how many timed forwards each.
@@ -51,10 +52,6 @@ _LEARN = 0.2
 # A wider block must promise this much more than a plain one (W = 1) to be chosen: near the
 # boundary the estimates' noise decides, and plain batched decoding is the floor to keep.
 MARGIN = 0.05
-# serve's --decode-concurrency default: the row counts tried at start-up (mlx_lm.server decodes up to
-# 32 together), and what doubling the rows must add to the tokens a one-token step returns per second.
-AUTO_ROWS = (1, 2, 4, 8, 16, 32)
-KNEE_GAIN = 0.1
 
 
 def knee(costs: dict[int, float], gain: float = KNEE_GAIN) -> int:

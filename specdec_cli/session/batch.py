@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
 from ..cache.batch_cache import batch_problem
-from ..loop.batch_policy import AUTO_ROWS, WIDTHS, BatchPlanner, CostTable, knee
+from ..defaults import AUTO_ROWS
+from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable, knee
 from ..loop.compare import IDENTICAL, explain
 from ..core.shapes import resolve as resolve_shapes
 from ..loop.engine import Engine, Row
