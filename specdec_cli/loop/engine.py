@@ -373,7 +373,7 @@ class Engine:
             for p in pending:
                 p.fed = width
             if batch:
-                xs = mx.stack([mx.pad(p.x, (0, width - p.x.shape[0])) for p in pending])
+                xs = mx.stack([_padded(p.x, width) for p in pending])
                 logits = cache.feed(xs, record=record)
                 hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
                 # Greedy picks of every row in one pass over the vocabulary (a row's own picks are the same).
@@ -389,8 +389,7 @@ class Engine:
                 if p.row.ahead is not None:
                     logits = self._verify_after(p, cache, record, pad)
                 else:
-                    x = p.x if width == p.x.shape[0] else mx.pad(p.x, (0, width - p.x.shape[0]))
-                    logits = cache.feed(x, record=record)[p.c : p.c + 1 + p.k]
+                    logits = cache.feed(_padded(p.x, width), record=record)[p.c : p.c + 1 + p.k]
                 p.hidden = self.tap.take() if self.tap is not None else None
                 self._accept(p, _processed(p, logits))
                 queued = self._queue_ahead(p, cache)
@@ -460,8 +459,7 @@ class Engine:
         p.fed = 1
         if p.k:
             width = fed_width(p.k, pad)
-            x = p.x[1:] if width == p.k else mx.pad(p.x[1:], (0, width - p.k))
-            logits = mx.concatenate([logits, cache.feed(x, record=record)[: p.k]])
+            logits = mx.concatenate([logits, cache.feed(_padded(p.x[1:], width), record=record)[: p.k]])
             p.fed += width
         return logits
 
@@ -555,6 +553,11 @@ class Engine:
             drafter.accept(n_keep - 1, hidden)
         else:
             drafter.accept(n_keep - 1)
+
+
+def _padded(x: mx.array, width: int) -> mx.array:
+    """``x`` with throwaway tokens after it up to ``width`` rows (a bucket, a batch's widest row)."""
+    return x if x.shape[0] == width else mx.pad(x, (0, width - x.shape[0]))
 
 
 def _inner(drafter: Any) -> Any:
