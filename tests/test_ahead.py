@@ -9,7 +9,6 @@ plain decoding would; ``--compare-ar``'s replay recomputes such blocks as they r
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from helpers import (
     DTYPES,
@@ -26,12 +25,13 @@ from helpers import (
     tokens,
 )
 
-from specdec_cli.loop.compare import replay
+from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.core.blocks import Block
+from specdec_cli.core.stats import Stats
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.loop import engine
+from specdec_cli.loop.compare import replay
 from specdec_cli.loop.engine import Engine, Row, speculative_generate_step
-from specdec_cli.core.adaptive import FixedLength
-from specdec_cli.core.stats import Stats
 
 RECURRENT = ("qwen3_5", "nemotron_h")
 
@@ -60,10 +60,10 @@ class Gappy:
 
 
 def run(model, draft, *, k=3, max_tokens=GEN, eos_ids=(), rollback="reforward", misses=(True, True, False),
-        drafter=None, ahead=True, timed=False) -> tuple[list[Block], object]:
+        ahead=True, timed=False) -> tuple[list[Block], object]:
     cache = prefilled(model)
-    drafter = drafter or Gappy(draft, misses)
-    drafter.inner.prefill(PROMPT[:-1]) if isinstance(drafter, Gappy) else drafter.prefill(PROMPT[:-1])
+    drafter = Gappy(draft, misses)
+    drafter.prefill(PROMPT[:-1])
     engine = Engine(model, rollback=rollback, ahead=ahead, timed=timed)
     row = engine.admit(Row(PROMPT[-1], drafter, FixedLength(k), eos=frozenset(eos_ids), max_tokens=max_tokens),
                        cache)
@@ -157,7 +157,7 @@ def test_interrupt_around_a_queued_step_resumes_exactly(family, at_call):
     ref, _ = plain(model)
     cache = prefilled(Interrupting(model, at_call))
     drafter = Gappy(draft, (True, False))
-    drafter.inner.prefill(PROMPT[:-1])
+    drafter.prefill(PROMPT[:-1])
     out: list[int] = []
     with pytest.raises(KeyboardInterrupt):
         for block in speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=3, max_tokens=GEN):
