@@ -27,15 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..loop.batch_policy import BatchPlanner, CostTable
-from ..core.shapes import resolve as resolve_shapes
-from ..loop.engine import Engine, Row
+from ..loop.engine import Engine
 from ..loop.runner import Step
 from ..session import Session
 from ..session.batch import measure_costs
-from ..session.generate import Opening
+from ..session.flights import Flight, Flights, State
 from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
-from ..model.taps import HiddenTap
 
 log = logging.getLogger("specdec.serve")
 
@@ -84,13 +82,11 @@ class Job:
 
 
 @dataclass(eq=False)
-class _Flight:
-    """One request in flight: its job, its reply, and its row on the way in or in the engine."""
+class _Ask:
+    """The server's side of one request in flight: the client's job and the reply it is sent."""
 
     job: Job
     reply: Reply
-    opening: Opening
-    row: Optional[Row] = None
 
 
 class Scheduler:
@@ -112,11 +108,10 @@ class Scheduler:
         self._jobs: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="specdec-generation", daemon=True)
         self._stopping = threading.Event()
-        self._flights: list[_Flight] = []
+        # The requests in flight and their engine (built on the generation thread); each flight's tag is an _Ask.
+        self._rows: Optional[Flights] = None
         # A request taken from the queue that waits for memory (rows to finish) before it is opened.
         self._held: Optional[tuple[Job, Reply]] = None
-        self.engine: Optional[Engine] = None
-        self._tap: Optional[HiddenTap] = None
         # Why the thread ended though nobody stopped it (None: it runs, or it was stopped).
         self.fault: Optional[BaseException] = None
 
@@ -124,6 +119,14 @@ class Scheduler:
         self._thread.start()
 
     # -- what the HTTP side sees -------------------------------------------------------------------
+
+    @property
+    def _flights(self) -> list[Flight]:
+        return [] if self._rows is None else list(self._rows.flights)
+
+    @property
+    def engine(self) -> Optional[Engine]:
+        return None if self._rows is None else self._rows.engine
 
     @property
     def waiting(self) -> int:
@@ -138,7 +141,7 @@ class Scheduler:
     @property
     def decoding(self) -> int:
         """Rows in the engine."""
-        return sum(f.row is not None for f in self._flights)
+        return len(self._rows.decoding) if self._rows is not None else 0
 
     def submit(self, job: Job) -> None:
         """Queue ``job``.
@@ -169,9 +172,9 @@ class Scheduler:
         if held is not None:
             held[0].cancel()
             held[0].send(Failed(Busy("the server is shutting down")))
-        for flight in list(self._flights):
-            flight.job.cancel()
-            flight.job.send(Failed(Busy("the server is shutting down")))
+        for flight in self._flights:
+            flight.tag.job.cancel()
+            flight.tag.job.send(Failed(Busy("the server is shutting down")))
         self._drain(Busy("the server is shutting down"))
         try:
             self._jobs.put_nowait(None)  # wakes the thread if it waits for work
@@ -196,17 +199,14 @@ class Scheduler:
     def _run(self) -> None:
         ended: BaseException = RuntimeError("it returned")
         try:
-            session = self.session
-            spec = session.tap_spec()
-            self._tap = HiddenTap(session.model, spec) if spec is not None else None
-            self.engine = self._new_engine()
+            self._rows = Flights(self.session, planner=self._planner())
             while not self._stopping.is_set():
                 try:
                     if not self._take_jobs():
                         break
                     self._drop_cancelled()
                     self._prefill_one()
-                    if self.engine.rows:
+                    if self._rows.engine.rows:
                         self._step()
                 except Exception as e:
                     self._recover(e)
@@ -216,16 +216,12 @@ class Scheduler:
         finally:
             self._end(ended)
 
-    def _new_engine(self) -> Engine:
-        return Engine(self.session.model, tap=self._tap, planner=self._planner(),
-                      shapes=resolve_shapes(self.session.setup.options.shapes))
-
     def _recover(self, error: Exception) -> None:
         """A fault outside any one request's handling: the requests in flight fail, the thread serves on."""
         log.error("generation failed between requests' blocks: %s", error, exc_info=error)
-        self._fail(list(self._flights), error)
-        if self.engine is not None and self.engine.rows:
-            self.engine = self._new_engine()  # rows no request owns: start the engine afresh
+        self._fail(self._flights, error)
+        if self._rows is not None and self._rows.engine.rows:
+            self._rows.new_engine()  # rows no request owns: start the engine afresh
 
     def _end(self, ended: BaseException) -> None:
         """The thread ends: whatever it held is failed (each stopped request was told so already)."""
@@ -239,17 +235,17 @@ class Scheduler:
         held, self._held = self._held, None
         if held is not None:
             held[0].send(Failed(error))
-        for flight in list(self._flights):
+        for flight in self._flights:
             try:
                 self._leave(flight, keep=False)
             except Exception:
-                if flight in self._flights:
-                    self._flights.remove(flight)
+                if flight in self._rows.flights:
+                    self._rows.flights.remove(flight)
             if not stopped:
-                flight.job.send(Failed(error))
+                flight.tag.job.send(Failed(error))
         self._drain(error)
-        if self._tap is not None:
-            self._tap.close()
+        if self._rows is not None:
+            self._rows.close()
 
     def prepare(self) -> Optional[CostTable]:
         """Measure the batch planner's forward costs now, before the first request (start-up), so that
@@ -321,7 +317,7 @@ class Scheduler:
         """
         if not self._flights:
             return True
-        requests = [f.reply.request for f in self._flights] + [reply.request]
+        requests = [f.request for f in self._flights] + [reply.request]
         longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
         try:
             self.session.setup.check_memory(longest * len(requests))
@@ -331,93 +327,79 @@ class Scheduler:
 
     def _open(self, job: Job, reply: Reply) -> None:
         try:
-            opening = self.session.open(reply.request, self._tap)
+            self._rows.open(reply.request, _Ask(job, reply))
         except BaseException as e:  # the HTTP side decides what the client sees
             job.send(Failed(e))
             if not isinstance(e, Exception):
                 raise
-            return
-        self._flights.append(_Flight(job, reply, opening))
 
     def _drop_cancelled(self) -> None:
-        for flight in [f for f in self._flights if f.job.cancelled.is_set()]:
-            if flight.row is None:
+        for flight in [f for f in self._flights if f.tag.job.cancelled.is_set()]:
+            if flight.state is State.PREFILLING:
                 log.info("request cancelled during prefill")
             else:
-                log.info("cancelled after %d tokens", flight.reply.stats.generated)
+                log.info("cancelled after %d tokens", flight.tag.reply.stats.generated)
             self._leave(flight)
 
     def _prefill_one(self) -> None:
         """One prefill chunk of the oldest request still prefilling; admitted to the engine once done."""
-        flight = next((f for f in self._flights if f.row is None), None)
+        flight = next((f for f in self._flights if f.state is State.PREFILLING), None)
         if flight is None:
             return
         try:
-            if not flight.opening.step():
-                return
-            flight.reply.take(flight.opening.prefilled)
-            flight.row = self.engine.admit(flight.opening.row, flight.opening.cache)
+            if self._rows.prefill(flight) is not None:
+                flight.tag.reply.take(flight.opening.prefilled)
         except Exception as e:
             self._fail([flight], e)
 
     def _step(self) -> None:
         try:
-            self.engine.prepare()  # a batch's first block measures forward costs: not the requests' time
+            self._rows.engine.prepare()  # a batch's first block measures forward costs: not the requests' time
             start = time.perf_counter()
-            blocks = self.engine.step()
+            blocks = self._rows.step()
         except Exception as e:
             # The engine restored every row to its state before the block; the requests cannot go on.
-            self._fail([f for f in self._flights if f.row is not None], e)
+            self._fail(self._rows.decoding, e)
             return
         seconds = time.perf_counter() - start
         if log.isEnabledFor(logging.DEBUG):
             log.debug("block: %d rows x %d tokens in %.0f ms, %d committed", len(blocks),
                       max(b.verify_len for _, b in blocks), 1000 * seconds,
                       sum(len(b.tokens) for _, b in blocks))
-        for row, block in blocks:
-            flight = next((f for f in self._flights if f.row is row), None)
-            if flight is None:  # a failed request's row that could not leave: the thread starts the engine afresh
-                raise RuntimeError("a row in the engine belongs to no request")
+        for flight, block in blocks:
+            ask = flight.tag
             try:
-                piece = flight.reply.take(Step(block, seconds))
+                piece = ask.reply.take(Step(block, seconds))
                 if piece:
-                    flight.job.send(piece)
-                if flight.reply.stopped or row.finish is not None or row.room <= 0:
+                    ask.job.send(piece)
+                if ask.reply.stopped or flight.ended:
                     self._finish(flight)
             except Exception as e:  # this request's text or its end: it fails alone, the others go on
                 self._fail([flight], e)
 
-    def _finish(self, flight: _Flight) -> None:
+    def _finish(self, flight: Flight) -> None:
         self._leave(flight)
-        piece = flight.reply.end()
+        ask = flight.tag
+        piece = ask.reply.end()
         if piece:
-            flight.job.send(piece)
-        flight.job.send(Done(flight.reply))
-        log.info(_line(flight.reply))
+            ask.job.send(piece)
+        ask.job.send(Done(ask.reply))
+        log.info(_line(ask.reply))
 
-    def _fail(self, flights: list[_Flight], error: Exception) -> None:
+    def _fail(self, flights: list[Flight], error: Exception) -> None:
         for flight in flights:
-            if flight in self._flights:  # it may have left already (a fault as it finished)
+            if flight in self._rows.flights:  # it may have left already (a fault as it finished)
                 try:
                     self._leave(flight, keep=False)
                 except Exception as e:
                     log.error("a failed request's row could not leave the engine: %s", e, exc_info=e)
-                    if flight in self._flights:
-                        self._flights.remove(flight)
-            flight.job.send(Failed(error))
+                    if flight in self._rows.flights:
+                        self._rows.flights.remove(flight)
+            flight.tag.job.send(Failed(error))
 
-    def _leave(self, flight: _Flight, keep: bool = True) -> None:
+    def _leave(self, flight: Flight, keep: bool = True) -> None:
         """Take a request out of flight; its caches go to the prompt cache when they are consistent."""
-        self._flights.remove(flight)
-        cache = None
-        if flight.row is not None:
-            if flight.row in self.engine.rows:
-                cache = self.engine.remove(flight.row)
-        else:
-            flight.opening.close()
-            cache = flight.opening.cache  # holds the prompt chunks fed: a prefix the next request may reuse
-        if keep:
-            self.session.close(flight.opening, cache, flight.reply.tokens)
+        self._rows.leave(flight, keep, flight.tag.reply.tokens)
 
 
 def _line(reply: Reply) -> str:

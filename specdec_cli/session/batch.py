@@ -22,19 +22,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 from ..cache.batch_cache import batch_problem
 from ..defaults import AUTO_ROWS
 from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable, knee
 from ..loop.compare import IDENTICAL, explain
-from ..core.shapes import resolve as resolve_shapes
-from ..loop.engine import Engine, Row
 from .measure import Progress
 from ..loop.runner import Finished, Prefilled, Step, cache_bytes, collect, run
-from ..model.taps import HiddenTap
-from .generate import Opening, Request, Session
+from .flights import Flights
+from .generate import Request, Session
 from .setup import Setup
 
 RowEventKind = Union[Prefilled, Step, Finished]
@@ -100,15 +98,6 @@ def measure_costs(session: Session, max_rows: int) -> CostTable:
     return CostTable.measure(session.model, session.fresh_cache, rows, widths)
 
 
-@dataclass
-class _Flight:
-    index: int
-    request: Request
-    opening: Opening
-    row: Optional[Row] = None
-    tokens: list = field(default_factory=list)
-
-
 def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, planner: bool = True,
               timed: bool = False) -> Iterator[Union[RowEvent, BatchEnd]]:
     """Decode ``requests`` together, at most ``max_rows`` at a time; yields each row's events, then :class:`BatchEnd`.
@@ -135,13 +124,8 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
         costs = measure_costs(session, rows_ever)
         plan = BatchPlanner(lambda: costs)
         planner_s = time.perf_counter() - t
-    spec = session.tap_spec()
-    tap = HiddenTap(session.model, spec) if spec is not None else None
-    engine = Engine(session.model, timed=timed, tap=tap, planner=plan,
-                    shapes=resolve_shapes(session.setup.options.shapes))
+    flights = Flights(session, planner=plan, timed=timed)
     waiting = deque(enumerate(requests))
-    flights: list[_Flight] = []
-    opening = None  # one being prefilled
     start = time.perf_counter()
     paused = 0.0  # seconds the consumer held an event
 
@@ -151,54 +135,34 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
     decode_s = prefill_s = 0.0
     blocks = most = 0
     try:
-        while waiting or engine.rows:
-            while waiting and len(engine.rows) < max_rows:
+        while waiting or flights.flights:
+            while waiting and len(flights.flights) < max_rows:
                 index, request = waiting.popleft()
                 t = time.perf_counter()
-                opening = session.open(request, tap)
-                while not opening.step():
-                    pass
-                flight = _Flight(index, request, opening)
-                flight.row = engine.admit(opening.row, opening.cache)
-                flights.append(flight)
-                opening = None
+                flight = flights.prefill(flights.open(request, index), whole=True)
                 prefill_s += time.perf_counter() - t
                 t = time.perf_counter()
                 yield RowEvent(index, flight.opening.prefilled, now())
                 paused += time.perf_counter() - t
             t = time.perf_counter()
-            out = engine.step()
+            out = flights.step()
             seconds = time.perf_counter() - t
             decode_s += seconds
             blocks += 1
             most = max(most, len(out))
             at = now()
-            ended = []
-            for row, block in out:
-                flight = next(f for f in flights if f.row is row)
-                flight.tokens += block.tokens
-                if row.finish is not None or row.room <= 0:
-                    ended.append(flight)
+            for flight, block in out:
                 t = time.perf_counter()
-                yield RowEvent(flight.index, Step(block, seconds), at)
+                yield RowEvent(flight.tag, Step(block, seconds), at)
                 paused += time.perf_counter() - t
-            for flight in ended:
-                cache = engine.remove(flight.row)
-                flights.remove(flight)
-                session.close(flight.opening, cache, flight.tokens)
+            for flight in [f for f, _ in out if f.ended]:
+                cache = flights.leave(flight)
                 t = time.perf_counter()
-                yield RowEvent(flight.index, Finished(cache_bytes(cache, flight.opening.drafter)), at)
+                yield RowEvent(flight.tag, Finished(cache_bytes(cache, flight.opening.drafter)), at)
                 paused += time.perf_counter() - t
         yield BatchEnd(decode_s, prefill_s, now(), blocks, most, planner_s)
     finally:
-        if opening is not None:
-            opening.close()
-        for flight in flights:
-            if flight.row in engine.rows:
-                engine.remove(flight.row)
-        engine.close()
-        if tap is not None:
-            tap.close()
+        flights.close()
 
 
 # -- specdec sweep --concurrency ---------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""The one row loop that the batch command and the server's scheduler drive: requests in flight, each in a state.
+
+A :class:`Flights` owns one :class:`~specdec_cli.loop.engine.Engine` and the
+hidden-state tap its drafters read. Each request is a :class:`Flight` that goes
+``prefilling`` (its :class:`~.generate.Opening` fed a chunk at a time, or the
+whole prompt at once) -> ``decoding`` (a row of the engine) -> ``finished``
+(its caches handed to the session's prompt cache, or dropped). Who waits and
+who is told what stays with the driver: the batch command yields events, the
+server sends pieces to its clients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from ..cache.caches import ModelCache
+from ..core.blocks import Block
+from ..core.shapes import resolve as resolve_shapes
+from ..loop.batch_policy import BatchPlanner
+from ..loop.engine import Engine, Row
+from ..model.taps import HiddenTap
+from .generate import Opening, Request, Session
+
+
+class State(Enum):
+    """Where a request is, as llama.cpp's slots say it."""
+
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request in flight.
+
+    Attributes:
+        request: What it generates.
+        tag: The driver's own handle on it (an index, a client's job).
+        opening: Its prefill, then the source of its drafter and prompt-cache hit.
+        row: Its engine row once decoding.
+        tokens: Every token its blocks committed.
+        state: Where it is.
+    """
+
+    request: Request
+    tag: Any
+    opening: Opening
+    row: Optional[Row] = None
+    tokens: list = field(default_factory=list)
+    state: State = State.PREFILLING
+
+    @property
+    def ended(self) -> bool:
+        """Its row stopped (EOS, max tokens): it leaves at this block boundary."""
+        return self.row is not None and (self.row.finish is not None or self.row.room <= 0)
+
+
+class Flights:
+    """Requests prefilled and decoded together as rows of one engine.
+
+    Args:
+        session: The loaded session (models, drafter kind, prompt cache).
+        planner: Weighs a batch's drafts against its forward's cost (None: every row drafts its own).
+        timed: Time each block's phases (adds host syncs).
+    """
+
+    def __init__(self, session: Session, *, planner: Optional[BatchPlanner] = None, timed: bool = False):
+        self.session = session
+        self._planner, self._timed = planner, timed
+        spec = session.tap_spec()
+        self.tap = HiddenTap(session.model, spec) if spec is not None else None
+        self.flights: list[Flight] = []
+        self._by_row: dict[int, Flight] = {}
+        self.engine = self.new_engine()
+
+    def new_engine(self) -> Engine:
+        """A fresh engine (the first, or after a fault left rows no request owns)."""
+        self._by_row.clear()
+        self.engine = Engine(self.session.model, timed=self._timed, tap=self.tap, planner=self._planner,
+                             shapes=resolve_shapes(self.session.setup.options.shapes))
+        return self.engine
+
+    @property
+    def decoding(self) -> list[Flight]:
+        return [f for f in self.flights if f.state is State.DECODING]
+
+    def open(self, request: Request, tag: Any = None) -> Flight:
+        """Start ``request``: its prompt-cache hit taken and its prefill ready to run (raises what
+        :meth:`Session.open` raises; nothing is then in flight for it)."""
+        flight = Flight(request, tag, self.session.open(request, self.tap))
+        self.flights.append(flight)
+        return flight
+
+    def prefill(self, flight: Optional[Flight] = None, whole: bool = False) -> Optional[Flight]:
+        """One prefill chunk of ``flight`` (default: the oldest still prefilling), or every chunk
+        with ``whole``; returns the flight once it is admitted to the engine, else None."""
+        if flight is None:
+            flight = next((f for f in self.flights if f.state is State.PREFILLING), None)
+            if flight is None:
+                return None
+        while not flight.opening.step():
+            if not whole:
+                return None
+        flight.row = self.engine.admit(flight.opening.row, flight.opening.cache)
+        self._by_row[id(flight.row)] = flight
+        flight.state = State.DECODING
+        return flight
+
+    def step(self) -> list[tuple[Flight, Block]]:
+        """One engine block for every decoding row; each flight's tokens grow by its block's."""
+        out = []
+        for row, block in self.engine.step():
+            flight = self._by_row.get(id(row))
+            if flight is None or flight.row is not row:  # a failed request's row that could not leave
+                raise RuntimeError("a row in the engine belongs to no request")
+            flight.tokens += block.tokens
+            out.append((flight, block))
+        return out
+
+    def leave(self, flight: Flight, keep: bool = True, tokens: Optional[list] = None) -> Optional[ModelCache]:
+        """Take ``flight`` out (at a block boundary); with ``keep`` its caches go to the prompt cache.
+
+        A request still prefilling keeps the chunks fed: a prefix the next request may reuse.
+
+        Args:
+            flight: The request.
+            keep: Hand its caches to :meth:`Session.close` (False: a failed request's are dropped).
+            tokens: The tokens it generated (default: every token its blocks committed).
+
+        Returns:
+            Its target caches (None: they could not be taken out).
+        """
+        if flight in self.flights:
+            self.flights.remove(flight)
+        cache = None
+        if flight.state is State.DECODING:
+            self._by_row.pop(id(flight.row), None)
+            if flight.row in self.engine.rows:
+                cache = self.engine.remove(flight.row)
+        elif flight.state is State.PREFILLING:
+            flight.opening.close()
+            cache = flight.opening.cache
+        flight.state = State.FINISHED
+        if keep:
+            self.session.close(flight.opening, cache, flight.tokens if tokens is None else tokens)
+        return cache
+
+    def close(self) -> None:
+        """Drop every flight's row (nothing kept), close the engine and take the tap off the model."""
+        try:
+            for flight in list(self.flights):
+                self.flights.remove(flight)
+                if flight.state is State.PREFILLING:
+                    flight.opening.close()
+                elif flight.row in self.engine.rows:
+                    self.engine.remove(flight.row)
+                flight.state = State.FINISHED
+            self.engine.close()
+        finally:
+            if self.tap is not None:
+                self.tap.close()
+
+
+__all__ = ["Flight", "Flights", "State"]
