@@ -585,23 +585,3 @@ def _other_way(family: str, mode: str) -> str:
     return ""
 
 
-def model_fingerprint(path) -> bytes:
-    """What identifies a model directory across machines: its config, tokenizer files and weight headers."""
-    from pathlib import Path
-
-    path = Path(path)
-    h = hashlib.sha256()
-    for file in sorted(path.iterdir()):
-        if not file.is_file():
-            continue
-        h.update(file.name.encode())
-        if file.suffix == ".safetensors":
-            # Names, shapes and dtypes (the header) and the size: not gigabytes of weights.
-            with open(file, "rb") as f:
-                head = f.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                h.update(head + f.read(min(n, 1 << 24)))
-            h.update(str(file.stat().st_size).encode())
-        elif file.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken", ".py"):
-            h.update(file.read_bytes())
-    return h.digest()

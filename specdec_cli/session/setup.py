@@ -20,7 +20,8 @@ from ..model import distributed
 from ..core.adaptive import MatchLength
 from ..cache.caches import cache_kinds, check_kv_quantization
 from ..defaults import DEFAULT_BLOCK_SIZE, DRAFTERS, NGRAM_MAX, NGRAM_MIN
-from ..model.distributed import Ranks, model_fingerprint
+from ..model.distributed import Ranks
+from ..model.fingerprint import model_fingerprint
 from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint

@@ -1,0 +1,47 @@
+"""What identifies a model directory's files: for the ranks' handshake and for keys of caches kept on disk."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+# Text files whose bytes shape the model, its tokenizer or its chat template.
+_TEXT = (".json", ".jinja", ".model", ".txt", ".tiktoken", ".py")
+# Weight bytes read per file by content_fingerprint: this many windows of this many bytes, evenly spaced.
+_SAMPLES, _WINDOW = 16, 1 << 16
+
+
+def model_fingerprint(path) -> bytes:
+    """What identifies a model directory across machines: its config, tokenizer files and weight headers."""
+    h = hashlib.sha256()
+    for file in sorted(Path(path).iterdir()):
+        if not file.is_file():
+            continue
+        h.update(file.name.encode())
+        if file.suffix == ".safetensors":
+            # Names, shapes and dtypes (the header) and the size: not gigabytes of weights.
+            with open(file, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                h.update(head + f.read(min(n, 1 << 24)))
+            h.update(str(file.stat().st_size).encode())
+        elif file.suffix in _TEXT:
+            h.update(file.read_bytes())
+    return h.digest()
+
+
+def content_fingerprint(path) -> str:
+    """:func:`model_fingerprint` plus samples of every weight file's bytes, as hex.
+
+    Two fine-tunes of one architecture have the same headers and sizes; their
+    weights differ everywhere, so a few evenly spaced windows tell them apart
+    without reading gigabytes. Caches computed by one must never resume on the other.
+    """
+    h = hashlib.sha256(model_fingerprint(path))
+    for file in sorted(Path(path).glob("*.safetensors")):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            for i in range(_SAMPLES):
+                f.seek(max(0, size - _WINDOW) * i // max(1, _SAMPLES - 1))
+                h.update(f.read(_WINDOW))
+    return h.hexdigest()
