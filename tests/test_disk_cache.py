@@ -7,6 +7,7 @@ that many tokens (the same chunks: the same bits), and the next token's logits.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -225,6 +226,24 @@ def test_a_read_only_folder_costs_one_warning_and_raises_nothing(tmp_path, caplo
     assert disk.save(TOKENS, saved) > 0  # writable again: it saves (and would warn again)
 
 
+def test_a_failing_write_costs_one_warning_and_leaves_no_temporary_file(tmp_path, caplog, monkeypatch):
+    model = target("llama", "float32")
+    _, saved = prefill(model, TOKENS[:70])
+    disk = store(tmp_path)
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert disk.save(TOKENS, saved) == 0
+        assert disk.save(OTHER, saved) == 0
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    assert os.listdir(disk.dir) == []
+    monkeypatch.undo()
+    assert disk.save(TOKENS, saved) > 0 and disk.load(TOKENS[:90], model).cached == 70
+
+
 def test_the_folder_is_bounded_by_bytes_least_recently_used_first(tmp_path):
     model = target("llama", "float32")
     prompts = [[k] + TOKENS[: 40 + k] for k in range(3)]
@@ -362,6 +381,12 @@ def test_the_draft_lane_resumes_its_own_caches_and_is_optional(tmp_path):
     _, other = prefill(model, OTHER[:70])
     disk.save(OTHER, other)
     hit = disk.load(OTHER[:90], model, draft_model=draft_model)
+    assert hit.cached == 70 and hit.draft is None
+    # Another drafter (its own lane tag) shares the target's files, never the draft's.
+    tagged = store(tmp_path, draft_parts={"draft": "one"})
+    tagged.save(TOKENS, saved, draft=dsaved)
+    assert store(tmp_path, draft_parts={"draft": "one"}).load(TOKENS[:90], model, draft_model=draft_model).draft.length == 67
+    hit = store(tmp_path, draft_parts={"draft": "two"}).load(TOKENS[:90], model, draft_model=draft_model)
     assert hit.cached == 70 and hit.draft is None
 
 

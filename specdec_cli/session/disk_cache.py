@@ -9,7 +9,8 @@ so a different model, setting or release never reads another's files.
 Token prefixes are cut into blocks of ``block`` tokens, named by a chain hash
 (``h_0 = sha256(key)``, ``h_i = sha256(h_{i-1} || block i's tokens as int64)``),
 and each *lane* (``t`` the target's caches, ``d`` the draft model's, ``h`` the
-target's hidden rows) writes two kinds of file:
+target's hidden rows; the last two tagged with a digest of what tells drafters
+and taps apart, when the caller gives it) writes two kinds of file:
 
 - ``<lane>-b-<h_i>.safetensors``: the rows of block i (positions ``(i-1)B .. iB``)
   of every layer cache that keeps every key (plain, quantized and chunked
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 _SUFFIX = ".safetensors"
-_LANES = ("t", "d", "h")
 
 # safetensors dtype names <-> numpy (bfloat16 travels as its uint16 bits).
 _NP = {
@@ -260,11 +260,20 @@ class DiskStore:
         max_bytes: Most bytes of files under ``root`` (all keys); the least
             recently used go first.
         block: Tokens per block file.
+        draft_parts: What tells draft models apart (their files' fingerprint,
+            dtype, ...): it names the draft lane, so another drafter never
+            reads these caches. None: one draft lane, ``d``.
+        hidden_parts: What tells hidden rows apart (the tap's layer ids, final
+            or not): it names the hidden lane likewise. None: ``h``.
     """
 
-    def __init__(self, root: Path, parts: dict, *, max_bytes: int, block: int = 256):
+    def __init__(self, root: Path, parts: dict, *, max_bytes: int, block: int = 256,
+                 draft_parts: Optional[dict] = None, hidden_parts: Optional[dict] = None):
         if block < 1:
             raise ValueError("block must be >= 1")
+        # Lane tags (file-name prefixes): the target's caches, the draft model's, the hidden rows.
+        self._d = "d" if draft_parts is None else "d" + key_digest(draft_parts)[:16]
+        self._h = "h" if hidden_parts is None else "h" + key_digest(hidden_parts)[:16]
         self.root = Path(root)
         self.key = key_digest(parts)
         self.dir = self.root / self.key
@@ -369,7 +378,7 @@ class DiskStore:
             jobs: list[tuple[str, dict, dict]] = []  # (name, mx tensors, meta)
             self._lane_jobs("t", target, chain, toks, names, jobs, pending)
             if draft is not None and 0 < draft.length <= length:
-                self._lane_jobs("d", draft, chain, toks, names, jobs, pending)
+                self._lane_jobs(self._d, draft, chain, toks, names, jobs, pending)
             if hidden is not None and hidden.length:
                 ends = {target.length, *target.checkpoints}
                 if draft is not None:
@@ -443,18 +452,18 @@ class DiskStore:
             return {f"h{j}": a[lo:hi] for j, a in enumerate(arrays)}
 
         for i in range(1, rows // B + 1):
-            name = self._block_name("h", chain[i])
+            name = self._block_name(self._h, chain[i])
             if name in names:
                 pending.touch.append(name)
                 continue
-            jobs.append((name, cut((i - 1) * B, i * B), self._meta("h", "block", sig, index=i)))
+            jobs.append((name, cut((i - 1) * B, i * B), self._meta(self._h, "block", sig, index=i)))
             names.add(name)
         for p in sorted({p for p in ends if 0 < p <= rows and p % B}, reverse=True):
-            name = self._record_name("h", chain, toks, p)
+            name = self._record_name(self._h, chain, toks, p)
             if name in names:
                 pending.touch.append(name)
                 continue
-            jobs.append((name, cut(p // B * B, p), self._meta("h", "state", sig, length=p, states={})))
+            jobs.append((name, cut(p // B * B, p), self._meta(self._h, "state", sig, length=p, states={})))
             names.add(name)
 
     def write(self, pending: Pending) -> int:
@@ -690,12 +699,12 @@ class DiskStore:
 
     def _fill_hidden(self, n: int, chain, toks) -> tuple[Hidden, list[str]]:
         B, q = self.block, n // self.block
-        names = [self._block_name("h", chain[i]) for i in range(1, q + 1)]
+        names = [self._block_name(self._h, chain[i]) for i in range(1, q + 1)]
         if n % B:
-            names.append(self._record_name("h", chain, toks, n))
+            names.append(self._record_name(self._h, chain, toks, n))
         sig, pieces = None, []
         for i, name in enumerate(names):
-            arrays, meta = self._read(name, "h", sig, "block" if i < q else "state")
+            arrays, meta = self._read(name, self._h, sig, "block" if i < q else "state")
             sig = json.loads(meta["leaves"])  # the first file's layout: the others must have it too
             pieces.append(arrays)
         try:
@@ -759,7 +768,7 @@ class DiskStore:
             lengths = self._lengths("t", names, chain, toks, limit, any(not fixed_position(c) for c in leaves),
                                     any(fixed_position(c) for c in leaves))
             if need_hidden:
-                rows = set(self._lengths("h", names, chain, toks, limit, True, False))
+                rows = set(self._lengths(self._h, names, chain, toks, limit, True, False))
                 lengths = [n for n in lengths if n in rows]
             if not lengths:
                 return None
@@ -784,12 +793,12 @@ class DiskStore:
 
     def _load_draft(self, fresh_draft, names, chain, toks, n) -> tuple[Optional[ModelCache], list[str]]:
         probe = _leaves(fresh_draft().layers)
-        lengths = self._lengths("d", names, chain, toks, n, any(not fixed_position(c) for c in probe),
+        lengths = self._lengths(self._d, names, chain, toks, n, any(not fixed_position(c) for c in probe),
                                 any(fixed_position(c) for c in probe))
         for m in lengths:
             cache = fresh_draft()
             try:
-                return cache, self._fill("d", cache, m, chain, toks)
+                return cache, self._fill(self._d, cache, m, chain, toks)
             except (_Damaged, FileNotFoundError):
                 continue
         return None, []
