@@ -265,6 +265,13 @@ class DiskStore:
             reads these caches. None: one draft lane, ``d``.
         hidden_parts: What tells hidden rows apart (the tap's layer ids, final
             or not): it names the hidden lane likewise. None: ``h``.
+
+    Attributes:
+        key: The key's digest (the name of its subfolder, ``dir``).
+        hits: Loads that resumed something.
+        misses: Loads that found nothing (or could not load it).
+        written: Bytes written by this object's saves in all.
+        last_written: Bytes written by its last save.
     """
 
     def __init__(self, root: Path, parts: dict, *, max_bytes: int, block: int = 256,
@@ -282,7 +289,7 @@ class DiskStore:
         self._h0 = hashlib.sha256(self.key.encode()).digest()
         self._lock = threading.Lock()
         self._names: set[str] = set()
-        self._scheduled: set[str] = set()  # in a pending save not written yet
+        self._scheduled: set[str] = set()  # in a save submitted to a Writer, not written yet
         self._write_failed = False
         self.hits = 0
         self.misses = 0
@@ -374,7 +381,9 @@ class DiskStore:
                 return pending
             toks = np.asarray(list(tokens[:length]), dtype=np.int64)
             chain = self._chain(toks, length // self.block)
-            names = self._refresh() | self._scheduled
+            names = self._refresh()
+            with self._lock:
+                names |= self._scheduled
             jobs: list[tuple[str, dict, dict]] = []  # (name, mx tensors, meta)
             self._lane_jobs("t", target, chain, toks, names, jobs, pending)
             if draft is not None and 0 < draft.length <= length:
@@ -389,8 +398,6 @@ class DiskStore:
                 arrays = {k: _to_numpy(a) for k, a in tensors.items()}
                 pending.nbytes += sum(a.nbytes for a, _ in arrays.values())
                 pending.files.append(_File(name, arrays, meta))
-            with self._lock:
-                self._scheduled |= {f.name for f in pending.files}
         except Exception as e:  # a save is never worth failing the request it follows
             log.warning("disk prompt cache: could not copy caches for saving (%s: %s)", type(e).__name__, e)
             pending = Pending()
@@ -828,10 +835,11 @@ class Writer:
         with self._done:
             if self._closed or self._busy >= self.max_pending:
                 self.dropped += 1
-                with self.store._lock:
-                    self.store._scheduled -= {f.name for f in pending.files}
                 return False
             self._busy += 1
+        with self.store._lock:
+            # Later snapshots count these as written (a pending never submitted counts for nothing).
+            self.store._scheduled |= {f.name for f in pending.files}
         self._queue.put(pending)
         return True
 
