@@ -45,6 +45,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "test_cli.py": FAST,
     "test_dflash.py": FAST,
     "test_dialects.py": SERVER,
+    "test_disk_cache.py": FAST,  # the prompt cache on disk (issue 44)
     "test_display.py": FAST,
     "test_distill.py": FAST,
     "test_distributed.py": DISTRIBUTED,

@@ -1,0 +1,873 @@
+"""A prompt cache on disk: caches that outlive the server (issue 44).
+
+The memory tier (:mod:`.prompt_cache`) keeps whole :class:`~.state.SavedCache`
+objects; this tier keeps their contents in files under one folder per *key*
+(a digest of what makes caches interchangeable: the model files, dtype,
+``--kv-bits``, the tokenizer and template, the MLX version and :data:`FORMAT`),
+so a different model, setting or release never reads another's files.
+
+Token prefixes are cut into blocks of ``block`` tokens, named by a chain hash
+(``h_0 = sha256(key)``, ``h_i = sha256(h_{i-1} || block i's tokens as int64)``),
+and each *lane* (``t`` the target's caches, ``d`` the draft model's, ``h`` the
+target's hidden rows; the last two tagged with a digest of what tells drafters
+and taps apart, when the caller gives it) writes two kinds of file:
+
+- ``<lane>-b-<h_i>.safetensors``: the rows of block i (positions ``(i-1)B .. iB``)
+  of every layer cache that keeps every key (plain, quantized and chunked
+  attention), or of the hidden states. Written once; a longer prompt that
+  extends an earlier one writes only its new blocks.
+- ``<lane>-s-<h_q>-<p>-<H(p)>.safetensors``: a state record at length ``p``
+  (``q = p // B``, ``H(p) = sha256(h_q || tokens[qB:p] || p)``): the whole state
+  of the layers that cannot trim back (recurrent state, a sliding window that
+  drops keys) at ``p``, plus the rows ``qB .. p`` of the others.
+
+A lane resumes at ``n`` when blocks ``1 .. n // B`` are there and either ``n`` is
+a block boundary and the lane has no fixed-position layer, or a state record
+for ``H(n)`` is there. Files are written atomically (a temporary file and
+``os.replace``), checked on reading (a sha256 of the data in the header, the
+key, the lane and the layout): a damaged or foreign file is removed with one
+warning and the load falls back to a shorter length. Writing never raises: a
+full disk or read-only folder costs one warning. The folder is bounded by
+bytes, least recently used first (a load touches the files it read), and may
+be shared by several processes.
+
+The format is safetensors, written and read here with numpy (bfloat16 travels
+as its 16 bits with the dtype ``BF16``), so ``mx.load`` reads the files too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+
+from ..cache.caches import ChunkKVCache, ModelCache, WindowKVCache, WindowQuantizedKVCache, _leaves, fixed_position
+from ..model.taps import Hidden
+from .prompt_cache import Entry
+from .state import SavedCache
+
+log = logging.getLogger(__name__)
+
+#: Version of the files' layout: part of every key, so a new layout never reads an old one's files.
+FORMAT = 1
+
+_SUFFIX = ".safetensors"
+
+# safetensors dtype names <-> numpy (bfloat16 travels as its uint16 bits).
+_NP = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+_MX = {
+    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32",
+    mx.int16: "I16", mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16", mx.uint8: "U8",
+    mx.bool_: "BOOL",
+}
+
+
+def key_digest(parts: dict) -> str:
+    """The hex digest naming the folder of caches made under ``parts``.
+
+    Args:
+        parts: What makes caches interchangeable (model files' fingerprint,
+            dtype, kv_bits, tokenizer/template hash, MLX version, ...). Values
+            are read through JSON (others by ``str``); :data:`FORMAT` is added.
+    """
+    text = json.dumps({**parts, "__format__": FORMAT}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _Damaged(Exception):
+    """A file that must not be loaded (truncated, corrupted, foreign, inconsistent)."""
+
+
+# --- the file format ----------------------------------------------------------------------------
+
+
+def _to_numpy(a: mx.array) -> tuple[np.ndarray, str]:
+    """An evaluated MLX array as a numpy copy and its safetensors dtype."""
+    tag = _MX.get(a.dtype)
+    if tag is None:
+        raise TypeError(f"no safetensors dtype for {a.dtype}")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a, copy=True), tag
+
+
+def _to_mx(arr: np.ndarray, tag: str) -> mx.array:
+    out = mx.array(arr)
+    return out.view(mx.bfloat16) if tag == "BF16" else out
+
+
+def _encode(tensors: dict[str, tuple[np.ndarray, str]], meta: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
+    """The header bytes (length prefix included) and the arrays whose bytes follow, in order."""
+    header: dict[str, Any] = {}
+    digest = hashlib.sha256()
+    arrays = []
+    offset = 0
+    for name, (arr, tag) in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.size == 0:
+            continue  # not every reader takes empty tensors: the layout says what is absent
+        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        digest.update(memoryview(arr).cast("B"))
+        arrays.append(arr)
+    header["__metadata__"] = {**meta, "sha256": digest.hexdigest()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text, arrays
+
+
+def _decode(blob: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
+    """Arrays and metadata of a file's bytes, checked against its checksum.
+
+    Raises:
+        _Damaged: Truncated, not this format, or the data does not match its checksum.
+    """
+    try:
+        if len(blob) < 8:
+            raise _Damaged("shorter than its header length")
+        size = int.from_bytes(blob[:8], "little")
+        if size > len(blob) - 8:
+            raise _Damaged("truncated header")
+        header = json.loads(blob[8 : 8 + size])
+        meta = header.pop("__metadata__")
+        data = memoryview(blob)[8 + size :]
+        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            raise _Damaged("data does not match its checksum")
+        out = {}
+        for name, spec in header.items():
+            dtype = np.dtype(_NP[spec["dtype"]])
+            start, stop = spec["data_offsets"]
+            count = int(np.prod(spec["shape"], dtype=np.int64))
+            if not 0 <= start <= stop <= len(data) or stop - start != count * dtype.itemsize:
+                raise _Damaged(f"tensor {name} lies outside the data")
+            arr = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(spec["shape"])
+            out[name] = (arr, spec["dtype"])
+        return out, meta
+    except _Damaged:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise _Damaged(f"unreadable header ({type(e).__name__}: {e})") from None
+
+
+# --- leaves ---------------------------------------------------------------------------------------
+
+
+def _leaf_sig(c: Any) -> str:
+    """A leaf's type and settings: files made for another layout are not read into it."""
+    t = type(c)
+    if t in (QuantizedKVCache, WindowQuantizedKVCache):
+        return f"{t.__name__}:{c.group_size}:{c.bits}"
+    if t is WindowKVCache:
+        return f"WindowKVCache:{c.window}"
+    if t is ArraysCache:
+        return f"ArraysCache:{len(c.cache)}"
+    if t in (KVCache, ChunkKVCache):
+        return t.__name__
+    raise TypeError(f"the disk cache cannot store a {t.__name__}")
+
+
+def _kv_parts(x: Any) -> list[mx.array]:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _rows(c: Any, lo: int, hi: int, j: int) -> dict[str, mx.array]:
+    """Rows ``lo:hi`` of a trimmable leaf's keys and values (each part of a quantized one)."""
+    out = {}
+    for side, x in (("k", c.keys), ("v", c.values)):
+        for e, a in enumerate(_kv_parts(x)):
+            out[f"{j}.{side}{e}"] = a[..., lo:hi, :]
+    return out
+
+
+def _fixed_state(c: Any, j: int) -> tuple[dict[str, mx.array], dict]:
+    """The whole state of a fixed-position leaf (tensors and what else restores it)."""
+    if type(c) is ArraysCache:
+        return ({f"{j}.a{e}": a for e, a in enumerate(c.cache) if a is not None},
+                {"none": [e for e, a in enumerate(c.cache) if a is None]})
+    # WindowKVCache: its buffer from ``start`` to its offset.
+    stop = c.offset - c.start
+    return ({f"{j}.wk": c.keys[..., :stop, :], f"{j}.wv": c.values[..., :stop, :]},
+            {"start": c.start, "offset": c.offset, "span": c._span})
+
+
+# --- what a save copies ---------------------------------------------------------------------------
+
+
+@dataclass
+class _File:
+    name: str
+    tensors: dict  # name -> (numpy array, dtype tag)
+    meta: dict
+
+
+@dataclass
+class Pending:
+    """What one save writes: numpy copies of what was not on disk yet, made on the caller's thread.
+
+    Attributes:
+        files: The files to write.
+        touch: Files already there (or scheduled) the new ones depend on: made recent when written.
+        nbytes: Bytes of array data held.
+    """
+
+    files: list = field(default_factory=list)
+    touch: list = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class DiskHit:
+    """What a prompt resumes from the disk.
+
+    Attributes:
+        cached: Prompt tokens the target's caches hold.
+        target: The target's caches (a live cache of its own).
+        draft: The draft model's caches at the longest length up to ``cached``
+            its lane resumes at (its ``length`` says which), or None.
+        hidden: The target's hidden states of the ``cached`` tokens, when asked for.
+        entry: The same as a memory-tier entry (its ``target`` a copy of the
+            target's caches), for the session to keep or inherit checkpoints from.
+    """
+
+    cached: int
+    target: ModelCache
+    draft: Optional[ModelCache]
+    hidden: Optional[Hidden]
+    entry: Entry
+
+
+class DiskStore:
+    """Prompt caches in files under ``root``, bounded by bytes, shared by processes.
+
+    Args:
+        root: The folder (one subfolder per key is made inside it).
+        parts: What makes caches interchangeable (see :func:`key_digest`).
+        max_bytes: Most bytes of files under ``root`` (all keys); the least
+            recently used go first.
+        block: Tokens per block file.
+        draft_parts: What tells draft models apart (their files' fingerprint,
+            dtype, ...): it names the draft lane, so another drafter never
+            reads these caches. None: one draft lane, ``d``.
+        hidden_parts: What tells hidden rows apart (the tap's layer ids, final
+            or not): it names the hidden lane likewise. None: ``h``.
+
+    Attributes:
+        key: The key's digest (the name of its subfolder, ``dir``).
+        hits: Loads that resumed something.
+        misses: Loads that found nothing (or could not load it).
+        written: Bytes written by this object's saves in all.
+        last_written: Bytes written by its last save.
+    """
+
+    def __init__(self, root: Path, parts: dict, *, max_bytes: int, block: int = 256,
+                 draft_parts: Optional[dict] = None, hidden_parts: Optional[dict] = None):
+        if block < 1:
+            raise ValueError("block must be >= 1")
+        # Lane tags (file-name prefixes): the target's caches, the draft model's, the hidden rows.
+        self._d = "d" if draft_parts is None else "d" + key_digest(draft_parts)[:16]
+        self._h = "h" if hidden_parts is None else "h" + key_digest(hidden_parts)[:16]
+        self.root = Path(root)
+        self.key = key_digest(parts)
+        self.dir = self.root / self.key
+        self.max_bytes = max_bytes
+        self.block = block
+        self._h0 = hashlib.sha256(self.key.encode()).digest()
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+        self._scheduled: set[str] = set()  # in a save submitted to a Writer, not written yet
+        self._write_failed = False
+        self.hits = 0
+        self.misses = 0
+        self.written = 0
+        self.last_written = 0
+        self._nbytes = 0
+        self._files = 0
+        self._refresh()
+        self._measure()
+
+    # -- reports --
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this key's files, as of the last save or eviction (or opening)."""
+        return self._nbytes
+
+    @property
+    def files(self) -> int:
+        """Number of this key's files, as of the last save or eviction (or opening)."""
+        return self._files
+
+    # -- the index of file names --
+
+    def _refresh(self) -> set[str]:
+        try:
+            names = {n for n in os.listdir(self.dir) if n.endswith(_SUFFIX) and not n.startswith(".")}
+        except OSError:
+            names = set()
+        with self._lock:
+            self._names = names
+        return names
+
+    def _measure(self) -> None:
+        total = count = 0
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    if e.name.endswith(_SUFFIX) and not e.name.startswith("."):
+                        try:
+                            total += e.stat().st_size
+                            count += 1
+                        except OSError:
+                            pass
+        except OSError:
+            pass
+        self._nbytes, self._files = total, count
+
+    # -- hashes and names --
+
+    def _chain(self, toks: np.ndarray, blocks: int) -> list[bytes]:
+        """``h_0 .. h_blocks`` for ``toks`` (int64)."""
+        out = [self._h0]
+        for i in range(1, blocks + 1):
+            out.append(hashlib.sha256(out[-1] + toks[(i - 1) * self.block : i * self.block].tobytes()).digest())
+        return out
+
+    def _at(self, chain: list[bytes], toks: np.ndarray, p: int) -> str:
+        """``H(p)``, hex."""
+        q = p // self.block
+        return hashlib.sha256(chain[q] + toks[q * self.block : p].tobytes() + p.to_bytes(8, "little")).hexdigest()
+
+    @staticmethod
+    def _block_name(lane: str, h: bytes) -> str:
+        return f"{lane}-b-{h.hex()}{_SUFFIX}"
+
+    def _record_name(self, lane: str, chain: list[bytes], toks: np.ndarray, p: int) -> str:
+        return f"{lane}-s-{chain[p // self.block].hex()}-{p}-{self._at(chain, toks, p)}{_SUFFIX}"
+
+    # -- save --
+
+    def snapshot(self, tokens: Sequence[int], target: SavedCache, draft: Optional[SavedCache] = None,
+                 hidden: Optional[Hidden] = None) -> Pending:
+        """Copy what a save writes and the disk lacks, on the caller's thread (the live arrays may change next).
+
+        Args:
+            tokens: The tokens the target's caches hold (at least ``target.length``).
+            target: The target's caches, with its checkpoints.
+            draft: The draft model's caches (on the same tokens, maybe shorter).
+            hidden: The target's hidden rows of ``tokens`` (from position 0).
+
+        Returns:
+            The files to write (see :meth:`write`); empty when there is nothing new.
+        """
+        pending = Pending()
+        try:
+            length = target.length
+            if not 0 < length <= len(tokens):
+                return pending
+            toks = np.asarray(list(tokens[:length]), dtype=np.int64)
+            chain = self._chain(toks, length // self.block)
+            names = self._refresh()
+            with self._lock:
+                names |= self._scheduled
+            jobs: list[tuple[str, dict, dict]] = []  # (name, mx tensors, meta)
+            self._lane_jobs("t", target, chain, toks, names, jobs, pending)
+            if draft is not None and 0 < draft.length <= length:
+                self._lane_jobs(self._d, draft, chain, toks, names, jobs, pending)
+            if hidden is not None and hidden.length:
+                ends = {target.length, *target.checkpoints}
+                if draft is not None:
+                    ends |= {draft.length, *draft.checkpoints}
+                self._hidden_jobs(hidden, min(hidden.length, length), ends, chain, toks, names, jobs, pending)
+            mx.eval([a for _, tensors, _ in jobs for a in tensors.values()])
+            for name, tensors, meta in jobs:
+                arrays = {k: _to_numpy(a) for k, a in tensors.items()}
+                pending.nbytes += sum(a.nbytes for a, _ in arrays.values())
+                pending.files.append(_File(name, arrays, meta))
+        except Exception as e:  # a save is never worth failing the request it follows
+            log.warning("disk prompt cache: could not copy caches for saving (%s: %s)", type(e).__name__, e)
+            pending = Pending()
+        return pending
+
+    def _meta(self, lane: str, kind: str, sig: list, **more) -> dict:
+        meta = {"format": str(FORMAT), "key": self.key, "lane": lane, "kind": kind, "block": str(self.block),
+                "leaves": json.dumps(sig)}
+        meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in more.items()})
+        return meta
+
+    def _lane_jobs(self, lane: str, saved: SavedCache, chain, toks, names, jobs, pending) -> None:
+        leaves = _leaves(saved.layers)
+        if not leaves:
+            return  # taken by a live cache (SavedCache.take): nothing to copy
+        sig = [_leaf_sig(c) for c in leaves]
+        if any(getattr(c, "start_position", 0) for c in leaves):
+            return  # a chunked cache that dropped keys: its rows are not position-indexed
+        trim = [j for j, c in enumerate(leaves) if not fixed_position(c)]
+        fixed = [j for j, c in enumerate(leaves) if fixed_position(c)]
+        B, L = self.block, saved.length
+        if trim:
+            for i in range(1, L // B + 1):
+                name = self._block_name(lane, chain[i])
+                if name in names:
+                    pending.touch.append(name)
+                    continue
+                tensors = {}
+                for j in trim:
+                    tensors.update(_rows(leaves[j], (i - 1) * B, i * B, j))
+                jobs.append((name, tensors, self._meta(lane, "block", sig, index=i)))
+                names.add(name)
+        ends = [L] + sorted((n for n in saved.checkpoints if 0 < n < L), reverse=True) if fixed \
+            else ([L] if L % B else [])
+        for p in ends:
+            name = self._record_name(lane, chain, toks, p)
+            if name in names:
+                pending.touch.append(name)
+                continue
+            q = p // B
+            tensors, states = {}, {}
+            for j in trim:
+                if p > q * B:
+                    tensors.update(_rows(leaves[j], q * B, p, j))
+            held = [leaves[j] for j in fixed] if p == L else list(saved.checkpoints[p])
+            for j, c in zip(fixed, held):
+                more, state = _fixed_state(c, j)
+                tensors.update(more)
+                states[str(j)] = state
+            jobs.append((name, tensors, self._meta(lane, "state", sig, length=p, states=states)))
+            names.add(name)
+
+    def _hidden_jobs(self, hidden: Hidden, rows: int, ends, chain, toks, names, jobs, pending) -> None:
+        arrays = [*hidden.layers, *([] if hidden.final is None else [hidden.final])]
+        sig = ["layer"] * len(hidden.layers) + (["final"] if hidden.final is not None else [])
+        B = self.block
+
+        def cut(lo: int, hi: int) -> dict:
+            return {f"h{j}": a[lo:hi] for j, a in enumerate(arrays)}
+
+        for i in range(1, rows // B + 1):
+            name = self._block_name(self._h, chain[i])
+            if name in names:
+                pending.touch.append(name)
+                continue
+            jobs.append((name, cut((i - 1) * B, i * B), self._meta(self._h, "block", sig, index=i)))
+            names.add(name)
+        for p in sorted({p for p in ends if 0 < p <= rows and p % B}, reverse=True):
+            name = self._record_name(self._h, chain, toks, p)
+            if name in names:
+                pending.touch.append(name)
+                continue
+            jobs.append((name, cut(p // B * B, p), self._meta(self._h, "state", sig, length=p, states={})))
+            names.add(name)
+
+    def write(self, pending: Pending) -> int:
+        """Write ``pending``'s files (any thread), then evict past the byte bound.
+
+        Never raises: a failure to write costs one warning (until a write succeeds again).
+
+        Returns:
+            Bytes written.
+        """
+        total = 0
+        tmp = None
+        try:
+            if pending.files:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            for f in pending.files:
+                path = self.dir / f.name
+                if path.exists():
+                    continue  # another process (or an earlier save) wrote it
+                head, arrays = _encode(f.tensors, f.meta)
+                tmp = self.dir / f".{f.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+                with open(tmp, "xb") as out:
+                    out.write(head)
+                    for a in arrays:
+                        out.write(memoryview(a).cast("B"))
+                os.replace(tmp, path)
+                tmp = None
+                total += len(head) + sum(a.nbytes for a in arrays)
+                with self._lock:
+                    self._names.add(f.name)
+            self._write_failed = False
+        except OSError as e:
+            if not self._write_failed:
+                log.warning("disk prompt cache: cannot write under %s (%s); going on without saving", self.dir, e)
+            self._write_failed = True
+            if tmp is not None:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
+        finally:
+            with self._lock:
+                self._scheduled -= {f.name for f in pending.files}
+        self._touch(pending.touch)
+        self.last_written = total
+        self.written += total
+        if total:
+            self._evict()
+        return total
+
+    def save(self, tokens: Sequence[int], target: SavedCache, draft: Optional[SavedCache] = None,
+             hidden: Optional[Hidden] = None) -> int:
+        """:meth:`snapshot` and :meth:`write` in one call; returns bytes written."""
+        return self.write(self.snapshot(tokens, target, draft, hidden))
+
+    def _touch(self, names) -> None:
+        for name in names:
+            try:
+                os.utime(self.dir / name)
+            except OSError:
+                pass  # evicted meanwhile: a later load misses there
+
+    def _evict(self) -> None:
+        """Remove the least recently used files under ``root`` (every key) until under ``max_bytes``."""
+        files, total = [], 0
+        try:
+            with os.scandir(self.root) as subs:
+                for sub in subs:
+                    if not sub.is_dir(follow_symlinks=False):
+                        continue
+                    try:
+                        with os.scandir(sub.path) as it:
+                            for e in it:
+                                if e.name.endswith(_SUFFIX) and not e.name.startswith("."):
+                                    try:
+                                        st = e.stat()
+                                    except OSError:
+                                        continue
+                                    files.append((st.st_mtime_ns, e.name, st.st_size, e.path))
+                                    total += st.st_size
+                    except OSError:
+                        continue
+        except OSError:
+            return
+        if total > self.max_bytes:
+            files.sort()
+            gone = set()
+            for _, name, size, path in files:
+                if total <= self.max_bytes:
+                    break
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass  # another process evicted it
+                except OSError:
+                    continue
+                total -= size
+                gone.add(name)
+            with self._lock:
+                self._names -= gone
+        self._measure()
+
+    # -- load --
+
+    def _read(self, name: str, lane: str, sig: Optional[list], kind: str) -> tuple[dict, dict]:
+        """A file's arrays and metadata; a damaged or foreign one is removed with a warning.
+
+        Raises:
+            FileNotFoundError: It vanished (another process evicted it): a miss, no warning.
+            _Damaged: It was removed.
+        """
+        path = self.dir / name
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            return self._damaged(path, f"unreadable ({e})")
+        try:
+            arrays, meta = _decode(blob)
+            for field_, want in (("format", str(FORMAT)), ("key", self.key), ("lane", lane), ("kind", kind),
+                                 ("block", str(self.block))):
+                if meta.get(field_) != want:
+                    raise _Damaged(f"its {field_} is {meta.get(field_)!r}, not {want!r}")
+            if sig is not None and json.loads(meta["leaves"]) != sig:
+                raise _Damaged("made for another cache layout")
+        except _Damaged as e:
+            return self._damaged(path, str(e))
+        except (ValueError, KeyError) as e:
+            return self._damaged(path, f"bad metadata ({e})")
+        return arrays, meta
+
+    def _damaged(self, path: Path, why: str):
+        log.warning("disk prompt cache: ignoring and removing %s: %s", path.name, why)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._names.discard(path.name)
+        raise _Damaged(why)
+
+    def _lengths(self, lane: str, names: set, chain: list[bytes], toks: np.ndarray, limit: int,
+                 blocks: bool, fixed: bool) -> list[int]:
+        """Every length up to ``limit`` the lane resumes at from what ``names`` holds, longest first."""
+        B = self.block
+        k = len(chain) - 1
+        if blocks:
+            k = 0
+            while k + 1 < len(chain) and self._block_name(lane, chain[k + 1]) in names:
+                k += 1
+        out = set() if fixed else {i * B for i in range(1, k + 1)}
+        prefixes = {}
+        for name in names:
+            if name.startswith(f"{lane}-s-"):
+                parts = name[: -len(_SUFFIX)].split("-")
+                if len(parts) == 5 and parts[3].isdigit():
+                    prefixes.setdefault(parts[2], []).append((int(parts[3]), parts[4]))
+        for i in range(k + 1):
+            for p, at in prefixes.get(chain[i].hex(), ()):
+                if 0 < p <= limit and p // B == i and at == self._at(chain, toks, p):
+                    out.add(p)
+        return sorted(out, reverse=True)
+
+    def _fill(self, lane: str, cache: ModelCache, n: int, chain, toks) -> list[str]:
+        """Fill the fresh ``cache`` with the lane's first ``n`` tokens; returns the files read."""
+        leaves = _leaves(cache.layers)
+        sig = [_leaf_sig(c) for c in leaves]
+        trim = [j for j, c in enumerate(leaves) if not fixed_position(c)]
+        fixed = [j for j, c in enumerate(leaves) if fixed_position(c)]
+        B, q = self.block, n // self.block
+        read = []
+        blocks = []
+        if trim:
+            for i in range(1, q + 1):
+                name = self._block_name(lane, chain[i])
+                blocks.append(self._read(name, lane, sig, "block")[0])
+                read.append(name)
+        record = None
+        if fixed or n % B:
+            name = self._record_name(lane, chain, toks, n)
+            arrays, meta = self._read(name, lane, sig, "state")
+            record = (arrays, json.loads(meta["states"]))
+            read.append(name)
+        try:
+            built = {}
+            for j in trim:
+                c = leaves[j]
+                sides = {}
+                for side in ("k", "v"):
+                    parts = []
+                    for e in range(3 if isinstance(c, QuantizedKVCache) else 1):
+                        key = f"{j}.{side}{e}"
+                        pieces = [b[key] for b in blocks]
+                        if record is not None and n % B:
+                            pieces.append(record[0][key])
+                        if any(p[0].shape[-2] != (B if k < len(blocks) else n % B) for k, p in enumerate(pieces)):
+                            raise ValueError(f"rows of {key} do not line up")
+                        parts.append(_to_mx(np.concatenate([p[0] for p in pieces], axis=-2), pieces[0][1]))
+                    sides[side] = tuple(parts) if isinstance(c, QuantizedKVCache) else parts[0]
+                built[j] = sides
+            states = {}
+            for j in fixed:
+                arrays, info = record[0], record[1][str(j)]
+                c = leaves[j]
+                if type(c) is ArraysCache:
+                    states[j] = [None if e in info["none"] else _to_mx(*arrays[f"{j}.a{e}"])
+                                 for e in range(len(c.cache))]
+                else:
+                    k, v = (_to_mx(*arrays[f"{j}.w{s}"]) for s in ("k", "v"))
+                    if info["offset"] != n or k.shape[-2] != n - info["start"]:
+                        raise ValueError("a window's rows do not match its offsets")
+                    states[j] = (k, v, info)
+        except (KeyError, ValueError, TypeError) as e:
+            # Each file was sound, but they do not fit together (made by something else under this key).
+            log.warning("disk prompt cache: %s files for %d tokens do not fit together (%s); not loading them",
+                        lane, n, e)
+            raise _Damaged(str(e)) from None
+        for j, sides in built.items():
+            c = leaves[j]
+            c.keys, c.values, c.offset = sides["k"], sides["v"], n
+        for j, state in states.items():
+            c = leaves[j]
+            if type(c) is ArraysCache:
+                c.cache = state
+            else:
+                c.keys, c.values, info = state
+                c.start, c.offset = info["start"], n
+                c._span = max(c._span, info["span"])
+        cache.length = n
+        return read
+
+    def _fill_hidden(self, n: int, chain, toks) -> tuple[Hidden, list[str]]:
+        B, q = self.block, n // self.block
+        names = [self._block_name(self._h, chain[i]) for i in range(1, q + 1)]
+        if n % B:
+            names.append(self._record_name(self._h, chain, toks, n))
+        sig, pieces = None, []
+        for i, name in enumerate(names):
+            arrays, meta = self._read(name, self._h, sig, "block" if i < q else "state")
+            sig = json.loads(meta["leaves"])  # the first file's layout: the others must have it too
+            pieces.append(arrays)
+        try:
+            cols = []
+            for j in range(len(sig)):
+                parts = [p[f"h{j}"] for p in pieces]
+                cols.append(_to_mx(np.concatenate([a for a, _ in parts], axis=0), parts[0][1]))
+            if not cols or any(c.shape[0] != n for c in cols):
+                raise ValueError("hidden rows do not add up")
+        except (KeyError, ValueError, TypeError) as e:
+            log.warning("disk prompt cache: hidden rows for %d tokens do not fit together (%s)", n, e)
+            raise _Damaged(str(e)) from None
+        final = cols.pop() if sig[-1] == "final" else None
+        return Hidden(tuple(cols), final), names
+
+    def load(self, prompt: Sequence[int], target_model=None, fresh_target: Optional[Callable[[], ModelCache]] = None,
+             draft_model=None, fresh_draft: Optional[Callable[[], ModelCache]] = None, need_hidden: bool = False,
+             at_most: Optional[int] = None) -> Optional[DiskHit]:
+        """The longest prefix of ``prompt`` the files resume, as live caches; None when none.
+
+        At least the prompt's last token is left to feed (as :meth:`PromptCache.fetch` does).
+
+        Args:
+            prompt: The prompt's token ids.
+            target_model: The target (its caches are built by ``fresh_target``, or plainly).
+            fresh_target: Empty target caches in the engine's layout (``Session.fresh_cache``).
+            draft_model: The draft model, when the session has one.
+            fresh_draft: Empty draft caches (default: ``ModelCache(draft_model)``).
+            need_hidden: Resume only where the target's hidden rows come too.
+            at_most: Resume at most this many tokens.
+
+        Returns:
+            The caches, equal to those a prefill of the ``cached`` tokens builds.
+        """
+        try:
+            hit = self._load(prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most)
+        except Exception as e:  # a cache that cannot load is a miss, never a failed request
+            log.warning("disk prompt cache: load failed (%s: %s); prefilling instead", type(e).__name__, e)
+            hit = None
+        if hit is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return hit
+
+    def _load(self, prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most):
+        limit = len(prompt) - 1 if at_most is None else min(len(prompt) - 1, at_most)
+        if limit <= 0:
+            return None
+        fresh_target = fresh_target or (lambda: ModelCache(target_model))
+        if draft_model is not None and fresh_draft is None:
+            fresh_draft = lambda: ModelCache(draft_model)  # noqa: E731
+        toks = np.asarray(list(prompt[:limit]), dtype=np.int64)
+        chain = self._chain(toks, limit // self.block)
+        for _ in range(8):  # each failure removed a file: the next try finds less
+            names = self._refresh()
+            if not names:
+                return None
+            target = fresh_target()
+            leaves = _leaves(target.layers)
+            lengths = self._lengths("t", names, chain, toks, limit, any(not fixed_position(c) for c in leaves),
+                                    any(fixed_position(c) for c in leaves))
+            if need_hidden:
+                rows = set(self._lengths(self._h, names, chain, toks, limit, True, False))
+                lengths = [n for n in lengths if n in rows]
+            if not lengths:
+                return None
+            n = lengths[0]
+            try:
+                read = self._fill("t", target, n, chain, toks)
+                hidden = None
+                if need_hidden:
+                    hidden, more = self._fill_hidden(n, chain, toks)
+                    read += more
+            except (_Damaged, FileNotFoundError):
+                continue
+            draft = None
+            if fresh_draft is not None:
+                draft, more = self._load_draft(fresh_draft, names, chain, toks, n)
+                read += more
+            self._touch(read)
+            entry = Entry(tuple(int(t) for t in toks[:n]), SavedCache.of(target),
+                          SavedCache.of(draft) if draft is not None else None, hidden)
+            return DiskHit(n, target, draft, hidden, entry)
+        return None
+
+    def _load_draft(self, fresh_draft, names, chain, toks, n) -> tuple[Optional[ModelCache], list[str]]:
+        probe = _leaves(fresh_draft().layers)
+        lengths = self._lengths(self._d, names, chain, toks, n, any(not fixed_position(c) for c in probe),
+                                any(fixed_position(c) for c in probe))
+        for m in lengths:
+            cache = fresh_draft()
+            try:
+                return cache, self._fill(self._d, cache, m, chain, toks)
+            except (_Damaged, FileNotFoundError):
+                continue
+        return None, []
+
+
+class Writer:
+    """Writes a :class:`DiskStore`'s saves on one background thread, so generation does not wait for the disk.
+
+    Args:
+        store: The store whose :meth:`DiskStore.write` runs here.
+        max_pending: Saves queued at most; past it a new one is dropped (its copies freed).
+    """
+
+    def __init__(self, store: DiskStore, max_pending: int = 4):
+        self.store = store
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._busy = 0
+        self._done = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="specdec-disk-cache", daemon=True)
+        self._thread.start()
+
+    def submit(self, pending: Pending) -> bool:
+        """Queue ``pending`` for writing; False when it was dropped (closed, or too many queued)."""
+        with self._done:
+            if self._closed or self._busy >= self.max_pending:
+                self.dropped += 1
+                return False
+            self._busy += 1
+        with self.store._lock:
+            # Later snapshots count these as written (a pending never submitted counts for nothing).
+            self.store._scheduled |= {f.name for f in pending.files}
+        self._queue.put(pending)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            pending = self._queue.get()
+            if pending is None:
+                return
+            try:
+                self.store.write(pending)
+            except Exception as e:  # write() warns for OSError; anything else must not kill the thread
+                log.warning("disk prompt cache: a save failed (%s: %s)", type(e).__name__, e)
+            finally:
+                with self._done:
+                    self._busy -= 1
+                    self._done.notify_all()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued save is written; False on timeout."""
+        with self._done:
+            return self._done.wait_for(lambda: self._busy == 0, timeout)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Write what is queued (up to ``timeout``), then stop the thread."""
+        with self._done:
+            if self._closed:
+                return
+            self._closed = True
+        self.flush(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
