@@ -45,7 +45,8 @@ FILES: dict[str, tuple[str, ...]] = {
     "test_cli.py": FAST,
     "test_dflash.py": FAST,
     "test_dialects.py": SERVER,
-    "test_disk_cache.py": FAST,  # the prompt cache on disk (issue 44)
+    "test_disk_cache.py": FAST,
+    "test_disk_tier.py": FAST,  # the disk tier through Session, the CLI and a restarted server
     "test_display.py": FAST,
     "test_distill.py": FAST,
     "test_distributed.py": DISTRIBUTED,
@@ -84,6 +85,7 @@ FILES: dict[str, tuple[str, ...]] = {
 
 # Tests whose tier is not their file's.
 TESTS: dict[str, tuple[str, ...]] = {
+    "test_disk_tier.py::test_a_restarted_server_answers_the_next_turn_from_disk_as_a_cacheless_one": SERVER,
     # The step queued ahead (off by default): every family and dtype, every ending and interrupt point.
     "test_ahead.py::test_gaps_equal_plain_and_leave_plain_caches": SLOW,
     "test_ahead.py::test_interrupt_around_a_queued_step_resumes_exactly": SLOW,
@@ -300,6 +302,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(SESSION_DIR_ENV):
         os.environ[SESSION_DIR_ENV] = tempfile.mkdtemp(prefix="specdec-tests-")
         config.stash[_OWNS_SESSION_DIR] = True
+    # The prompt cache's disk tier is on by default and shared by every run of a model: tests that
+    # repeat a prompt would resume each other's caches. It is off here (the processes the tests start
+    # inherit this) and never in the user's cache folder; tests/test_disk_tier.py turns it on by option.
+    os.environ["SPECDEC_PROMPT_CACHE_DISK_GB"] = "0"
+    os.environ["SPECDEC_PROMPT_CACHE_DIR"] = os.path.join(os.environ[SESSION_DIR_ENV], "prompt-cache")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -515,6 +515,8 @@ def generate(
     memory_check: MemoryCheckOpt = True,
     debug: DebugOpt = False,
     decode_concurrency: BatchConcurrencyOpt = None,
+    prompt_cache_dir: PromptCacheDirOpt = None,
+    prompt_cache_disk_gb: PromptCacheDiskOpt = None,
     ignore_chat_template: NoTemplateOpt = False,
     chat_template_config: TemplateConfigOpt = None,
     prefill_response: PrefillResponseOpt = None,
@@ -635,6 +637,14 @@ PromptCacheSizeOpt = Annotated[int, _opt(
 PromptCacheBytesOpt = Annotated[Optional[str], _opt(
     "--prompt-cache-bytes", callback=_size, metavar="SIZE", help="Most bytes they may hold (e.g. 4G; 0: none).",
     rich_help_panel=LIMITS, **_default("min(8G, RAM/8)"))]
+PromptCacheDirOpt = Annotated[Optional[str], _opt(
+    "--prompt-cache-dir", metavar="DIR", envvar="SPECDEC_PROMPT_CACHE_DIR", help="Where the prompt cache's disk "
+    "tier keeps caches across runs and restarts (servers may share it).", rich_help_panel=LIMITS,
+    **_default("$XDG_CACHE_HOME or ~/.cache, then specdec/prompt-cache"))]
+PromptCacheDiskOpt = Annotated[Optional[float], _opt(
+    "--prompt-cache-disk-gb", metavar="GB", min=0.0, callback=_finite, envvar="SPECDEC_PROMPT_CACHE_DISK_GB",
+    help="Most gigabytes the disk tier may hold (0: no disk tier).", rich_help_panel=LIMITS,
+    **_default("min(20, a quarter of the free space)"))]
 QueueOpt = Annotated[int, _opt(
     "--queue-size", metavar="N", min=1, max=1 << 16, help="Requests that may wait; more get 503.",
     rich_help_panel=LIMITS)]
@@ -687,6 +697,8 @@ def serve(
     queue_size: QueueOpt = 16,
     prompt_cache_size: PromptCacheSizeOpt = 10,
     prompt_cache_bytes: PromptCacheBytesOpt = None,
+    prompt_cache_dir: PromptCacheDirOpt = None,
+    prompt_cache_disk_gb: PromptCacheDiskOpt = None,
     lookup_corpus: LookupCorpusOpt = 8192,
     log_level: Annotated[LogLevel, _opt(
         "--log-level", metavar="LEVEL", help=_choices(LogLevel) + "What the server logs on stderr.",
@@ -740,6 +752,8 @@ def chat(
     prompt_cache_size: Annotated[int, _opt(
         "--prompt-cache-size", metavar="N", min=0, max=1 << 16, help="Most prompt caches kept (0: none).",
         rich_help_panel=ADVANCED)] = 10,
+    prompt_cache_dir: PromptCacheDirOpt = None,
+    prompt_cache_disk_gb: PromptCacheDiskOpt = None,
     chat_template_config: TemplateConfigOpt = None,
     num_draft_tokens: NumDraftOpt = None,
     draft_p_min: DraftPMinOpt = None,

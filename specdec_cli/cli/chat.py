@@ -122,6 +122,18 @@ def chat_command(opts: ChatOptions) -> int:
     block_size = setup.run_block_size(block_size)
     cache = PromptCache(opts.prompt_cache_size) if opts.prompt_cache_size else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)
+    warning = session.use_disk(opts.prompt_cache_dir, opts.prompt_cache_disk_gb)
+    if warning:
+        print_stderr([f"warning: {warning}"])
+    try:
+        return _turns(opts, setup, session, sampling, controls, block_size)
+    finally:
+        if session.disk is not None:
+            session.disk.close()
+
+
+def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict, block_size: int) -> int:
+    """Read and answer messages until /quit or the end of input."""
     system = clean(opts.system_prompt, "--system-prompt")
     start = [{"role": "system", "content": system}] if system is not None else []
     messages = list(start)

@@ -145,6 +145,10 @@ def _generate(opts: GenerateOptions) -> int:
     estimate = setup.check_memory(len(ids) + max_tokens)
     kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group)
     session = Session(setup, block_size, adaptive=opts.adaptive)
+    if not opts.compare_ar:  # the comparison prefills the whole prompt again, in the run's own chunks
+        warning = session.use_disk(opts.prompt_cache_dir, opts.prompt_cache_disk_gb)
+        if warning:
+            print_stderr([f"warning: {warning}"])
 
     stats = Stats(prompt_tokens=len(ids))
     tokens: list[int] = []
@@ -185,6 +189,8 @@ def _generate(opts: GenerateOptions) -> int:
         detok.finalize()
         view.write(detok.last_segment)
         view.close()
+        if session.disk is not None:
+            session.disk.close()  # the run's caches reach the disk before the process ends
     peak_gb = mx.get_peak_memory() / 1e9
     primary = ranks is None or ranks.primary
     if setup.history is not None and primary:

@@ -315,6 +315,9 @@ def _by_position(stats: Stats) -> str:
 def speed_lines(stats: Stats) -> list[str]:
     """mlx-lm's ``Prompt:`` and ``Generation:`` lines."""
     prompt = f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec"
+    if stats.cached_tokens:
+        disk = f", {stats.disk_tokens} of them from disk" if stats.disk_tokens else ""
+        prompt += f" ({stats.cached_tokens} cached{disk})"
     if stats.prefill_s == 0 and not stats.blocks:
         prompt = f"Prompt: {stats.prompt_tokens} tokens, prefill not finished"
     return [prompt, f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec"]

@@ -133,6 +133,7 @@ def serve_command(opts: ServeOptions) -> int:
     # Lookup rows also draft from recent answers (other drafters have nothing to copy with).
     corpus = Corpus(opts.lookup_corpus) if opts.lookup_corpus and setup.kind == "lookup" else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache, corpus=corpus)
+    disk_warning = session.use_disk(opts.prompt_cache_dir, opts.prompt_cache_disk_gb)
     batching = None
     if opts.decode_concurrency is None or opts.decode_concurrency > 1:
         problem = batch_problem(setup.target.model, session.fresh_cache)
@@ -155,10 +156,13 @@ def serve_command(opts: ServeOptions) -> int:
     app = create_app(service, api_key=opts.api_key)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    print_stderr(setup.start_lines() + ([f"warning: {warning}"] if warning else []) + ([batching] if batching else [])
+    print_stderr(setup.start_lines() + [f"warning: {w}" for w in (warning, disk_warning) if w]
+                 + ([batching] if batching else [])
                  + ([costs_line] if costs_line else []))
     cached = f"prompt cache {cache.max_entries} entries, up to {gb(cache.max_bytes)}" if cache is not None \
         else "no prompt cache"
+    if session.disk is not None:
+        cached += f"; {session.disk.line()}"
     if corpus is not None:
         cached += f"; lookup corpus of recent answers up to {corpus.max_tokens} tokens"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
@@ -173,6 +177,9 @@ def serve_command(opts: ServeOptions) -> int:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn raises the signal it caught again once it has shut down: stopping is the normal end
+    finally:
+        if session.disk is not None:
+            session.disk.close()  # what answers left behind reaches the disk before the process ends
     return 0
 
 

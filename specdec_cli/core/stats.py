@@ -30,6 +30,8 @@ class Stats:
     prompt_tokens: int = 0
     # Prompt tokens a prompt cache held (not prefilled).
     cached_tokens: int = 0
+    # Of those, the tokens read from the prompt cache's disk tier (the rest were in memory).
+    disk_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     generated: int = 0
@@ -68,6 +70,7 @@ class Stats:
         if hasattr(event, "prompt_tokens"):
             self.prompt_tokens, self.prefill_s = event.prompt_tokens, event.seconds
             self.cached_tokens = getattr(event, "cached", 0)
+            self.disk_tokens = getattr(event, "disk", 0)
             self.prefill_chunks = tuple(getattr(event, "chunks", ()))
             if getattr(event, "rollback", None) is not None:
                 self.rollback_choice = event.rollback.to_dict()
@@ -174,6 +177,7 @@ class Stats:
         return {
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "disk_tokens": self.disk_tokens,
             "generated_tokens": self.generated,
             "prefill_s": self.prefill_s,
             "prompt_tps": self.prompt_tps,

@@ -51,6 +51,8 @@ class Prefilled:
     marks: tuple[Checkpoint, ...] = ()
     # The verify shapes decoding runs with: exact or bucketed (see specdec_cli.core.shapes).
     shapes: str = "exact"
+    # Of ``cached``, the tokens read from the prompt cache's disk tier (the rest were in memory).
+    disk: int = 0
 
 
 @dataclass(frozen=True)

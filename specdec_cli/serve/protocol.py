@@ -440,12 +440,13 @@ def now() -> int:
 
 
 def usage(stats: Stats) -> dict:
-    """OpenAI's usage object; ``cached_tokens`` are prompt tokens the prompt cache held."""
+    """OpenAI's usage object; ``cached_tokens`` are prompt tokens the prompt cache held, ``disk_tokens``
+    (ours) those of them read from its disk tier."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated,
         "total_tokens": stats.prompt_tokens + stats.generated,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens, "disk_tokens": stats.disk_tokens},
     }
 
 
@@ -462,6 +463,7 @@ def timings(stats: Stats, drafter: str, block_size: int) -> dict:
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
         "cache_n": stats.cached_tokens,
+        "cache_disk_n": stats.disk_tokens,
         "drafter": drafter,
         "block_size": block_size,
         # 0/0 is not a rate: null says nothing was drafted, where 0.0 would say every draft failed.

@@ -343,9 +343,11 @@ def _id(prefix: str) -> str:
 
 
 def usage(stats) -> dict:
-    """The Responses API's usage (``cached_tokens``: prompt tokens the prompt cache held)."""
+    """The Responses API's usage (``cached_tokens``: prompt tokens the prompt cache held; ``disk_tokens``,
+    ours: those of them read from its disk tier)."""
     return {"input_tokens": stats.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": stats.cached_tokens, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": stats.cached_tokens, "cache_write_tokens": 0,
+                                     "disk_tokens": stats.disk_tokens},
             "output_tokens": stats.generated, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": stats.prompt_tokens + stats.generated}
 

@@ -208,6 +208,7 @@ class Scheduler:
                     self._prefill_one()
                     if self._rows.engine.rows:
                         self._step()
+                    self.session.save_to_disk()  # what finished requests left, once their answers are out
                 except Exception as e:
                     self._recover(e)
         except BaseException as e:

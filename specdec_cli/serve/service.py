@@ -112,7 +112,15 @@ class Service:
                 "decoding": sched.decoding, "waiting": sched.waiting, "decode_concurrency": sched.max_rows,
                 "prompt_cache_entries": len(cache) if cache is not None else 0,
                 "prompt_cache_bytes": cache.nbytes if cache is not None else 0,
-                "prompt_cache_max_bytes": cache.max_bytes if cache is not None else 0}
+                "prompt_cache_max_bytes": cache.max_bytes if cache is not None else 0,
+                **self._disk()}
+
+    def _disk(self) -> dict:
+        """The disk tier's folder and sizes (zeros and null when there is none)."""
+        disk = self.session.disk
+        return {"prompt_cache_dir": str(disk.folder) if disk is not None else None,
+                "prompt_cache_disk_bytes": disk.store.nbytes if disk is not None else 0,
+                "prompt_cache_disk_max_bytes": disk.store.max_bytes if disk is not None else 0}
 
     # --- checking and rendering ----------------------------------------------------
 

@@ -757,6 +757,35 @@ class DiskStore:
             self.hits += 1
         return hit
 
+    def best(self, prompt: Sequence[int], fresh_target: Callable[[], ModelCache], need_hidden: bool = False) -> int:
+        """How many tokens of ``prompt`` :meth:`load` would resume (0: none), reading no file.
+
+        The session asks this before choosing between the memory tier and the disk.
+        """
+        limit = len(prompt) - 1
+        if limit <= 0:
+            return 0
+        try:
+            names = self._refresh()
+            if not names:
+                return 0
+            toks = np.asarray(list(prompt[:limit]), dtype=np.int64)
+            chain = self._chain(toks, limit // self.block)
+            lengths = self._resumable(names, chain, toks, limit, _leaves(fresh_target().layers), need_hidden)
+        except Exception as e:  # as load: a cache that cannot be read is a miss
+            log.warning("disk prompt cache: lookup failed (%s: %s)", type(e).__name__, e)
+            return 0
+        return lengths[0] if lengths else 0
+
+    def _resumable(self, names, chain, toks, limit: int, leaves: list, need_hidden: bool) -> list[int]:
+        """The lengths the target's lane (and the hidden lane, when needed) resume at, longest first."""
+        lengths = self._lengths("t", names, chain, toks, limit, any(not fixed_position(c) for c in leaves),
+                                any(fixed_position(c) for c in leaves))
+        if need_hidden:
+            rows = set(self._lengths(self._h, names, chain, toks, limit, True, False))
+            lengths = [n for n in lengths if n in rows]
+        return lengths
+
     def _load(self, prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most):
         limit = len(prompt) - 1 if at_most is None else min(len(prompt) - 1, at_most)
         if limit <= 0:
@@ -771,12 +800,7 @@ class DiskStore:
             if not names:
                 return None
             target = fresh_target()
-            leaves = _leaves(target.layers)
-            lengths = self._lengths("t", names, chain, toks, limit, any(not fixed_position(c) for c in leaves),
-                                    any(fixed_position(c) for c in leaves))
-            if need_hidden:
-                rows = set(self._lengths(self._h, names, chain, toks, limit, True, False))
-                lengths = [n for n in lengths if n in rows]
+            lengths = self._resumable(names, chain, toks, limit, _leaves(target.layers), need_hidden)
             if not lengths:
                 return None
             n = lengths[0]

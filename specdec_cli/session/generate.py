@@ -26,6 +26,8 @@ from ..loop.runner import Finished, Prefilled, Step, Warmed, run
 from ..core.sampling import GREEDY, SamplingParams
 from ..model.taps import Hidden, HiddenTap
 from .corpus import Corpus
+from .disk_cache import DiskHit
+from .disk_tier import DiskTier, open_disk_tier
 from .options import make_policy
 from .prompt_cache import Entry, PromptCache
 from .setup import Setup
@@ -142,11 +144,14 @@ class Session:
         plain: Decode without a drafter (a baseline).
         corpus: Recent outputs every request's lookup also drafts from; each
             request's output joins it (None: none).
+        disk: The prompt cache's disk tier (None: none): a prompt resumes from
+            whichever tier holds more of it; what a request leaves is written
+            there too, after its answer (:meth:`save_to_disk`).
     """
 
     def __init__(self, setup: Setup, block_size: int, *, adaptive: bool = True,
                  prompt_cache: Optional[PromptCache] = None, prefill_seconds: Optional[float] = PREFILL_CHUNK_S,
-                 plain: bool = False, corpus: Optional[Corpus] = None):
+                 plain: bool = False, corpus: Optional[Corpus] = None, disk: Optional[DiskTier] = None):
         self.setup = setup
         self.block_size = block_size
         self.adaptive = adaptive
@@ -154,6 +159,9 @@ class Session:
         self.prefill_seconds = prefill_seconds
         self.plain = plain
         self.corpus = corpus
+        self.disk = disk
+        # Entries kept since the last save_to_disk: copied to the disk once their answer is out.
+        self._unsaved: list[Entry] = []
         # auto's measured rollback choice, per block size: measured once per session.
         self._choices: dict[int, RollbackChoice] = {}
 
@@ -184,7 +192,7 @@ class Session:
             policy = policy if policy is not None else make_policy(self.adaptive, block, setup.kind)
             drafter = setup.make_drafter(policy, hit.draft if hit else None,
                                          self.corpus.outputs() if self.corpus is not None else ())
-            if self.prompt_cache is not None and getattr(drafter, "taps", None) is not None:
+            if self._keeps and getattr(drafter, "taps", None) is not None:
                 drafter = _HiddenLog(drafter)
             steer = policy if request.first_draft is None else FirstBlock(policy, request.first_draft)
         sampling = request.sampling
@@ -236,6 +244,8 @@ class Session:
                     consistent = True
                     if event.rollback is not None:
                         self._choices.setdefault(block, event.rollback)
+                    if isinstance(hit, DiskHit):
+                        event = replace(event, disk=hit.cached)
                 elif isinstance(event, Step):
                     emitted += event.block.tokens
                 yield event
@@ -245,10 +255,11 @@ class Session:
         finally:
             # The engine's own exit first: the caches then hold every committed token but the last.
             events.close()
-            if self.prompt_cache is not None and consistent:
+            if self._keeps and consistent:
                 self._keep(ids + emitted, cache, drafter, hit)
             if self.corpus is not None:
                 self.corpus.add(emitted)
+            self.save_to_disk()
 
     def tap_spec(self):
         """The target hidden states this session's drafter reads (a ``TapSpec``), or None."""
@@ -280,23 +291,53 @@ class Session:
             cache: Its target caches as the engine returned them (None: there are none to keep).
             emitted: The tokens it generated.
         """
-        if self.prompt_cache is not None and cache is not None:
+        if self._keeps and cache is not None:
             self._keep(list(opening.ids) + list(emitted), cache, opening.drafter, opening.hit)
         if self.corpus is not None:
             self.corpus.add(emitted)
 
+    def use_disk(self, folder: Optional[str], gb: Optional[float]) -> Optional[str]:
+        """Open the disk tier ``--prompt-cache-dir`` / ``--prompt-cache-disk-gb`` ask for; returns a warning
+        for the user when it stays off though it was not turned off (None otherwise)."""
+        self.disk, warning = open_disk_tier(self.setup, folder, gb, self.tap_spec())
+        return warning
+
+    def save_to_disk(self) -> None:
+        """Copy what the disk lacks of the entries kept since the last call, and write it in the background.
+
+        Called once a request's answer is out (the copy is on this thread: the caches may change next).
+        """
+        entries, self._unsaved = self._unsaved, []
+        if self.disk is not None:
+            for entry in entries:
+                self.disk.keep(entry)
+
+    @property
+    def _keeps(self) -> bool:
+        """Whether what a request leaves in its caches is kept (in memory, on disk or both)."""
+        return self.prompt_cache is not None or self.disk is not None
+
     def _fetch(self, ids: list[int]):
-        """The prompt cache's longest usable prefix of ``ids`` (None: a miss, or no prompt cache)."""
-        if self.prompt_cache is None:
-            return None
+        """The longest usable prefix of ``ids`` in either tier (None: a miss, or no prompt cache).
+
+        The disk is read only when it holds more of the prompt than memory does.
+        """
         setup = self.setup
         taps = not self.plain and setup.kind in HIDDEN_STATE_DRAFTERS
-        return self.prompt_cache.fetch(ids, self.model, setup.draft.model if setup.draft else None,
-                                       need_hidden=taps)
+        draft = setup.draft.model if setup.draft else None
+        if self.disk is not None:
+            held = self.prompt_cache.best(ids, taps) if self.prompt_cache is not None else 0
+            if self.disk.best(ids, self.fresh_cache, taps) > held:
+                hit = self.disk.load(ids, self.model, self.fresh_cache, draft, taps)
+                if hit is not None:
+                    return hit
+        if self.prompt_cache is None:
+            return None
+        return self.prompt_cache.fetch(ids, self.model, draft, need_hidden=taps)
 
     def _marks(self, cache: ModelCache, request: Request, n: int) -> tuple[int, ...]:
         """Where to checkpoint the prompt: only layers that cannot trim back need it (each mark ends a chunk)."""
-        if self.prompt_cache is None or not any(fixed_position(c) for c in _leaves(cache.layers)):
+        if not self._keeps or not any(fixed_position(c) for c in _leaves(cache.layers)):
             return ()
         return (*request.boundaries, n - 1)
 
@@ -319,7 +360,11 @@ class Session:
             rows = drafter.rows()
             # Rows that do not line up with the caches (a cancelled prefill) are not kept.
             hidden = rows if rows.length == cache.length else None
-        self.prompt_cache.insert(Entry(tuple(tokens[: cache.length]), saved, draft, hidden))
+        entry = Entry(tuple(tokens[: cache.length]), saved, draft, hidden)
+        if self.disk is not None:
+            self._unsaved.append(entry)
+        if self.prompt_cache is not None:
+            self.prompt_cache.insert(entry)
 
 
 
@@ -400,7 +445,8 @@ class Opening:
                     opts.rollback, cache, k_max + 1, opts.rollback_memory_cap_bytes)
             self.row.rollback = "carry" if choice.strategy == "trim" else choice.strategy
         self.prefilled = Prefilled(len(self.ids), self._seconds + time.perf_counter() - start, choice,
-                                   tuple(cache.chunks), self.cached, tuple(cache.marks))
+                                   tuple(cache.chunks), self.cached, tuple(cache.marks),
+                                   disk=self.cached if isinstance(self.hit, DiskHit) else 0)
         return True
 
     def close(self) -> None:

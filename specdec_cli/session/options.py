@@ -75,6 +75,8 @@ class RunOptions(ModelOptions):
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
     json_schema: Optional[str] = None  # a file holding a JSON schema
+    prompt_cache_dir: Optional[str] = None  # the disk tier's folder (None: disk_tier.default_dir())
+    prompt_cache_disk_gb: Optional[float] = None  # its bound (None: disk_tier.default_max_bytes; 0: off)
 
     @property
     def asked_block_size(self) -> bool:

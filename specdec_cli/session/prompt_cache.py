@@ -138,6 +138,12 @@ class PromptCache:
         self._bytes -= self._sizes.pop(key)
         return entry
 
+    def best(self, prompt: Sequence[int], need_hidden: bool = False) -> int:
+        """How many tokens of ``prompt`` :meth:`fetch` would resume (0: none), changing nothing."""
+        limit = len(prompt) - 1
+        return max((entry.target.best(min(shared_prefix(entry.tokens, prompt), limit))
+                    for entry in self._entries.values() if not (need_hidden and entry.hidden is None)), default=0)
+
     def fetch(self, prompt: Sequence[int], target_model, draft_model=None, need_hidden: bool = False) -> Optional[Hit]:
         """The entry that spares the most prefill of ``prompt``, resumed; None when none helps.
 

@@ -1,0 +1,141 @@
+"""The disk tier as a session uses it: where its folder is, what keys it, how big it may grow.
+
+:mod:`.disk_cache` stores and loads; this module decides for a loaded
+:class:`~.setup.Setup` what makes two processes' caches interchangeable (the
+model's files, its dtype, ``--kv-bits``, the drafter, the MLX and mlx-lm
+releases, the device and its kernels), opens the store with its background
+writer, and answers the session's three questions: how much of a prompt is on
+disk, load it, keep this entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from ..model.fingerprint import content_fingerprint
+from .disk_cache import DiskHit, DiskStore, Writer
+from .prompt_cache import Entry
+from .setup import Setup
+
+log = logging.getLogger(__name__)
+
+# The default bound: a quarter of the free space where the folder lives, at most this many GiB
+# (LM Studio's MLX engine takes min(30 GiB, free / 4); a smaller cap because its users report 40 GB a session).
+DEFAULT_CAP_GB = 20
+FREE_SHARE = 4
+# Seconds a one-shot command waits at its end for the disk writes of its run.
+FLUSH_S = 60.0
+
+
+def default_dir() -> Path:
+    """``$XDG_CACHE_HOME/specdec/prompt-cache``, else ``~/.cache/specdec/prompt-cache``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "specdec" / "prompt-cache"
+
+
+def default_max_bytes(folder: Path) -> int:
+    """``min(20 GiB, free space / 4)`` on the file system that holds ``folder``."""
+    where = folder
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = 0
+    return min(DEFAULT_CAP_GB << 30, free // FREE_SHARE)
+
+
+def _device() -> dict:
+    """What makes the same model compute other bits here: the device, and on a CPU the BLAS."""
+    out = {"device": str(mx.default_device()), "cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "")}
+    if mx.default_device() == mx.cpu:
+        from ..model import blas
+
+        provider = blas.global_provider()
+        out["blas"] = Path(provider).name if provider else ""
+    return out
+
+
+def key_parts(setup: Setup, taps=None) -> tuple[dict, Optional[dict], Optional[dict]]:
+    """The target's key parts, and those telling draft models and hidden-state taps (a ``TapSpec``) apart."""
+    import mlx_lm
+
+    opts = setup.options
+    target = {"model": content_fingerprint(setup.target.path), "dtype": setup.target.dtype,
+              "kv_bits": opts.kv_bits, "kv_group": opts.kv_group if opts.kv_bits else None,
+              "adapter": content_fingerprint(opts.adapter_path) if opts.adapter_path else None,
+              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, **_device()}
+    draft = None
+    if setup.draft is not None:
+        draft = {"model": content_fingerprint(setup.draft.path), "dtype": setup.draft.dtype}
+    hidden = None if taps is None else {"layers": list(taps.layers), "final": bool(taps.final)}
+    return target, draft, hidden
+
+
+class DiskTier:
+    """The disk tier of one session: its store and background writer.
+
+    Args:
+        setup: The loaded models.
+        folder: The root folder (each key gets a subfolder).
+        max_bytes: Most bytes of files under ``folder``.
+        taps: The hidden states the session's drafter reads (a ``TapSpec``), or None.
+    """
+
+    def __init__(self, setup: Setup, folder: Path, max_bytes: int, taps=None):
+        target, draft, hidden = key_parts(setup, taps)
+        self.folder = Path(folder)
+        self.store = DiskStore(self.folder, target, max_bytes=max_bytes, draft_parts=draft, hidden_parts=hidden)
+        self.writer = Writer(self.store)
+
+    def best(self, ids, fresh, need_hidden: bool) -> int:
+        """Prompt tokens the disk would resume (0: none), reading no file."""
+        return self.store.best(ids, fresh, need_hidden)
+
+    def load(self, ids, target_model, fresh, draft_model, need_hidden: bool) -> Optional[DiskHit]:
+        """The longest prefix of ``ids`` the disk resumes, as live caches (None: none)."""
+        return self.store.load(ids, target_model, fresh, draft_model, need_hidden=need_hidden)
+
+    def keep(self, entry: Entry) -> None:
+        """Copy what the disk lacks of ``entry`` now (this thread) and write it in the background."""
+        pending = self.store.snapshot(entry.tokens, entry.target, entry.draft, entry.hidden)
+        if pending.files:
+            self.writer.submit(pending)
+
+    def close(self, timeout: float = FLUSH_S) -> None:
+        """Write what is queued (up to ``timeout`` s), then stop the writer."""
+        self.writer.close(timeout)
+
+    def line(self) -> str:
+        """One line for the start-up banner and the log."""
+        gib = 1 << 30
+        return (f"disk prompt cache {self.folder} ({self.store.nbytes / gib:.2f} of "
+                f"{self.store.max_bytes / gib:.1f} GB used)")
+
+
+def open_disk_tier(setup: Setup, folder: Optional[str], gb: Optional[float], taps=None
+                   ) -> tuple[Optional[DiskTier], Optional[str]]:
+    """The disk tier ``--prompt-cache-dir`` / ``--prompt-cache-disk-gb`` ask for, or None, and a warning.
+
+    Off when ``gb`` is 0, under ranks (each holds a shard: the files would be one rank's), or when the
+    folder cannot be made (a warning then; the run goes on without it).
+    """
+    if gb is not None and gb <= 0:
+        return None, None
+    if setup.ranks is not None:
+        return None, "the disk prompt cache is off for a sharded target"
+    path = Path(folder).expanduser() if folder else default_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return None, f"the disk prompt cache is off: cannot make {path} ({e.strerror}); pass --prompt-cache-dir"
+    max_bytes = int(gb * (1 << 30)) if gb is not None else default_max_bytes(path)
+    if max_bytes <= 0:
+        return None, f"the disk prompt cache is off: no free space in {path}"
+    return DiskTier(setup, path, max_bytes, taps), None

@@ -1,0 +1,225 @@
+"""The prompt cache's disk tier as users meet it: a restarted session, `generate` run twice, a restarted server.
+
+The invariant: an answer resumed from disk equals a cache-less one (greedy token for token, seeded
+sampling the same) on attention, sliding-window, GatedDeltaNet and Mamba2 models, after a restart,
+with blocks evicted, with a damaged file in the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from helpers import PROMPT
+from specdec_cli.cli.app import app
+from specdec_cli.core.sampling import SamplingParams
+from specdec_cli.loop.runner import Prefilled, Step
+from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
+from specdec_cli.session.disk_cache import DiskHit
+from specdec_cli.session.disk_tier import default_dir
+from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
+
+FAMILIES = ["llama", "gemma3_text", "qwen3_5", "nemotron_h"]
+# Past one 256-token block, so a restart reads block files and a state record.
+LONG = PROMPT * 5
+MORE = list(b" And once more, the quick brown fox jumps over the lazy dog.")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("disk-tier")
+    out = {f: make_model_dir(root / f, f, seed=0) for f in FAMILIES}
+    out["draft"] = make_model_dir(root / "draft", "llama", seed=0, noise=0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setups(dirs):
+    return {f: load_setup(ModelOptions(model=str(dirs[f]), dtype="float32"), "lookup") for f in FAMILIES}
+
+
+def gen(session: Session, ids, n: int = 24, **kw) -> tuple[list[int], Prefilled, list]:
+    tokens, prefilled, blocks = [], None, []
+    for event in session.generate(Request(ids, n, **kw)):
+        if isinstance(event, Prefilled):
+            prefilled = event
+        elif isinstance(event, Step):
+            tokens += event.block.tokens
+            blocks.append((event.block.drafted, event.block.accepted))
+    return tokens, prefilled, blocks
+
+
+def on_disk(setup, folder, gb: float = 1.0, **kw) -> Session:
+    session = Session(setup, 8, **kw)
+    assert session.use_disk(str(folder), gb) is None
+    return session
+
+
+def turn(setup, folder, ids, **kw):
+    """One process's life: open the tier, answer, write everything, close."""
+    session = on_disk(setup, folder)
+    try:
+        return gen(session, ids, **kw)
+    finally:
+        session.disk.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_restarted_session_resumes_from_disk_and_answers_as_a_cold_one(setups, family, tmp_path):
+    setup = setups[family]
+    first, pre, _ = turn(setup, tmp_path, LONG)
+    assert pre.cached == 0 and os.listdir(tmp_path)
+    second = LONG + first + MORE
+    out, pre, _ = turn(setup, tmp_path, second)
+    ref, cold, _ = gen(Session(setup, 8), second)
+    assert out == ref and cold.cached == 0
+    # The first run left its prompt and every token but the last (all of them after an EOS): all from disk.
+    assert pre.disk == pre.cached >= len(LONG) + len(first) - 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_seeded_sampling_from_disk_draws_what_a_cold_run_draws(setups, family, tmp_path):
+    setup = setups[family]
+    sampled = dict(sampling=SamplingParams(temp=0.9), seed=7)
+    first, _, _ = turn(setup, tmp_path, LONG, **sampled)
+    second = LONG + first + MORE
+    out, pre, _ = turn(setup, tmp_path, second, **sampled)
+    assert pre.disk > 0
+    assert out == gen(Session(setup, 8), second, **sampled)[0]
+
+
+def test_memory_is_read_before_disk_and_disk_when_it_holds_more(setups, tmp_path):
+    setup = setups["qwen3_5"]
+    first, _, _ = turn(setup, tmp_path, LONG)
+    session = on_disk(setup, tmp_path, prompt_cache=PromptCache())
+    second = LONG + first + MORE
+    _, pre, _ = gen(session, second)
+    assert pre.disk == pre.cached > 0  # memory was empty: the disk held the prefix
+    _, pre, _ = gen(session, second)
+    assert pre.cached == len(second) - 1 and pre.disk == 0  # now memory holds all of it
+    session.disk.close()
+
+
+def test_a_damaged_file_is_removed_with_one_warning_and_the_answer_stays_exact(setups, tmp_path, caplog):
+    setup = setups["nemotron_h"]
+    first, _, _ = turn(setup, tmp_path, LONG)
+    second = LONG + first + MORE
+    (key,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    records = sorted(key.glob("t-s-*"), key=lambda p: p.stat().st_size)
+    damaged = records[-1]
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        out, pre, _ = turn(setup, tmp_path, second)
+    assert out == gen(Session(setup, 8), second)[0]
+    assert sum(damaged.name in r.getMessage() for r in caplog.records) == 1
+    assert pre.cached < len(LONG) + len(first) - 1  # it fell back to the record on the way (or to nothing)
+
+
+def test_eviction_keeps_the_folder_under_its_bound_and_answers_stay_exact(setups, tmp_path):
+    setup = setups["llama"]
+    tiny = 0.25 / 1024  # 256 KiB: a few blocks of this model
+    session = on_disk(setup, tmp_path, gb=tiny)
+    prompts = [LONG, list(b"Another prompt entirely. ") * 12, list(b"A third one, not like the others. ") * 9]
+    for ids in prompts:
+        gen(session, ids)
+    session.disk.close()
+    total = sum(f.stat().st_size for f in tmp_path.rglob("*.safetensors"))
+    assert 0 < total <= int(tiny * (1 << 30))
+    for ids in prompts:
+        again = on_disk(setup, tmp_path, gb=tiny)
+        assert gen(again, ids + MORE)[0] == gen(Session(setup, 8), ids + MORE)[0]
+        again.disk.close()
+
+
+def test_the_draft_models_caches_come_back_with_the_targets(dirs, tmp_path):
+    setup = load_setup(ModelOptions(model=str(dirs["llama"]), draft_model=str(dirs["draft"]), dtype="float32"),
+                       "model")
+    first, _, _ = turn(setup, tmp_path, LONG)
+    second = LONG + first + MORE
+    restarted = on_disk(setup, tmp_path)
+    hit = restarted._fetch(second)
+    assert isinstance(hit, DiskHit) and hit.draft is not None and hit.draft.length > 0
+    out, pre, blocks = gen(restarted, second)
+    restarted.disk.close()
+    warm = Session(setup, 8, prompt_cache=PromptCache())
+    gen(warm, LONG)
+    ref, warm_pre, warm_blocks = gen(warm, second)
+    # The drafter resumed from disk drafts exactly as the one kept in memory: the same blocks.
+    assert out == ref and pre.disk == warm_pre.cached and blocks == warm_blocks
+
+
+def test_kv_bits_resumes_its_own_files_exactly_and_never_the_others(tmp_path):
+    wide = make_model_dir(tmp_path / "wide", {**TINY_CONFIGS["llama"], "head_dim": 32}, seed=0)  # groups of 32
+    plain = load_setup(ModelOptions(model=str(wide), dtype="float32"), "lookup")
+    quant = load_setup(ModelOptions(model=str(wide), dtype="float32", kv_bits=8, kv_group_size=32), "lookup")
+    folder = tmp_path / "cache"
+    first, _, _ = turn(plain, folder, LONG)
+    second = LONG + first + MORE
+    _, pre, _ = turn(quant, folder, second)
+    assert pre.cached == 0
+    out, pre, _ = turn(quant, folder, second)
+    assert pre.disk > 0 and out == gen(Session(quant, 8), second)[0]
+
+
+def test_a_folder_that_cannot_be_made_is_a_warning_and_the_run_goes_on(setups, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    session = Session(setups["llama"], 8)
+    warning = session.use_disk(str(blocker / "cache"), 1.0)
+    assert session.disk is None and "--prompt-cache-dir" in warning
+    assert gen(session, LONG)[0]
+
+
+def test_the_default_folder_is_under_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_dir() == tmp_path / "specdec" / "prompt-cache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert str(default_dir()).endswith(os.path.join(".cache", "specdec", "prompt-cache"))
+
+
+def test_generate_twice_reads_the_first_runs_caches_and_prints_the_same_text(dirs, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_PROMPT_CACHE_DISK_GB")  # the default: on
+    monkeypatch.setenv("SPECDEC_PROMPT_CACHE_DIR", str(tmp_path))
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    args = ["generate", "--model", str(dirs["llama"]), "--dtype", "float32", "--ignore-chat-template", "-p", prompt,
+            "-m", "16", "--json"]
+    runs = [CliRunner().invoke(app, args) for _ in range(2)]
+    for r in runs:
+        assert r.exit_code == 0, r.output
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first["text"] == second["text"]
+    assert first["cached_tokens"] == 0 and second["disk_tokens"] == second["cached_tokens"] > 0
+    off = CliRunner().invoke(app, args + ["--prompt-cache-disk-gb", "0"])
+    assert json.loads(off.stdout.strip().splitlines()[-1])["cached_tokens"] == 0
+
+
+def test_a_restarted_server_answers_the_next_turn_from_disk_as_a_cacheless_one(dirs, tmp_path):
+    from server import Server
+
+    ask = dict(model="default_model", max_tokens=16, temperature=0.0)
+    model = ["--model", str(dirs["qwen3_5"]), "--dtype", "float32", "--decode-concurrency", "1"]
+    disk = ["--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-gb", "1"]
+    prompt = bytes(LONG).decode()
+
+    def served(args, text):
+        server = Server(*model, *args)
+        try:
+            return server.client().completions.create(prompt=text, **ask), server
+        finally:
+            server.stop()
+
+    first, _ = served(disk, prompt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = prompt + first.choices[0].text + " And once more."
+    again, server = served(disk, turn2)  # a new process on the same folder
+    details = again.usage.prompt_tokens_details
+    assert details.cached_tokens > 0 and details.model_extra["disk_tokens"] == details.cached_tokens
+    assert "disk prompt cache" in server.log
+    cold, _ = served(["--prompt-cache-size", "0", "--prompt-cache-disk-gb", "0"], turn2)
+    assert again.choices[0].text == cold.choices[0].text
