@@ -223,3 +223,21 @@ def test_a_restarted_server_answers_the_next_turn_from_disk_as_a_cacheless_one(d
     assert "disk prompt cache" in server.log
     cold, _ = served(["--prompt-cache-size", "0", "--prompt-cache-disk-gb", "0"], turn2)
     assert again.choices[0].text == cold.choices[0].text
+
+
+def test_an_mtp_head_resumes_from_the_hidden_states_on_disk_and_drafts_as_from_memory(tmp_path):
+    from mtp_fixtures import fitted_head, hf_checkpoint
+
+    path = hf_checkpoint(tmp_path / "mtp", "qwen3_5", fitted_head("qwen3_5"))
+    setup = load_setup(ModelOptions(model=str(path), dtype="float32"), "mtp")
+    folder = tmp_path / "cache"
+    first, _, _ = turn(setup, folder, LONG)
+    second = LONG + first + MORE
+    out, pre, blocks = turn(setup, folder, second)
+    warm = Session(setup, 8, prompt_cache=PromptCache())
+    gen(warm, LONG)
+    ref, warm_pre, warm_blocks = gen(warm, second)
+    assert pre.disk == warm_pre.cached > len(LONG)
+    # The head read the restored hidden states: it drafts exactly as the one resumed from memory.
+    assert out == ref and blocks == warm_blocks
+    assert any(f.name.startswith("h") for f in folder.rglob("*.safetensors"))
