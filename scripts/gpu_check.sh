@@ -120,7 +120,7 @@ run_checks() {
     sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
     serve) step serve 150 $py scripts/bench_serve.py --concurrency 1,4,8 --workloads mixed --repeats 1 \
       --dtype bfloat16 --out "$OUT/serve.json" ;;
-    tests) step tests 120 bash -c "$py -m pytest --maxfail=5 -q -p no:cacheprovider tests/test_engine.py tests/test_batch.py \
+    tests) step tests 120 bash -c "$py -m pytest --maxfail=5 -q -p no:cacheprovider tests/loop/test_engine.py tests/loop/test_batch.py \
       2>&1 | tail -40 > $OUT/tests.txt" ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac; done

@@ -1,4 +1,4 @@
-"""Runs several ``specdec`` commands in one process per rank, under ``mlx.launch`` (tests/test_distributed.py).
+"""Runs several ``specdec`` commands in one process per rank, under ``mlx.launch`` (tests/model/test_distributed.py).
 
 One launch pays the start-up (imports, the ring's connections) once for many
 checks. Usage: ``mlx.launch ... -- python distributed_driver.py SPEC.json``,

@@ -1,4 +1,4 @@
-"""The architecture zoo's test, shared by tests/test_zoo_1.py, test_zoo_2.py and test_zoo_3.py.
+"""The architecture zoo's test, shared by tests/loop/test_zoo_1.py, test_zoo_2.py and test_zoo_3.py.
 
 Every mlx-lm architecture either runs exactly or is refused before the first token: one tiny
 random-weight model per architecture (tests/zoo_configs.py) goes through the checks of

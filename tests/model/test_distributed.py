@@ -29,7 +29,7 @@ from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
 HANG_GUARD_S = 900
-DRIVER = Path(__file__).with_name("distributed_driver.py")
+DRIVER = Path(__file__).resolve().parents[1] / "distributed_driver.py"
 
 
 # --- without launching ------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_pat
     # mlx.launch ends every rank once one exits non-zero: the others must outlast rank 0.
     model = make_model_dir(tmp_path / "llama", "llama")
     (tmp_path / "slow_rank_0.py").write_text(SLOW_RANK_0)
-    root = str(Path(__file__).resolve().parent.parent)  # this checkout's specdec_cli on every rank
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's specdec_cli on every rank
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": path}
     done = subprocess.run(

@@ -574,7 +574,7 @@ def test_a_failure_after_the_answer_started_is_an_event_in_each_dialect():
     assert last["response"]["output"][0]["status"] == "incomplete"
 
 
-# --- what the real agents send (tests/test_agents.py runs the agents themselves) -----------------
+# --- what the real agents send (tests/serve/test_agents.py runs the agents themselves) -----------------
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK warns of retired Anthropic names

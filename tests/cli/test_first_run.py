@@ -23,7 +23,7 @@ from specdec_cli.cli.app import app
 from specdec_cli.session.loading import load, resolve_dtype
 from specdec_cli.session.synthetic import make_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_REL = f"specdec_cli/models/{bundled.NAME}"
 # A summary repeats the prompt's words, so prompt lookup's drafts get accepted.
 SUMMARY_PROMPT = (

@@ -11,7 +11,7 @@ from helpers import GEN, PROMPT, assert_exact, kernels_agree, plain, prefilled, 
 
 from specdec_cli.loop.engine import speculative_generate_step
 
-_spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent.parent / "scripts" / "bench.py")
+_spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[2] / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench"] = bench  # dataclasses look their module up there
 _spec.loader.exec_module(bench)

@@ -6,7 +6,7 @@ greedy speculative output equals plain decoding with the same processors
 token for token, with the same log-probabilities (on this CPU a T-row forward
 gives the bits of T one-row forwards, see tests/helpers.py: kernels_agree);
 a seeded sampled text is plain decoding's; unseeded sampled tokens follow the
-processed distribution (chi-square, with tests/test_sampling.py's machinery);
+processed distribution (chi-square, with tests/core/test_sampling.py's machinery);
 and plain decoding with our penalties is mlx-lm's own ``generate_step`` with
 ``make_logits_processors``.
 """
@@ -293,7 +293,7 @@ def test_fifty_seeded_samples_under_a_json_schema_each_parse_and_validate():
     assert len(seen) > 40  # the samples differ
 
 
-# The chi-square check of tests/test_sampling.py, with processors: its 16-token model and prompt.
+# The chi-square check of tests/core/test_sampling.py, with processors: its 16-token model and prompt.
 SMALL_PENALTIES = dict(repetition_penalty=1.6, repetition_context_size=4, presence_penalty=0.7, frequency_penalty=0.4,
                        logit_bias={5: 1.0, 9: -1.0})
 

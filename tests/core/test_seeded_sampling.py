@@ -163,7 +163,7 @@ def test_compare_ar_proves_a_seeded_sampled_run_identical(llama_dirs, drafter):
 
 
 def test_compare_ar_finds_a_seeded_run_that_left_plain_decoding(llama_dirs, monkeypatch):
-    from test_honest_timing import broken_rollback
+    from test_compare import broken_rollback
 
     broken_rollback(monkeypatch)  # the rollback keeps a rejected row: the text leaves plain decoding's
     result = _seeded(llama_dirs, "--draft-model", str(llama_dirs["draft"]), "--seed", "5", "--json",

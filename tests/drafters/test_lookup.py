@@ -296,7 +296,7 @@ def test_history_file_round_trip_is_bounded_and_per_tokenizer(tmp_path):
     json.dumps({"format": FORMAT, "version": VERSION, "entries": []})[:-3],
 ])
 def test_a_damaged_history_file_is_set_aside_with_a_warning(tmp_path, content):
-    # (Files that are not a history at all are refused: tests/test_history_file.py.)
+    # (Files that are not a history at all are refused: tests/drafters/test_history_file.py.)
     path = tmp_path / "history.json"
     path.write_text(content)
     h = LookupHistory.load(path, "tokA")

@@ -30,7 +30,7 @@ from specdec_cli.session.loading import load
 from specdec_cli.loop.runner import collect, run
 from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, build_model, make_model_dir, perturb
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A Python exception class name in a message ("ValueError", "KeyError: ...").
 CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Interrupt)\b")
 # head_dim 32: a multiple of --kv-group-size 32.
