@@ -50,6 +50,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-corpus-"))
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["HF_HUB_OFFLINE"] = "1"
+    # Memory against memory: mlx_lm.server has no disk tier, and runs must not resume each other's caches.
+    env["SPECDEC_PROMPT_CACHE_DISK_GB"] = "0"
     library = blas.find_system_openblas() if sys.platform == "linux" else None
     peer_env = dict(env, **({"LD_PRELOAD": str(library)} if library else {}))
     f32 = work / "smollm2-f32"
