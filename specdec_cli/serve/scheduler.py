@@ -407,7 +407,8 @@ def _line(reply: Reply) -> str:
     """One log line per request."""
     st = reply.stats
     drafted = f"acceptance {100 * st.acceptance:.0f}% ({st.accepted}/{st.drafted})" if st.drafted else "nothing drafted"
-    return (f"{st.prompt_tokens} prompt tokens ({st.cached_tokens} cached, {st.prompt_tps:.0f} tok/s), "
+    disk = f", {st.disk_tokens} of them from disk" if st.disk_tokens else ""
+    return (f"{st.prompt_tokens} prompt tokens ({st.cached_tokens} cached{disk}, {st.prompt_tps:.0f} tok/s), "
             f"{st.generated} generated at {st.decode_tps:.1f} tok/s, {drafted}, {st.tokens_per_block:.2f} "
             f"tokens/block, finish {reply.finish_reason}")
 

@@ -220,7 +220,10 @@ class Session:
         setup, opts = self.setup, self.setup.options
         ids = list(request.prompt_ids)
         block = min(request.block_size or self.block_size, self.block_size)
+        start = time.perf_counter()
         hit = self._fetch(ids)
+        # Resuming is part of the prompt's time: a disk tier's read comes before the first token as a prefill does.
+        fetch_s = time.perf_counter() - start
         cache = hit.target if hit else self.fresh_cache()
         # The request's own state, fresh for this run (nothing it sets outlives it).
         plan = self.plan(request, hit, policy)
@@ -244,8 +247,8 @@ class Session:
                     consistent = True
                     if event.rollback is not None:
                         self._choices.setdefault(block, event.rollback)
-                    if isinstance(hit, DiskHit):
-                        event = replace(event, disk=hit.cached)
+                    event = replace(event, seconds=event.seconds + fetch_s,
+                                    disk=hit.cached if isinstance(hit, DiskHit) else 0)
                 elif isinstance(event, Step):
                     emitted += event.block.tokens
                 yield event
@@ -391,7 +394,9 @@ class Opening:
             raise ValueError("the prompt is empty")
         if not session.plain and setup.ranks is not None:
             raise ValueError("a sharded target decodes one request at a time")
+        start = time.perf_counter()
         self.hit = session._fetch(self.ids)
+        fetch_s = time.perf_counter() - start
         self.cache = self.hit.target if self.hit else session.fresh_cache()
         self.cached = self.cache.length
         plan = session.plan(request, self.hit)
@@ -402,7 +407,7 @@ class Opening:
         self.parts: list = []
         self.prefilled: Optional[Prefilled] = None
         # Seconds spent prefilling this request (not the blocks of other rows run between its chunks).
-        self._seconds = 0.0
+        self._seconds = fetch_s  # resuming from a prompt cache tier counts (a disk read comes before the first token)
         self._chunks = self.cache.prefill_chunks(
             self.ids[self.cached:-1], setup.options.prefill_step_size, tap if self.drafter is not None else None,
             self.parts, seconds=session.prefill_seconds, stops=[m - self.cached for m in
