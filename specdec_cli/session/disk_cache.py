@@ -362,7 +362,7 @@ class DiskStore:
     # -- save --
 
     def snapshot(self, tokens: Sequence[int], target: SavedCache, draft: Optional[SavedCache] = None,
-                 hidden: Optional[Hidden] = None) -> Pending:
+                 hidden: Optional[Hidden] = None, marks: Sequence[int] = ()) -> Pending:
         """Copy what a save writes and the disk lacks, on the caller's thread (the live arrays may change next).
 
         Args:
@@ -370,6 +370,9 @@ class DiskStore:
             target: The target's caches, with its checkpoints.
             draft: The draft model's caches (on the same tokens, maybe shorter).
             hidden: The target's hidden rows of ``tokens`` (from position 0).
+            marks: More lengths worth resuming at (message boundaries, the prompt's end): an
+                attention-only target gets a record there too (its rows since the block's start),
+                so a prompt that branches there resumes all of it, not only up to the block before.
 
         Returns:
             The files to write (see :meth:`write`); empty when there is nothing new.
@@ -385,11 +388,11 @@ class DiskStore:
             with self._lock:
                 names |= self._scheduled
             jobs: list[tuple[str, dict, dict]] = []  # (name, mx tensors, meta)
-            self._lane_jobs("t", target, chain, toks, names, jobs, pending)
+            self._lane_jobs("t", target, chain, toks, names, jobs, pending, marks)
             if draft is not None and 0 < draft.length <= length:
                 self._lane_jobs(self._d, draft, chain, toks, names, jobs, pending)
             if hidden is not None and hidden.length:
-                ends = {target.length, *target.checkpoints}
+                ends = {target.length, *target.checkpoints, *marks}
                 if draft is not None:
                     ends |= {draft.length, *draft.checkpoints}
                 self._hidden_jobs(hidden, min(hidden.length, length), ends, chain, toks, names, jobs, pending)
@@ -409,7 +412,7 @@ class DiskStore:
         meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in more.items()})
         return meta
 
-    def _lane_jobs(self, lane: str, saved: SavedCache, chain, toks, names, jobs, pending) -> None:
+    def _lane_jobs(self, lane: str, saved: SavedCache, chain, toks, names, jobs, pending, marks=()) -> None:
         leaves = _leaves(saved.layers)
         if not leaves:
             return  # taken by a live cache (SavedCache.take): nothing to copy
@@ -431,7 +434,7 @@ class DiskStore:
                 jobs.append((name, tensors, self._meta(lane, "block", sig, index=i)))
                 names.add(name)
         ends = [L] + sorted((n for n in saved.checkpoints if 0 < n < L), reverse=True) if fixed \
-            else ([L] if L % B else [])
+            else sorted({p for p in (L, *marks) if 0 < p <= L and p % B}, reverse=True)
         for p in ends:
             name = self._record_name(lane, chain, toks, p)
             if name in names:
@@ -442,7 +445,7 @@ class DiskStore:
             for j in trim:
                 if p > q * B:
                     tensors.update(_rows(leaves[j], q * B, p, j))
-            held = [leaves[j] for j in fixed] if p == L else list(saved.checkpoints[p])
+            held = [leaves[j] for j in fixed] if p == L or not fixed else list(saved.checkpoints[p])
             for j, c in zip(fixed, held):
                 more, state = _fixed_state(c, j)
                 tensors.update(more)

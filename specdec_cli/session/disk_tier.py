@@ -104,7 +104,7 @@ class DiskTier:
 
     def keep(self, entry: Entry) -> None:
         """Copy what the disk lacks of ``entry`` now (this thread) and write it in the background."""
-        pending = self.store.snapshot(entry.tokens, entry.target, entry.draft, entry.hidden)
+        pending = self.store.snapshot(entry.tokens, entry.target, entry.draft, entry.hidden, entry.marks)
         if pending.files:
             self.writer.submit(pending)
 

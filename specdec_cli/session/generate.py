@@ -259,7 +259,7 @@ class Session:
             # The engine's own exit first: the caches then hold every committed token but the last.
             events.close()
             if self._keeps and consistent:
-                self._keep(ids + emitted, cache, drafter, hit)
+                self._keep(ids + emitted, cache, drafter, hit, (*request.boundaries, len(ids) - 1))
             if self.corpus is not None:
                 self.corpus.add(emitted)
             self.save_to_disk()
@@ -295,7 +295,8 @@ class Session:
             emitted: The tokens it generated.
         """
         if self._keeps and cache is not None:
-            self._keep(list(opening.ids) + list(emitted), cache, opening.drafter, opening.hit)
+            self._keep(list(opening.ids) + list(emitted), cache, opening.drafter, opening.hit,
+                       (*opening.request.boundaries, len(opening.ids) - 1))
         if self.corpus is not None:
             self.corpus.add(emitted)
 
@@ -344,7 +345,7 @@ class Session:
             return ()
         return (*request.boundaries, n - 1)
 
-    def _keep(self, tokens: list[int], cache: ModelCache, drafter, hit) -> None:
+    def _keep(self, tokens: list[int], cache: ModelCache, drafter, hit, marks: tuple[int, ...] = ()) -> None:
         """Save what the caches hold now as a prompt cache entry."""
         if not 0 < cache.length <= len(tokens):
             return  # never keep caches whose tokens are not known
@@ -363,7 +364,7 @@ class Session:
             rows = drafter.rows()
             # Rows that do not line up with the caches (a cancelled prefill) are not kept.
             hidden = rows if rows.length == cache.length else None
-        entry = Entry(tuple(tokens[: cache.length]), saved, draft, hidden)
+        entry = Entry(tuple(tokens[: cache.length]), saved, draft, hidden, marks)
         if self.disk is not None:
             self._unsaved.append(entry)
         if self.prompt_cache is not None:

@@ -49,12 +49,14 @@ class Entry:
         target: The target's caches.
         draft: The draft model's caches (they may lag a few tokens behind).
         hidden: The target's hidden states of ``tokens``, for drafters that read them.
+        marks: Lengths worth resuming at (message boundaries, the prompt's end), for the disk tier.
     """
 
     tokens: tuple[int, ...]
     target: SavedCache
     draft: Optional[SavedCache] = None
     hidden: Optional[Hidden] = None
+    marks: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mlx_lm.models.cache import ArraysCache, CacheList
+from mlx_lm.models.cache import ArraysCache
 
 from ..cache.caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position, rebuild
 

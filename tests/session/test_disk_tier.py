@@ -241,3 +241,14 @@ def test_an_mtp_head_resumes_from_the_hidden_states_on_disk_and_drafts_as_from_m
     # The head read the restored hidden states: it drafts exactly as the one resumed from memory.
     assert out == ref and blocks == warm_blocks
     assert any(f.name.startswith("h") for f in folder.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_prompt_that_branches_at_a_message_boundary_resumes_all_of_it(setups, family, tmp_path):
+    setup = setups[family]
+    cut = 300  # inside the second 256-token block
+    turn(setup, tmp_path, LONG, boundaries=(cut,))
+    branch = LONG[:cut] + MORE
+    out, pre, _ = turn(setup, tmp_path, branch)
+    assert pre.disk == pre.cached == cut
+    assert out == gen(Session(setup, 8), branch)[0]
