@@ -128,8 +128,7 @@ def chat_command(opts: ChatOptions) -> int:
     try:
         return _turns(opts, setup, session, sampling, controls, block_size)
     finally:
-        if session.disk is not None:
-            session.disk.close()
+        session.shutdown()
 
 
 def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict, block_size: int) -> int:

@@ -189,8 +189,7 @@ def _generate(opts: GenerateOptions) -> int:
         detok.finalize()
         view.write(detok.last_segment)
         view.close()
-        if session.disk is not None:
-            session.disk.close()  # the run's caches reach the disk before the process ends
+        session.shutdown()  # the run's caches reach the disk before the process ends
     peak_gb = mx.get_peak_memory() / 1e9
     primary = ranks is None or ranks.primary
     if setup.history is not None and primary:

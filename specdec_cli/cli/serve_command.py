@@ -165,6 +165,8 @@ def serve_command(opts: ServeOptions) -> int:
         cached += f"; {session.disk.line()}"
     if corpus is not None:
         cached += f"; lookup corpus of recent answers up to {corpus.max_tokens} tokens"
+        if corpus.tokens:
+            cached += f" ({corpus.tokens} kept from the last run)"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
                   f"{block_size}; {cached}; up to {opts.decode_concurrency} requests decoded together",
                   f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])
@@ -178,8 +180,7 @@ def serve_command(opts: ServeOptions) -> int:
     except KeyboardInterrupt:
         pass  # uvicorn raises the signal it caught again once it has shut down: stopping is the normal end
     finally:
-        if session.disk is not None:
-            session.disk.close()  # what answers left behind reaches the disk before the process ends
+        session.shutdown()  # what answers left behind reaches the disk before the process ends
     return 0
 
 

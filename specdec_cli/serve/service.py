@@ -113,6 +113,7 @@ class Service:
                 "prompt_cache_entries": len(cache) if cache is not None else 0,
                 "prompt_cache_bytes": cache.nbytes if cache is not None else 0,
                 "prompt_cache_max_bytes": cache.max_bytes if cache is not None else 0,
+                "lookup_corpus_tokens": self.session.corpus.tokens if self.session.corpus is not None else 0,
                 **self._disk()}
 
     def _disk(self) -> dict:

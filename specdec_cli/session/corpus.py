@@ -11,9 +11,16 @@ bounded in tokens, the oldest outputs dropped first.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import secrets
 import threading
 from collections import deque
+from pathlib import Path
 from typing import Sequence
+
+log = logging.getLogger(__name__)
 
 # The corpus's default size in tokens (serve's --lookup-corpus).
 DEFAULT_TOKENS = 8192
@@ -54,4 +61,36 @@ class Corpus:
 
     @property
     def tokens(self) -> int:
+        return self._tokens
+
+    def save(self, path: Path) -> None:
+        """Write the outputs to ``path`` (a temporary file, then a rename); a failure is one warning."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            tmp.write_text(json.dumps({"corpus": 1, "outputs": [list(o) for o in self.outputs()]}))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not keep the lookup corpus in %s (%s)", path, e.strerror or e)
+            tmp.unlink(missing_ok=True)
+
+    def load(self, path: Path) -> int:
+        """Take the outputs a :meth:`save` left in ``path`` (oldest first, within the bound); returns
+        the tokens taken. A missing file is nothing; an unreadable one is one warning, and nothing is
+        taken from it. The folder's key says whose tokenizer the ids are (and drafts are only ever
+        proposals: a wrong one is rejected by the target)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+            outputs = data["outputs"]
+            if data.get("corpus") != 1 or not all(
+                    isinstance(o, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in o) for o in outputs):
+                raise ValueError("not a lookup corpus of this tokenizer")
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignored the lookup corpus in %s (%s)", path, e)
+            return 0
+        for output in outputs:
+            self.add(output)
         return self._tokens

@@ -108,6 +108,11 @@ class DiskTier:
         if pending.files:
             self.writer.submit(pending)
 
+    @property
+    def corpus_path(self) -> Path:
+        """Where the lookup corpus of recent answers is kept for the next process of this key."""
+        return self.store.dir / "lookup-corpus.json"
+
     def close(self, timeout: float = FLUSH_S) -> None:
         """Write what is queued (up to ``timeout`` s), then stop the writer."""
         self.writer.close(timeout)

@@ -304,7 +304,21 @@ class Session:
         """Open the disk tier ``--prompt-cache-dir`` / ``--prompt-cache-disk-gb`` ask for; returns a warning
         for the user when it stays off though it was not turned off (None otherwise)."""
         self.disk, warning = open_disk_tier(self.setup, folder, gb, self.tap_spec())
+        if self.disk is not None and self.corpus is not None:
+            self.corpus.load(self.disk.corpus_path)  # recent answers outlive the process too
         return warning
+
+    def shutdown(self) -> None:
+        """Write what the disk tier still has queued, and the lookup corpus beside it (a face's last step)."""
+        if self.disk is None:
+            return
+        self.disk.close()
+        if self.corpus is not None and self.corpus.tokens:
+            try:
+                self.disk.store.dir.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                pass
+            self.corpus.save(self.disk.corpus_path)
 
     def save_to_disk(self) -> None:
         """Copy what the disk lacks of the entries kept since the last call, and write it in the background.

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -207,20 +208,24 @@ def test_a_restarted_server_answers_the_next_turn_from_disk_as_a_cacheless_one(d
     disk = ["--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-gb", "1"]
     prompt = bytes(LONG).decode()
 
-    def served(args, text):
+    def served(args, text, **kw):
         server = Server(*model, *args)
         try:
-            return server.client().completions.create(prompt=text, **ask), server
+            server.health = httpx.get(f"{server.url}/health", timeout=10).json()
+            return server.client().completions.create(prompt=text, **ask, **kw), server
         finally:
             server.stop()
 
-    first, _ = served(disk, prompt)
+    first, _ = served(disk, prompt, extra_body={"ignore_eos": True})  # 16 tokens: long enough for the corpus
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     turn2 = prompt + first.choices[0].text + " And once more."
     again, server = served(disk, turn2)  # a new process on the same folder
     details = again.usage.prompt_tokens_details
     assert details.cached_tokens > 0 and details.model_extra["disk_tokens"] == details.cached_tokens
-    assert "disk prompt cache" in server.log
+    assert "disk prompt cache" in server.log and "of them from disk" in server.log
+    # The lookup corpus of recent answers came back with the caches.
+    assert server.health["lookup_corpus_tokens"] == first.usage.completion_tokens == 16
+    assert server.health["prompt_cache_disk_bytes"] > 0 and server.health["prompt_cache_dir"] == str(tmp_path)
     cold, _ = served(["--prompt-cache-size", "0", "--prompt-cache-disk-gb", "0"], turn2)
     assert again.choices[0].text == cold.choices[0].text
 
@@ -252,3 +257,20 @@ def test_a_prompt_that_branches_at_a_message_boundary_resumes_all_of_it(setups, 
     out, pre, _ = turn(setup, tmp_path, branch)
     assert pre.disk == pre.cached == cut
     assert out == gen(Session(setup, 8), branch)[0]
+
+
+def test_the_lookup_corpus_round_trips_and_a_damaged_file_is_one_warning(tmp_path, caplog):
+    from specdec_cli.session.corpus import Corpus
+
+    kept = Corpus(64)
+    kept.add(list(range(10, 30)))
+    kept.add(list(range(40, 52)))
+    kept.save(tmp_path / "c.json")
+    again = Corpus(64)
+    assert again.load(tmp_path / "c.json") == 32 and again.outputs() == kept.outputs()
+    assert Corpus(16).load(tmp_path / "c.json") <= 16  # the bound holds whatever the file holds
+    assert Corpus(64).load(tmp_path / "missing.json") == 0
+    (tmp_path / "c.json").write_text('{"corpus": 1, "outputs": [[1, 2, "x"]]}')
+    with caplog.at_level(logging.WARNING):
+        assert Corpus(64).load(tmp_path / "c.json") == 0
+    assert len(caplog.records) == 1 and "lookup corpus" in caplog.records[0].getMessage()
