@@ -31,15 +31,20 @@ def model_fingerprint(path) -> bytes:
 
 
 def content_fingerprint(path) -> str:
-    """:func:`model_fingerprint` plus samples of every weight file's bytes, as hex.
+    """:func:`model_fingerprint` plus every weight file's modification time and samples of its bytes, as hex.
 
-    Two fine-tunes of one architecture have the same headers and sizes; their
-    weights differ everywhere, so a few evenly spaced windows tell them apart
-    without reading gigabytes. Caches computed by one must never resume on the other.
+    Two fine-tunes of one architecture have the same headers and sizes. A full
+    fine-tune differs everywhere, which evenly spaced windows see without reading
+    gigabytes; a fused LoRA or new scales change a few layers only, which windows
+    may miss, but the weights were written anew: their modification time
+    differs. Caches computed by one model must never resume on another (a copy
+    that does not keep the times is only a miss).
     """
     h = hashlib.sha256(model_fingerprint(path))
     for file in sorted(Path(path).glob("*.safetensors")):
-        size = file.stat().st_size
+        st = file.stat()
+        size = st.st_size
+        h.update(f"{file.name}:{size}:{st.st_mtime_ns}".encode())
         with open(file, "rb") as f:
             for i in range(_SAMPLES):
                 f.seek(max(0, size - _WINDOW) * i // max(1, _SAMPLES - 1))

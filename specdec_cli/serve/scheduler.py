@@ -361,6 +361,8 @@ class Scheduler:
         except Exception as e:
             # The engine restored every row to its state before the block; the requests cannot go on.
             self._fail(self._rows.decoding, e)
+            if self._rows.engine.rows:
+                self._rows.new_engine()  # rows no request owns (one could not leave): start the engine afresh
             return
         seconds = time.perf_counter() - start
         if log.isEnabledFor(logging.DEBUG):

@@ -42,8 +42,10 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -63,6 +65,13 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 _SUFFIX = ".safetensors"
+# What eviction may remove: a key's folder, and a lane's block or record in it (nothing else, ever).
+_KEY = re.compile(r"[0-9a-f]{64}")
+_OURS = re.compile(r"(t|d|h|d[0-9a-f]{16}|h[0-9a-f]{16})-(b-[0-9a-f]{64}|s-[0-9a-f]{64}-[0-9]+-[0-9a-f]{64})"
+                   + re.escape(_SUFFIX))
+_TMP = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{8}\.tmp")
+# A temporary file older than this was left by a writer that died: eviction removes it.
+_STALE_TMP_S = 3600
 
 # safetensors dtype names <-> numpy (bfloat16 travels as its uint16 bits).
 _NP = {
@@ -489,7 +498,8 @@ class DiskStore:
         try:
             if pending.files:
                 self.dir.mkdir(parents=True, exist_ok=True)
-            for f in pending.files:
+            # Last block first: eviction takes the oldest files first, and a chain without its front is useless.
+            for f in reversed(pending.files):
                 path = self.dir / f.name
                 if path.exists():
                     continue  # another process (or an earlier save) wrote it
@@ -517,7 +527,7 @@ class DiskStore:
         finally:
             with self._lock:
                 self._scheduled -= {f.name for f in pending.files}
-        self._touch(pending.touch)
+        self._touch(reversed(pending.touch))
         self.last_written = total
         self.written += total
         if total:
@@ -529,6 +539,16 @@ class DiskStore:
         """:meth:`snapshot` and :meth:`write` in one call; returns bytes written."""
         return self.write(self.snapshot(tokens, target, draft, hidden))
 
+    def _forget(self, names) -> None:
+        """Remove files that are sound alone but cannot be used together."""
+        for name in names:
+            try:
+                os.remove(self.dir / name)
+            except OSError:
+                pass
+            with self._lock:
+                self._names.discard(name)
+
     def _touch(self, names) -> None:
         for name in names:
             try:
@@ -537,23 +557,31 @@ class DiskStore:
                 pass  # evicted meanwhile: a later load misses there
 
     def _evict(self) -> None:
-        """Remove the least recently used files under ``root`` (every key) until under ``max_bytes``."""
+        """Remove the least recently used files under ``root`` (every key) until under ``max_bytes``.
+
+        Only this tier's own files are ever removed: in a key's folder (64 hex digits), named as a
+        block or a record of a lane; anything else a user keeps there (a model's weights) is left
+        alone. Temporary files a crashed writer left an hour ago go too.
+        """
         files, total = [], 0
+        stale = time.time() - _STALE_TMP_S
         try:
             with os.scandir(self.root) as subs:
                 for sub in subs:
-                    if not sub.is_dir(follow_symlinks=False):
+                    if not (_KEY.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
                         continue
                     try:
                         with os.scandir(sub.path) as it:
                             for e in it:
-                                if e.name.endswith(_SUFFIX) and not e.name.startswith("."):
-                                    try:
-                                        st = e.stat()
-                                    except OSError:
-                                        continue
-                                    files.append((st.st_mtime_ns, e.name, st.st_size, e.path))
-                                    total += st.st_size
+                                try:
+                                    if _OURS.fullmatch(e.name):
+                                        st = e.stat(follow_symlinks=False)
+                                        files.append((st.st_mtime_ns, e.name, st.st_size, e.path))
+                                        total += st.st_size
+                                    elif _TMP.fullmatch(e.name) and e.stat(follow_symlinks=False).st_mtime < stale:
+                                        os.remove(e.path)
+                                except OSError:
+                                    continue
                     except OSError:
                         continue
         except OSError:
@@ -690,8 +718,9 @@ class DiskStore:
                     states[j] = (k, v, info)
         except (KeyError, ValueError, TypeError) as e:
             # Each file was sound, but they do not fit together (made by something else under this key).
-            log.warning("disk prompt cache: %s files for %d tokens do not fit together (%s); not loading them",
+            log.warning("disk prompt cache: %s files for %d tokens do not fit together (%s); removed them",
                         lane, n, e)
+            self._forget(read)  # or every later request would try them again
             raise _Damaged(str(e)) from None
         for j, sides in built.items():
             c = leaves[j]
@@ -725,7 +754,8 @@ class DiskStore:
             if not cols or any(c.shape[0] != n for c in cols):
                 raise ValueError("hidden rows do not add up")
         except (KeyError, ValueError, TypeError) as e:
-            log.warning("disk prompt cache: hidden rows for %d tokens do not fit together (%s)", n, e)
+            log.warning("disk prompt cache: hidden rows for %d tokens do not fit together (%s); removed them", n, e)
+            self._forget(names)
             raise _Damaged(str(e)) from None
         final = cols.pop() if sig[-1] == "final" else None
         return Hidden(tuple(cols), final), names
@@ -819,7 +849,7 @@ class DiskStore:
             if fresh_draft is not None:
                 draft, more = self._load_draft(fresh_draft, names, chain, toks, n)
                 read += more
-            self._touch(read)
+            self._touch(reversed(read))
             entry = Entry(tuple(int(t) for t in toks[:n]), SavedCache.of(target),
                           SavedCache.of(draft) if draft is not None else None, hidden)
             return DiskHit(n, target, draft, hidden, entry)
@@ -856,6 +886,12 @@ class Writer:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="specdec-disk-cache", daemon=True)
         self._thread.start()
+
+    @property
+    def full(self) -> bool:
+        """Whether a save submitted now would be dropped (closed, or ``max_pending`` queued)."""
+        with self._done:
+            return self._closed or self._busy >= self.max_pending
 
     def submit(self, pending: Pending) -> bool:
         """Queue ``pending`` for writing; False when it was dropped (closed, or too many queued)."""

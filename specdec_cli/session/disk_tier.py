@@ -66,11 +66,14 @@ def key_parts(setup: Setup, taps=None) -> tuple[dict, Optional[dict], Optional[d
     """The target's key parts, and those telling draft models and hidden-state taps (a ``TapSpec``) apart."""
     import mlx_lm
 
+    from .. import __version__
+
     opts = setup.options
+    adapter = Path(opts.adapter_path).expanduser() if opts.adapter_path else None
     target = {"model": content_fingerprint(setup.target.path), "dtype": setup.target.dtype,
               "kv_bits": opts.kv_bits, "kv_group": opts.kv_group if opts.kv_bits else None,
-              "adapter": content_fingerprint(opts.adapter_path) if opts.adapter_path else None,
-              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, **_device()}
+              "adapter": content_fingerprint(adapter) if adapter is not None else None,
+              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "specdec": __version__, **_device()}
     draft = None
     if setup.draft is not None:
         draft = {"model": content_fingerprint(setup.draft.path), "dtype": setup.draft.dtype}
@@ -93,6 +96,7 @@ class DiskTier:
         self.folder = Path(folder)
         self.store = DiskStore(self.folder, target, max_bytes=max_bytes, draft_parts=draft, hidden_parts=hidden)
         self.writer = Writer(self.store)
+        self._warned_size = False
 
     def best(self, ids, fresh, need_hidden: bool) -> int:
         """Prompt tokens the disk would resume (0: none), reading no file."""
@@ -103,8 +107,23 @@ class DiskTier:
         return self.store.load(ids, target_model, fresh, draft_model, need_hidden=need_hidden)
 
     def keep(self, entry: Entry) -> None:
-        """Copy what the disk lacks of ``entry`` now (this thread) and write it in the background."""
+        """Copy what the disk lacks of ``entry`` now (this thread) and write it in the background.
+
+        Nothing is copied when the writer is full (the disk is slower than the answers), and nothing
+        written when what is new would take over half the bound (it would evict everything, then the
+        start of its own prefix).
+        """
+        if self.writer.full:
+            self.writer.dropped += 1
+            return
         pending = self.store.snapshot(entry.tokens, entry.target, entry.draft, entry.hidden, entry.marks)
+        if pending.nbytes > self.store.max_bytes // 2:
+            if not self._warned_size:
+                log.warning("a prompt's caches (%.2f GB new) are over half the disk prompt cache's bound (%.2f GB): "
+                            "not written; raise --prompt-cache-disk-gb", pending.nbytes / (1 << 30),
+                            self.store.max_bytes / (1 << 30))
+                self._warned_size = True
+            return
         if pending.files:
             self.writer.submit(pending)
 
@@ -143,4 +162,7 @@ def open_disk_tier(setup: Setup, folder: Optional[str], gb: Optional[float], tap
     max_bytes = int(gb * (1 << 30)) if gb is not None else default_max_bytes(path)
     if max_bytes <= 0:
         return None, f"the disk prompt cache is off: no free space in {path}"
-    return DiskTier(setup, path, max_bytes, taps), None
+    try:
+        return DiskTier(setup, path, max_bytes, taps), None
+    except OSError as e:  # the model's files could not be read for the key: the run goes on without the tier
+        return None, f"the disk prompt cache is off: {e}"

@@ -74,7 +74,12 @@ class Flights:
         self.tap = HiddenTap(session.model, spec) if spec is not None else None
         self.flights: list[Flight] = []
         self._by_row: dict[int, Flight] = {}
-        self.engine = self.new_engine()
+        try:
+            self.engine = self.new_engine()
+        except BaseException:
+            if self.tap is not None:
+                self.tap.close()  # nothing is left installed on the model after an error
+            raise
 
     def new_engine(self) -> Engine:
         """A fresh engine (the first, or after a fault left rows no request owns)."""
@@ -111,14 +116,13 @@ class Flights:
 
     def step(self) -> list[tuple[Flight, Block]]:
         """One engine block for every decoding row; each flight's tokens grow by its block's."""
-        out = []
-        for row, block in self.engine.step():
-            flight = self._by_row.get(id(row))
-            if flight is None or flight.row is not row:  # a failed request's row that could not leave
-                raise RuntimeError("a row in the engine belongs to no request")
+        out = [(self._by_row.get(id(row)), row, block) for row, block in self.engine.step()]
+        if any(flight is None or flight.row is not row for flight, row, _ in out):
+            # A failed request's row that could not leave: the driver starts a fresh engine.
+            raise RuntimeError("a row in the engine belongs to no request")
+        for flight, _, block in out:
             flight.tokens += block.tokens
-            out.append((flight, block))
-        return out
+        return [(flight, block) for flight, _, block in out]
 
     def leave(self, flight: Flight, keep: bool = True, tokens: Optional[list] = None) -> Optional[ModelCache]:
         """Take ``flight`` out (at a block boundary); with ``keep`` its caches go to the prompt cache.

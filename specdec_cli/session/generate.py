@@ -347,7 +347,7 @@ class Session:
             held = self.prompt_cache.best(ids, taps) if self.prompt_cache is not None else 0
             if self.disk.best(ids, self.fresh_cache, taps) > held:
                 hit = self.disk.load(ids, self.model, self.fresh_cache, draft, taps)
-                if hit is not None:
+                if hit is not None and hit.cached > held:  # else a damaged file cut it below memory's
                     return hit
         if self.prompt_cache is None:
             return None

@@ -265,6 +265,26 @@ def test_the_folder_is_bounded_by_bytes_least_recently_used_first(tmp_path):
     assert hit is None or hit.cached < len(prompts[1])  # the least recently used lost its files
 
 
+def test_eviction_removes_only_its_own_files_and_a_dead_writers_old_temporaries(tmp_path):
+    model = target("llama", "float32")
+    _, saved = prefill(model, TOKENS)
+    root = tmp_path / "cache"
+    disk = store(root, max_bytes=1)  # every file of ours is over the bound
+    weights = root / "my-model" / "model.safetensors"  # a user's model kept in the same folder
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights" * 100)
+    disk.dir.mkdir(parents=True)
+    notes = disk.dir / "notes.safetensors"  # in a key's folder, but not named as a block or record
+    notes.write_bytes(b"mine")
+    old, fresh = disk.dir / ".x.safetensors.12.0a1b2c3d.tmp", disk.dir / ".y.safetensors.13.0a1b2c3e.tmp"
+    for f in (old, fresh):
+        f.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    disk.save(TOKENS, saved)
+    assert not list(root.rglob("t-*"))  # its own files went
+    assert weights.exists() and notes.exists() and fresh.exists() and not old.exists()
+
+
 def test_two_stores_saving_into_one_folder_at_once_leave_only_sound_files(tmp_path, caplog):
     model = target("qwen3_5", "float32")
     prompts = [TOKENS[:30 + 9 * k] for k in range(5)] + [OTHER[:30 + 9 * k] for k in range(5)]

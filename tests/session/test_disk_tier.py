@@ -124,14 +124,17 @@ def test_a_damaged_file_is_removed_with_one_warning_and_the_answer_stays_exact(s
 
 def test_eviction_keeps_the_folder_under_its_bound_and_answers_stay_exact(setups, tmp_path):
     setup = setups["llama"]
-    tiny = 0.25 / 1024  # 256 KiB: a few blocks of this model
+    turn(setup, tmp_path / "probe", LONG)
+    one = sum(f.stat().st_size for f in (tmp_path / "probe").rglob("*.safetensors"))
+    tiny = 2.2 * one / (1 << 30)  # two prompts' worth: the third evicts
+    tmp_path = tmp_path / "bounded"
     session = on_disk(setup, tmp_path, gb=tiny)
-    prompts = [LONG, list(b"Another prompt entirely. ") * 12, list(b"A third one, not like the others. ") * 9]
+    prompts = [LONG, list(b"Another prompt entirely. ") * 14, list(b"A third one, not like the others. ") * 11]
     for ids in prompts:
         gen(session, ids)
     session.disk.close()
     total = sum(f.stat().st_size for f in tmp_path.rglob("*.safetensors"))
-    assert 0 < total <= int(tiny * (1 << 30))
+    assert 0 < total <= int(tiny * (1 << 30)) < session.disk.store.written  # files were evicted
     for ids in prompts:
         again = on_disk(setup, tmp_path, gb=tiny)
         assert gen(again, ids + MORE)[0] == gen(Session(setup, 8), ids + MORE)[0]
@@ -274,3 +277,18 @@ def test_the_lookup_corpus_round_trips_and_a_damaged_file_is_one_warning(tmp_pat
     with caplog.at_level(logging.WARNING):
         assert Corpus(64).load(tmp_path / "c.json") == 0
     assert len(caplog.records) == 1 and "lookup corpus" in caplog.records[0].getMessage()
+
+
+def test_weights_written_anew_change_the_key(dirs, tmp_path):
+    from specdec_cli.session.disk_tier import key_parts
+
+    setup = load_setup(ModelOptions(model=str(dirs["llama"]), dtype="float32"), "lookup")
+    before = key_parts(setup)[0]
+    weights = next(dirs["llama"].glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # a fused LoRA, say: same size
+    try:
+        assert key_parts(setup)[0]["model"] != before["model"]
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert key_parts(setup)[0] == before
