@@ -54,19 +54,19 @@ def gen(session: Session, ids, n: int = 24, **kw) -> tuple[list[int], Prefilled,
     return tokens, prefilled, blocks
 
 
-def on_disk(setup, folder, gb: float = 1.0, **kw) -> Session:
-    session = Session(setup, 8, **kw)
+def on_disk(setup, folder, gb: float = 1.0, block: int = 8, **kw) -> Session:
+    session = Session(setup, block, **kw)
     assert session.use_disk(str(folder), gb) is None
     return session
 
 
-def turn(setup, folder, ids, **kw):
+def turn(setup, folder, ids, block: int = 8, **kw):
     """One process's life: open the tier, answer, write everything, close."""
-    session = on_disk(setup, folder)
+    session = on_disk(setup, folder, block=block)
     try:
         return gen(session, ids, **kw)
     finally:
-        session.disk.close()
+        session.shutdown()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -292,3 +292,23 @@ def test_weights_written_anew_change_the_key(dirs, tmp_path):
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert key_parts(setup)[0] == before
+
+
+def test_a_dflash_drafter_resumes_from_the_hidden_states_on_disk(tmp_path):
+    from helpers import TINY_CONFIGS as CONFIGS
+    from test_dflash import dflash_config, save_dflash_dir
+
+    target = make_model_dir(tmp_path / "qwen3_5", "qwen3_5", seed=0)
+    cfg = dflash_config(CONFIGS["qwen3_5"], layers=2, block_size=6,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    draft = save_dflash_dir(tmp_path / "dflash", cfg, seed=3)
+    setup = load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "dflash")
+    folder = tmp_path / "cache"
+    first, _, _ = turn(setup, folder, LONG, block=6)
+    second = LONG + first + MORE
+    out, pre, blocks = turn(setup, folder, second, block=6)
+    warm = Session(setup, 6, prompt_cache=PromptCache())
+    gen(warm, LONG)
+    ref, warm_pre, warm_blocks = gen(warm, second)
+    assert pre.disk == warm_pre.cached > len(LONG)
+    assert out == ref and blocks == warm_blocks
