@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -429,3 +430,60 @@ def test_the_writer_saves_in_the_background(tmp_path):
     assert_exact(hit.target, model, TOKENS, cache.chunks)
     writer.close(timeout=30)
     assert not writer.submit(disk.snapshot(OTHER, saved)) and writer.dropped == 1
+
+
+# One process of the test below: its own store on the shared folder, saving and evicting.
+_PROCESS = """
+import sys
+import numpy as np
+from specdec_cli.cache.caches import ModelCache
+from specdec_cli.session.disk_cache import DiskStore
+from specdec_cli.session.state import SavedCache
+from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
+
+folder, bound, order = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model = build_model(TINY_CONFIGS["qwen3_5"], seed=0)
+disk = DiskStore(folder, {PARTS!r}, max_bytes=bound, block={B})
+prompts = {PROMPTS!r}
+for p in (prompts if order == "forward" else prompts[::-1]):
+    cache = ModelCache(model)
+    cache.prefill(p, {STEP}, stops=[len(p) // 2])
+    saved = SavedCache.of(cache)
+    for mark in cache.marks:
+        saved.add(mark)
+    disk.save(p, saved)
+print("saved", disk.written)
+"""
+
+
+def test_two_processes_saving_into_one_folder_leave_only_files_that_load_exactly(tmp_path):
+    import subprocess
+    import sys
+
+    prompts = [TOKENS[:30 + 9 * k] for k in range(5)] + [OTHER[:30 + 9 * k] for k in range(5)]
+    model = build_model(TINY_CONFIGS["qwen3_5"], seed=0)
+    kept = [prefill(model, p, stops=[len(p) // 2]) for p in prompts]
+    one = store(tmp_path / "probe").save(prompts[-1], kept[-1][1])
+    code = _PROCESS.format(PARTS=PARTS, B=B, STEP=STEP, PROMPTS=prompts)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "shared"), str(4 * one), order],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for order in ("forward", "backward")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "saved" in out, err
+        assert "warning" not in err.lower(), err  # no file either one read or wrote was damaged
+    disk = store(tmp_path / "shared")
+    assert 0 < disk.nbytes <= 4 * one and not list(disk.dir.glob(".*"))  # bounded, no temporaries left
+    hits = 0
+    for p in prompts:
+        hit = disk.load(p + [1], model)
+        if hit is None:
+            continue
+        hits += 1
+        # What eviction left resumes exactly: the caches of the save that wrote that state, prefilled directly.
+        n = hit.cached
+        (q,) = {tuple(q) for q in prompts if list(q[:n]) == list(p[:n]) and n in (len(q), len(q) // 2)}
+        direct, _ = prefill(model, list(q[:n]), stops=[len(q) // 2] if n == len(q) else [])
+        assert max_cache_diff(hit.target, direct) == 0
+    assert hits
