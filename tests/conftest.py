@@ -87,6 +87,9 @@ FILES: dict[str, tuple[str, ...]] = {
 # Tests whose tier is not their file's.
 TESTS: dict[str, tuple[str, ...]] = {
     "session/test_disk_tier.py::test_a_restarted_server_answers_the_next_turn_from_disk_as_a_cacheless_one": SERVER,
+    # A head fitted first (~8 s), and two processes importing MLX: over the fast tier's budget.
+    "session/test_disk_tier.py::test_an_mtp_head_resumes_from_the_hidden_states_on_disk_and_drafts_as_from_memory": SLOW,
+    "session/test_disk_cache.py::test_two_processes_saving_into_one_folder_leave_only_files_that_load_exactly": SLOW,
     # The step queued ahead (off by default): every family and dtype, every ending and interrupt point.
     "loop/test_ahead.py::test_gaps_equal_plain_and_leave_plain_caches": SLOW,
     "loop/test_ahead.py::test_interrupt_around_a_queued_step_resumes_exactly": SLOW,
