@@ -78,7 +78,7 @@ from specdec_cli.model import bundled
 from specdec_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_io import load_head
-from specdec_cli.session.loading import read_config
+from specdec_cli.model.files import read_config
 from specdec_cli.loop.engine import MAX_CARRY
 from specdec_cli.session.loading import load
 from specdec_cli.session.measure import measure

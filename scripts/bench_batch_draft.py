@@ -114,7 +114,8 @@ def main() -> None:
     blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
 
     from specdec_cli.model import bundled
-    from specdec_cli.session.loading import load as load_files, resolve_dtype
+    from specdec_cli.model.files import resolve_dtype
+    from specdec_cli.session.loading import load as load_files
 
     def load(path):
         return load_files(path, resolve_dtype("auto"))

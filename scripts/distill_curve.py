@@ -43,7 +43,8 @@ from specdec_cli.cli.distill_command import EVAL_PROMPTS
 from specdec_cli.drafters.history import tokenizer_fingerprint
 from specdec_cli.drafters.mtp_head import MTPHead
 from specdec_cli.drafters.mtp_io import load_head
-from specdec_cli.session.loading import load, read_config
+from specdec_cli.model.files import read_config
+from specdec_cli.session.loading import load
 from specdec_cli.loop.runner import collect, run
 from specdec_cli.model.taps import target_parts
 

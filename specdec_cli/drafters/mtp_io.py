@@ -22,7 +22,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..model.taps import TargetParts
+from ..model.files import DTYPES, Loaded, cast, read_config, resolve, resolve_dtype
+from ..model.taps import TargetParts, target_parts
 from .mtp_head import MTPConfig, MTPHead
 
 # config.json model_type of MTP-only folders: mlx-vlm's converted sidecar, and ours.
@@ -294,3 +295,34 @@ def save_head(path: Path, head: MTPHead) -> Path:
 def is_sidecar(config: dict) -> bool:
     """Whether a config.json describes an MTP-only folder."""
     return config.get("model_type") in SIDECAR_TYPES
+
+
+def is_mtp_sidecar(path: Optional[Path]) -> bool:
+    """Whether the directory ``path`` is an MTP-only folder (mlx-vlm's or specdec's)."""
+    return path is not None and (path / "config.json").is_file() and is_sidecar(read_config(path))
+
+
+def load_mtp(name: Optional[str], path: Optional[Path], target: Loaded, dtype: Optional[str] = None):
+    """Load the MTP head that drafts for ``target``, checked to fit it.
+
+    Args:
+        name: An MTP sidecar or a checkpoint carrying ``mtp.*`` tensors (repo
+            id or directory); None reads the target's own files.
+        path: Where ``name`` was resolved to.
+        target: The loaded target.
+        dtype: Cast the head as the target was cast.
+
+    Returns:
+        A :class:`~specdec_cli.drafters.mtp_io.LoadedHead`.
+
+    Raises:
+        UnsupportedModelError: No head, several MTP layers, or a head for another model.
+    """
+    path = target.path if name is None else (path or resolve(name))
+    config = read_config(path)
+    parts = target_parts(target.model)
+    loaded = load_head(path, config, name or target.name, parts)
+    dtype = resolve_dtype(dtype)
+    if dtype is not None:
+        cast(loaded.head, DTYPES[dtype])
+    return loaded

@@ -15,7 +15,7 @@ from ..defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, DRAFTERS, HID
                         NGRAM_MAX, NGRAM_MIN)
 from ..drafters.history import check_path
 from ..errors import OptionError
-from .loading import is_local
+from ..model.files import is_local
 from ..core.sampling import SamplingParams
 
 

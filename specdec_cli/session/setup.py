@@ -30,7 +30,10 @@ from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
 from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..core.shapes import first_compile_note
-from .loading import Loaded, check_same_tokenizer, is_dflash, is_mtp_sidecar, load, load_dflash, load_mtp, resolve
+from ..drafters.dflash_io import is_dflash, load_dflash
+from ..drafters.mtp_io import is_mtp_sidecar, load_mtp
+from ..model.files import Loaded, resolve
+from .loading import check_same_tokenizer, load
 from ..model.prompts import longest_token_chars
 from ..model.taps import TargetParts, target_parts
 from .options import ModelOptions, check_block_size, hidden_states_refused

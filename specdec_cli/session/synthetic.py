@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .loading import cast
+from ..model.files import cast
 from ..model.prompts import byte_level_chars
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

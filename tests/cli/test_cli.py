@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import errors as hub_errors
 from typer.testing import CliRunner
 
-import specdec_cli.session.loading as loading
+import specdec_cli.model.files as files
 import specdec_cli.loop.runner as runner_module
 from specdec_cli.cli.app import app
 from specdec_cli.drafters import ModelDrafter
@@ -377,7 +377,7 @@ def hub(models, monkeypatch):
             raise hub_errors.LocalEntryNotFoundError("ConnectError: Name or service not known")
         raise _hub_error(hub_errors.RepositoryNotFoundError, "404")
 
-    monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(files.huggingface_hub, "snapshot_download", snapshot_download)
     return calls
 
 
@@ -540,7 +540,7 @@ def test_force_download_is_refused_when_every_model_is_local(models, tmp_path, m
         calls.append(kw.get("force_download"))
         return str(models["llama"])
 
-    monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(files.huggingface_hub, "snapshot_download", download)
     result = invoke("--model", "org/tiny", "--draft-model", models["llama-draft"], "Hi", "-m", "4", "--force-download")
     assert result.exit_code == 0, result.output
     assert calls == [True]

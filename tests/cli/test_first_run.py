@@ -20,7 +20,8 @@ import specdec_cli.cli.doctor as doctor
 from specdec_cli.model import blas, bundled
 from specdec_cli.model.blas import Probe, decide
 from specdec_cli.cli.app import app
-from specdec_cli.session.loading import load, resolve_dtype
+from specdec_cli.model.files import resolve_dtype
+from specdec_cli.session.loading import load
 from specdec_cli.session.synthetic import make_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

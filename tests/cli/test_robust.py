@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 import specdec_cli.cli.commands as commands
 import specdec_cli.session.generate as session_generate
 import specdec_cli.session.setup as session_setup
-import specdec_cli.session.loading as loading
+import specdec_cli.model.files as files
 from specdec_cli.cache.caches import ModelCache, make_cache
 from specdec_cli.cli.app import app
 from specdec_cli.cache.limits import cache_bytes, context_length
@@ -352,7 +352,7 @@ def test_a_truncated_weight_file_names_the_file_and_the_fix(models, monkeypatch)
         calls.append(force_download)
         return str(models["truncated"] if not force_download else models["llama"])
 
-    monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(files.huggingface_hub, "snapshot_download", snapshot_download)
     result = generate("--model", "org/cut-download", "Hi", "-m", "2")
     assert result.exit_code == 1 and "run again with --force-download" in one_line(result)
     assert generate("--model", "org/cut-download", "Hi", "-m", "2", "--force-download").exit_code == 0

@@ -123,7 +123,7 @@ def test_a_dflash_block_drafter_keeps_the_seeded_text(tmp_path):
     from test_dflash import parts_of, tiny
 
     from specdec_cli.drafters.dflash import DFlashDrafter
-    from specdec_cli.session.loading import load_dflash
+    from specdec_cli.drafters.dflash_io import load_dflash
     from specdec_cli.session.synthetic import TINY_CONFIGS, dflash_config, save_dflash_dir
 
     cfg = dflash_config(TINY_CONFIGS["qwen3"], schema="old", layers=1, block_size=9)

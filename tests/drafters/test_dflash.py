@@ -20,7 +20,7 @@ from helpers import PROMPT
 
 from specdec_cli.drafters.dflash import DFlashConfig, DFlashDrafter, check_target, default_target_layer_ids
 from specdec_cli.errors import ModelLoadError, UnsupportedModelError
-from specdec_cli.session.loading import load_dflash
+from specdec_cli.drafters.dflash_io import load_dflash
 from specdec_cli.loop.runner import collect, run
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, dflash_config, save_dflash_dir
 from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, _backbone, target_parts
@@ -454,10 +454,10 @@ def test_cli_refusals_are_one_line_before_generating(dirs, args, code, message):
 
 
 def test_cli_sweep_and_hub_ids(dirs, monkeypatch):
-    import specdec_cli.session.loading as loading
+    import specdec_cli.model.files as files
 
     known = {"z-lab/tiny-DFlash": dirs["qwen3-dflash"], "org/tiny-qwen3": dirs["qwen3"]}
-    monkeypatch.setattr(loading.huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(known[repo_id]))
+    monkeypatch.setattr(files.huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(known[repo_id]))
     result = cli("sweep", "--model", "org/tiny-qwen3", "--draft-model", "z-lab/tiny-DFlash", "Hi",
                  "-m", "8", "--block-sizes", "2,6", "--warmup", "0", "--json")
     assert result.exit_code == 0, result.output

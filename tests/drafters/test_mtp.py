@@ -47,7 +47,9 @@ from specdec_cli.drafters.mtp_head import MTPConfig, random_head
 from specdec_cli.drafters.mtp_io import build_head, hf_to_head, load_head, save_head
 from specdec_cli.loop.engine import speculative_generate_step
 from specdec_cli.errors import UnsupportedModelError
-from specdec_cli.session.loading import load, load_mtp, read_config
+from specdec_cli.drafters.mtp_io import load_mtp
+from specdec_cli.model.files import read_config
+from specdec_cli.session.loading import load
 from specdec_cli.loop.runner import collect, run
 from specdec_cli.model.taps import Hidden, HiddenTap, target_parts
 
