@@ -70,12 +70,12 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_serve  # noqa: E402
 from bench_serve import NOTICE, free_port, start, stop  # noqa: E402
 
 from specdec_cli.model import bundled  # noqa: E402
@@ -107,28 +107,9 @@ def log(msg: str) -> None:
 
 
 def ask(port: int, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
-    """One streamed greedy chat request: text, TTFT, wall, usage (``bench_serve.ask`` keeps less of it)."""
-    body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    text, first, usage, timings = "", None, {}, {}
-    t0 = time.perf_counter()
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-            for choice in chunk.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    first = first or time.perf_counter()
-                    text += choice["delta"]["content"]
-    details = usage.get("prompt_tokens_details") or {}
-    return {"text": text, "ttft_s": first - t0 if first else None, "wall_s": time.perf_counter() - t0,
-            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-            "cached_tokens": details.get("cached_tokens"), "disk_tokens": details.get("disk_tokens"),
-            "server_prompt_ms": timings.get("prompt_ms")}
+    """One streamed greedy chat request (``bench_serve.ask``), with the server's own prompt time."""
+    out = bench_serve.ask(port, messages, max_tokens)
+    return {**out, "server_prompt_ms": (out["timings"] or {}).get("prompt_ms")}
 
 
 def folder_bytes(folder: Path) -> int:

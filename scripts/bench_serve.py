@@ -158,9 +158,11 @@ def ask(port: int, messages: list[dict], max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     n = (usage or {}).get("completion_tokens", 0)
     decode = (n - 1) / (last - first) if first and last and last > first and n > 1 else None
+    details = (usage or {}).get("prompt_tokens_details") or {}
     return {"text": text, "wall_s": wall, "ttft_s": (first - t0) if first else None, "decode_tps": decode,
-            "completion_tokens": n, "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {})
-            .get("cached_tokens"), "timings": timings}
+            "prompt_tokens": (usage or {}).get("prompt_tokens"), "completion_tokens": n,
+            "cached_tokens": details.get("cached_tokens"), "disk_tokens": details.get("disk_tokens"),
+            "timings": timings}
 
 
 def workload(port: int, requests: list, clients: int) -> dict:
