@@ -240,8 +240,7 @@ class Scheduler:
             try:
                 self._leave(flight, keep=False)
             except Exception:
-                if flight in self._rows.flights:
-                    self._rows.flights.remove(flight)
+                pass  # it is out of flight already (Flights.leave takes it off first); the thread is ending
             if not stopped:
                 flight.tag.job.send(Failed(error))
         self._drain(error)
@@ -394,10 +393,8 @@ class Scheduler:
             if flight in self._rows.flights:  # it may have left already (a fault as it finished)
                 try:
                     self._leave(flight, keep=False)
-                except Exception as e:
+                except Exception as e:  # out of flight already; _step and _recover start a fresh engine for its row
                     log.error("a failed request's row could not leave the engine: %s", e, exc_info=e)
-                    if flight in self._rows.flights:
-                        self._rows.flights.remove(flight)
             flight.tag.job.send(Failed(error))
 
     def _leave(self, flight: Flight, keep: bool = True) -> None:

@@ -138,7 +138,7 @@ class Flights:
             Its target caches (None: they could not be taken out).
         """
         if flight in self.flights:
-            self.flights.remove(flight)
+            self.flights.remove(flight)  # first: whatever fails below, it is no longer in flight
         cache = None
         if flight.state is State.DECODING:
             self._by_row.pop(id(flight.row), None)
@@ -156,12 +156,7 @@ class Flights:
         """Drop every flight's row (nothing kept), close the engine and take the tap off the model."""
         try:
             for flight in list(self.flights):
-                self.flights.remove(flight)
-                if flight.state is State.PREFILLING:
-                    flight.opening.close()
-                elif flight.row in self.engine.rows:
-                    self.engine.remove(flight.row)
-                flight.state = State.FINISHED
+                self.leave(flight, keep=False)
             self.engine.close()
         finally:
             if self.tap is not None:
