@@ -64,10 +64,11 @@ class Corpus:
         return self._tokens
 
     def save(self, path: Path) -> None:
-        """Write the outputs to ``path`` (a temporary file, then a rename); a failure is one warning."""
+        """Write the outputs to ``path`` (its folder made, a temporary file, then a rename); a failure is one warning."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"corpus": 1, "outputs": [list(o) for o in self.outputs()]}))
             os.replace(tmp, path)
         except OSError as e:

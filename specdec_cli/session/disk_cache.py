@@ -278,7 +278,7 @@ class DiskStore:
     Attributes:
         key: The key's digest (the name of its subfolder, ``dir``).
         hits: Loads that resumed something.
-        misses: Loads that found nothing (or could not load it).
+        misses: Loads that found nothing (past their ``more_than``), or could not load it.
         written: Bytes written by this object's saves in all.
         last_written: Bytes written by its last save.
     """
@@ -762,7 +762,7 @@ class DiskStore:
 
     def load(self, prompt: Sequence[int], target_model=None, fresh_target: Optional[Callable[[], ModelCache]] = None,
              draft_model=None, fresh_draft: Optional[Callable[[], ModelCache]] = None, need_hidden: bool = False,
-             at_most: Optional[int] = None) -> Optional[DiskHit]:
+             at_most: Optional[int] = None, more_than: int = 0) -> Optional[DiskHit]:
         """The longest prefix of ``prompt`` the files resume, as live caches; None when none.
 
         At least the prompt's last token is left to feed (as :meth:`PromptCache.fetch` does).
@@ -775,12 +775,15 @@ class DiskStore:
             fresh_draft: Empty draft caches (default: ``ModelCache(draft_model)``).
             need_hidden: Resume only where the target's hidden rows come too.
             at_most: Resume at most this many tokens.
+            more_than: Resume only more than this many (what the memory tier holds): past it
+                nothing is read, so a lookup that memory wins costs file names and hashes alone.
 
         Returns:
             The caches, equal to those a prefill of the ``cached`` tokens builds.
         """
         try:
-            hit = self._load(prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most)
+            hit = self._load(prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most,
+                             more_than)
         except Exception as e:  # a cache that cannot load is a miss, never a failed request
             log.warning("disk prompt cache: load failed (%s: %s); prefilling instead", type(e).__name__, e)
             hit = None
@@ -789,26 +792,6 @@ class DiskStore:
         else:
             self.hits += 1
         return hit
-
-    def best(self, prompt: Sequence[int], fresh_target: Callable[[], ModelCache], need_hidden: bool = False) -> int:
-        """How many tokens of ``prompt`` :meth:`load` would resume (0: none), reading no file.
-
-        The session asks this before choosing between the memory tier and the disk.
-        """
-        limit = len(prompt) - 1
-        if limit <= 0:
-            return 0
-        try:
-            names = self._refresh()
-            if not names:
-                return 0
-            toks = np.asarray(list(prompt[:limit]), dtype=np.int64)
-            chain = self._chain(toks, limit // self.block)
-            lengths = self._resumable(names, chain, toks, limit, _leaves(fresh_target().layers), need_hidden)
-        except Exception as e:  # as load: a cache that cannot be read is a miss
-            log.warning("disk prompt cache: lookup failed (%s: %s)", type(e).__name__, e)
-            return 0
-        return lengths[0] if lengths else 0
 
     def _resumable(self, names, chain, toks, limit: int, leaves: list, need_hidden: bool) -> list[int]:
         """The lengths the target's lane (and the hidden lane, when needed) resume at, longest first."""
@@ -819,7 +802,7 @@ class DiskStore:
             lengths = [n for n in lengths if n in rows]
         return lengths
 
-    def _load(self, prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most):
+    def _load(self, prompt, target_model, fresh_target, draft_model, fresh_draft, need_hidden, at_most, more_than):
         limit = len(prompt) - 1 if at_most is None else min(len(prompt) - 1, at_most)
         if limit <= 0:
             return None
@@ -833,7 +816,8 @@ class DiskStore:
             if not names:
                 return None
             target = fresh_target()
-            lengths = self._resumable(names, chain, toks, limit, _leaves(target.layers), need_hidden)
+            lengths = [n for n in self._resumable(names, chain, toks, limit, _leaves(target.layers), need_hidden)
+                       if n > more_than]
             if not lengths:
                 return None
             n = lengths[0]

@@ -98,13 +98,10 @@ class DiskTier:
         self.writer = Writer(self.store)
         self._warned_size = False
 
-    def best(self, ids, fresh, need_hidden: bool) -> int:
-        """Prompt tokens the disk would resume (0: none), reading no file."""
-        return self.store.best(ids, fresh, need_hidden)
-
-    def load(self, ids, target_model, fresh, draft_model, need_hidden: bool) -> Optional[DiskHit]:
-        """The longest prefix of ``ids`` the disk resumes, as live caches (None: none)."""
-        return self.store.load(ids, target_model, fresh, draft_model, need_hidden=need_hidden)
+    def load(self, ids, target_model, fresh, draft_model, need_hidden: bool, more_than: int = 0
+             ) -> Optional[DiskHit]:
+        """The longest prefix of ``ids`` the disk resumes past ``more_than`` tokens, as live caches (None: none)."""
+        return self.store.load(ids, target_model, fresh, draft_model, need_hidden=need_hidden, more_than=more_than)
 
     def keep(self, entry: Entry) -> None:
         """Copy what the disk lacks of ``entry`` now (this thread) and write it in the background.

@@ -314,10 +314,6 @@ class Session:
             return
         self.disk.close()
         if self.corpus is not None and self.corpus.tokens:
-            try:
-                self.disk.store.dir.mkdir(parents=True, exist_ok=True)
-            except OSError:
-                pass
             self.corpus.save(self.disk.corpus_path)
 
     def save_to_disk(self) -> None:
@@ -338,17 +334,16 @@ class Session:
     def _fetch(self, ids: list[int]):
         """The longest usable prefix of ``ids`` in either tier (None: a miss, or no prompt cache).
 
-        The disk is read only when it holds more of the prompt than memory does.
+        The disk's files are read only when it holds more of the prompt than memory does.
         """
         setup = self.setup
         taps = not self.plain and setup.kind in HIDDEN_STATE_DRAFTERS
         draft = setup.draft.model if setup.draft else None
         if self.disk is not None:
             held = self.prompt_cache.best(ids, taps) if self.prompt_cache is not None else 0
-            if self.disk.best(ids, self.fresh_cache, taps) > held:
-                hit = self.disk.load(ids, self.model, self.fresh_cache, draft, taps)
-                if hit is not None and hit.cached > held:  # else a damaged file cut it below memory's
-                    return hit
+            hit = self.disk.load(ids, self.model, self.fresh_cache, draft, taps, more_than=held)
+            if hit is not None:
+                return hit
         if self.prompt_cache is None:
             return None
         return self.prompt_cache.fetch(ids, self.model, draft, need_hidden=taps)

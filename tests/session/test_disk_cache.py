@@ -96,6 +96,9 @@ def test_attention_resumes_at_a_block_boundary_and_at_the_saved_length(tmp_path,
     assert disk.load(TOKENS[:90], model, at_most=40).cached == 32
     assert disk.load(OTHER[:90], model) is None and disk.load(TOKENS[:10], model) is None
     assert (disk.hits, disk.misses) == (4, 2)
+    # Past what memory holds only: 70 beats 64, nothing beats 70.
+    assert disk.load(TOKENS[:90], model, more_than=64).cached == 70
+    assert disk.load(TOKENS[:90], model, more_than=70) is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "gemma3_text"])
