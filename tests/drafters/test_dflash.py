@@ -43,6 +43,19 @@ def tiny(family: str):
     return build_model(TINY_CONFIGS[family], seed=0)
 
 
+def qwen_dflash_setup(tmp_path):
+    """A tiny qwen3_5 target and a two-layer DFlash drafter for it (block 6, one sliding layer), loaded
+    as a session loads them (the scheduler's and the disk tier's tests share it)."""
+    from specdec_cli.session import ModelOptions, load_setup
+    from specdec_cli.session.synthetic import make_model_dir
+
+    target = make_model_dir(tmp_path / "qwen3_5", "qwen3_5", seed=0)
+    cfg = dflash_config(TINY_CONFIGS["qwen3_5"], layers=2, block_size=6,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    draft = save_dflash_dir(tmp_path / "dflash", cfg, seed=3)
+    return load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "dflash")
+
+
 @functools.cache
 def parts_of(family: str):
     return target_parts(tiny(family))

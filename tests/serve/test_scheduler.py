@@ -122,14 +122,9 @@ def test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache(tmp_p
 
 def test_requests_with_a_dflash_drafter_decode_together(tmp_path):
     """DFlash reads the target's hidden states of every prompt token: rows prefilled between blocks get theirs."""
-    from helpers import TINY_CONFIGS
-    from test_dflash import dflash_config, save_dflash_dir
+    from test_dflash import qwen_dflash_setup
 
-    target = make_model_dir(tmp_path / "qwen3_5", "qwen3_5", seed=0)
-    cfg = dflash_config(TINY_CONFIGS["qwen3_5"], layers=2, block_size=6,
-                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    draft = save_dflash_dir(tmp_path / "dflash", cfg, seed=3)
-    setup = load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "dflash")
+    setup = qwen_dflash_setup(tmp_path)
     session = Session(setup, 6)
     got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
     assert got == [alone(setup, p) for p in PROMPTS]

@@ -295,14 +295,9 @@ def test_weights_written_anew_change_the_key(dirs, tmp_path):
 
 
 def test_a_dflash_drafter_resumes_from_the_hidden_states_on_disk(tmp_path):
-    from helpers import TINY_CONFIGS as CONFIGS
-    from test_dflash import dflash_config, save_dflash_dir
+    from test_dflash import qwen_dflash_setup
 
-    target = make_model_dir(tmp_path / "qwen3_5", "qwen3_5", seed=0)
-    cfg = dflash_config(CONFIGS["qwen3_5"], layers=2, block_size=6,
-                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    draft = save_dflash_dir(tmp_path / "dflash", cfg, seed=3)
-    setup = load_setup(ModelOptions(model=str(target), draft_model=str(draft), dtype="float32"), "dflash")
+    setup = qwen_dflash_setup(tmp_path)
     folder = tmp_path / "cache"
     first, _, _ = turn(setup, folder, LONG, block=6)
     second = LONG + first + MORE
