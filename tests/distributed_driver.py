@@ -20,26 +20,28 @@ import mlx.core as mx
 from specdec_cli.loop import compare, runner
 from specdec_cli.session import measure
 from specdec_cli.cli.app import app
-from specdec_cli.session import generate as session_generate
+from specdec_cli.session.generate import Session
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank = mx.distributed.init().rank()
     committed: list[list[int]] = []
-    real_run = runner.run
 
-    def spy(*args, **kwargs):
-        # Every engine run (speculative, plain, --compare-ar's plain side) on this rank.
-        tokens: list[int] = []
-        committed.append(tokens)
-        for event in real_run(*args, **kwargs):
-            if isinstance(event, runner.Step):
-                tokens.extend(event.block.tokens)
-            yield event
+    def spy(real):
+        def spied(*args, **kwargs):
+            # Every generation (speculative, plain, --compare-ar's plain side) on this rank.
+            tokens: list[int] = []
+            committed.append(tokens)
+            for event in real(*args, **kwargs):
+                if isinstance(event, runner.Step):
+                    tokens.extend(event.block.tokens)
+                yield event
+        return spied
 
-    for module in (session_generate, compare, measure):
-        module.run = spy
+    for module in (compare, measure):
+        module.run = spy(runner.run)
+    Session.generate = spy(Session.generate)
     results = []
     for run in spec["runs"]:
         args = run.get("rank_args", {}).get(str(rank), run["args"])

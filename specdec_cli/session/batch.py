@@ -32,7 +32,8 @@ from ..loop.compare import IDENTICAL, explain
 from .measure import Progress
 from ..loop.runner import Finished, Prefilled, Step, cache_bytes, collect, run
 from .flights import Flights
-from .generate import Request, Session
+from .generate import Session
+from .request import Request
 from .setup import Setup
 
 RowEventKind = Union[Prefilled, Step, Finished]

@@ -1,27 +1,36 @@
-"""The one row loop that the batch command and the server's scheduler drive: requests in flight, each in a state.
+"""The one row loop every face drives: requests in flight, each in a state.
 
 A :class:`Flights` owns one :class:`~specdec_cli.loop.engine.Engine` and the
 hidden-state tap its drafters read. Each request is a :class:`Flight` that goes
-``prefilling`` (its :class:`~.generate.Opening` fed a chunk at a time, or the
+``prefilling`` (its :class:`~.opening.Opening` fed a chunk at a time, or the
 whole prompt at once) -> ``decoding`` (a row of the engine) -> ``finished``
 (its caches handed to the session's prompt cache, or dropped). Who waits and
-who is told what stays with the driver: the batch command yields events, the
-server sends pieces to its clients.
+who is told what stays with the driver: ``generate`` and ``chat`` run one
+request as the loop's only row (:meth:`Flights.alone`), the batch command
+yields events, the server's scheduler sends pieces to its clients.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from ..cache.caches import ModelCache
 from ..core.blocks import Block
 from ..core.shapes import resolve as resolve_shapes
+from ..errors import Cancelled
 from ..loop.batch_policy import BatchPlanner
 from ..loop.engine import Engine, Row
+from ..loop.plain import warm_up
+from ..loop.runner import Finished, Prefilled, Step, Warmed, cache_bytes
 from ..model.taps import HiddenTap
-from .generate import Opening, Request, Session
+from .opening import Opening
+from .request import Request
+
+Event = Union[Prefilled, Warmed, Step, Finished]
 
 
 class State(Enum):
@@ -62,12 +71,13 @@ class Flights:
     """Requests prefilled and decoded together as rows of one engine.
 
     Args:
-        session: The loaded session (models, drafter kind, prompt cache).
+        session: The loaded :class:`~.generate.Session` (models, drafter kind, prompt cache; this module
+            sits below it and does not import it).
         planner: Weighs a batch's drafts against its forward's cost (None: every row drafts its own).
         timed: Time each block's phases (adds host syncs).
     """
 
-    def __init__(self, session: Session, *, planner: Optional[BatchPlanner] = None, timed: bool = False):
+    def __init__(self, session: Any, *, planner: Optional[BatchPlanner] = None, timed: bool = False):
         self.session = session
         self._planner, self._timed = planner, timed
         spec = session.tap_spec()
@@ -84,18 +94,26 @@ class Flights:
     def new_engine(self) -> Engine:
         """A fresh engine (the first, or after a fault left rows no request owns)."""
         self._by_row.clear()
+        setup = self.session.setup
+        # A sharded target's engine agrees each block with the other ranks (and takes one row).
         self.engine = Engine(self.session.model, timed=self._timed, tap=self.tap, planner=self._planner,
-                             shapes=resolve_shapes(self.session.setup.options.shapes))
+                             sync=setup.ranks, shapes=resolve_shapes(setup.options.shapes))
         return self.engine
 
     @property
     def decoding(self) -> list[Flight]:
         return [f for f in self.flights if f.state is State.DECODING]
 
-    def open(self, request: Request, tag: Any = None) -> Flight:
+    def open(self, request: Request, tag: Any = None, policy: Any = None) -> Flight:
         """Start ``request``: its prompt-cache hit taken and its prefill ready to run (raises what
-        :meth:`Session.open` raises; nothing is then in flight for it)."""
-        flight = Flight(request, tag, self.session.open(request, self.tap))
+        :class:`~.opening.Opening` raises; nothing is then in flight for it).
+
+        Args:
+            request: What to generate.
+            tag: The driver's handle on it.
+            policy: Its draft-length policy (default: a fresh one of the session's kind).
+        """
+        flight = Flight(request, tag, Opening(self.session, request, self.tap, policy))
         self.flights.append(flight)
         return flight
 
@@ -151,6 +169,60 @@ class Flights:
         if keep:
             self.session.close(flight.opening, cache, flight.tokens if tokens is None else tokens)
         return cache
+
+    def alone(self, request: Request, *, policy: Any = None, cancelled: Optional[Callable[[], bool]] = None,
+              warmup: bool = True) -> Iterator[Event]:
+        """Decode ``request`` as this loop's only row: ``generate`` and ``chat``'s one sequence.
+
+        Yields its ``Prefilled``, ``Warmed`` (when ``warmup``), one ``Step`` per
+        block (the seconds inside the engine, so a consumer's display time is
+        never decode time), then ``Finished``. Closing the generator stops it at
+        a block boundary; whatever ended it, its caches leave the engine as
+        plain decoding leaves them and go to the prompt cache (not after a
+        failure inside a prefill chunk).
+
+        Args:
+            request: What to generate.
+            policy: The draft-length policy (pass one to read its summary afterwards).
+            cancelled: Asked between prefill chunks; True raises :class:`~specdec_cli.errors.Cancelled`.
+            warmup: Run every shape decoding can use once first (see :func:`~specdec_cli.loop.plain.warm_up`).
+        """
+        ranks = self.session.setup.ranks
+        watch = ExitStack()
+        flight: Optional[Flight] = None
+        keep = False  # whether the caches hold whole tokens: after the prefill, or between its chunks
+        try:
+            if ranks is not None:
+                watch.enter_context(ranks.watching())  # a rank whose peers stop answering ends
+            flight = self.open(request, policy=policy)
+            opening = flight.opening
+            while self.prefill(flight) is None:
+                if cancelled is not None and cancelled():
+                    keep = True
+                    fed = sum(opening.cache.chunks)
+                    raise Cancelled(f"prefill cancelled after {fed} of {len(opening.ids) - 1 - opening.cached} "
+                                    f"tokens")
+            keep = True
+            yield opening.prefilled
+            if warmup:
+                start = time.perf_counter()
+                what = warm_up(opening.cache, opening.drafter, max_draft=0 if opening.drafter is None else
+                               opening.k_max, sampling=flight.row.sampling, rollback=flight.row.rollback or "carry",
+                               tap=self.tap, shapes=opening.shapes)
+                yield Warmed(time.perf_counter() - start, what)
+            while not flight.ended:
+                start = time.perf_counter()
+                ((_, block),) = self.step()
+                yield Step(block, time.perf_counter() - start)
+            # The engine's exit first (a carry fed): then the caches are measured and kept.
+            cache = self.leave(flight)
+            yield Finished(cache_bytes(cache, opening.drafter))
+        finally:
+            try:
+                if flight is not None and flight.state is not State.FINISHED:
+                    self.leave(flight, keep=keep)
+            finally:
+                watch.close()
 
     def close(self) -> None:
         """Drop every flight's row (nothing kept), close the engine and take the tap off the model."""

@@ -1,85 +1,39 @@
 """One engine for every face: a :class:`Session` holds the models, the drafter kind and the prompt cache.
 
-``generate`` runs one :class:`Request` through :func:`~specdec_cli.loop.runner.run`
-and yields its events (``Prefilled``, ``Warmed``, one ``Step`` per block,
-``Finished``). Closing the generator cancels the generation at the next
-block; whatever ended it, the caches are left as the engine's invariant
-says and kept in the prompt cache for the next request.
+``generate`` runs one :class:`Request` as the only row of the loop every face
+drives (:class:`~.flights.Flights`) and yields its events (``Prefilled``,
+``Warmed``, one ``Step`` per block, ``Finished``). Closing the generator
+cancels the generation at the next block; whatever ended it, the caches are
+left as the engine's invariant says and kept in the prompt cache for the next
+request. :meth:`Session.plan` builds every request's row state, whichever face
+asked.
 """
 
 from __future__ import annotations
 
 import random
-import time
-from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional, Sequence, Union
+from dataclasses import replace
+from typing import Callable, Iterator, Optional, Sequence
 
-from ..core.adaptive import FirstBlock, FixedLength
-from ..defaults import HIDDEN_STATE_DRAFTERS
 from ..cache.caches import ModelCache, _leaves, fixed_position, make_cache
-from ..errors import Cancelled
-from ..loop.engine import Row
-from ..core.processors import Constraint, make_processors
 from ..cache.rollback import RollbackChoice
-from ..cache.rollback import choose as choose_rollback
-from ..loop.runner import Finished, Prefilled, Step, Warmed, run
-from ..core.sampling import GREEDY, SamplingParams
+from ..core.adaptive import FirstBlock
+from ..core.processors import make_processors
+from ..defaults import HIDDEN_STATE_DRAFTERS
 from ..model.taps import Hidden, HiddenTap
 from .corpus import Corpus
-from .disk_cache import DiskHit
 from .disk_tier import DiskTier, open_disk_tier
+from .flights import Event, Flights
+from .opening import Opening
 from .options import make_policy
 from .prompt_cache import Entry, PromptCache
+from .request import Request, RowPlan
 from .setup import Setup
 from .state import SavedCache
 
 # Each prefill chunk is sized to about this long, so a cancel, Ctrl-C or
 # SIGTERM (seen between evaluations, never inside one) stops a prefill within ~2 s.
 PREFILL_CHUNK_S = 0.5
-
-Event = Union[Prefilled, Warmed, Step, Finished]
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation.
-
-    Attributes:
-        prompt_ids: The prompt's token ids.
-        max_tokens: Most tokens to generate (already capped at the context).
-        sampling: Greedy or sampling options.
-        seed: Seed of the random draws (None: as they come).
-        block_size: Most tokens verified per target forward (None: the session's).
-        boundaries: Prompt lengths worth a resumable snapshot (chat segment ends).
-        timed: Time each block's phases (adds host syncs).
-        ignore_eos: Generate past end-of-sequence tokens (to ``max_tokens``).
-        first_draft: Most drafts in the first block (None: the policy's):
-            a streamed reply's first token comes sooner after a short verify.
-        logit_bias, repetition_penalty, repetition_context_size, presence_penalty,
-            presence_context_size, frequency_penalty, frequency_context_size:
-            mlx-lm's logits processors (``make_logits_processors``; None or 0: off).
-        constraint: The output must be JSON (of a schema) or tool calls (a grammar).
-        logprobs: None: off; n >= 0: each token's log-probability and its n best alternatives.
-    """
-
-    prompt_ids: Sequence[int]
-    max_tokens: int = 256
-    sampling: SamplingParams = GREEDY
-    seed: Optional[int] = None
-    block_size: Optional[int] = None
-    boundaries: tuple[int, ...] = ()
-    timed: bool = False
-    ignore_eos: bool = False
-    first_draft: Optional[int] = None
-    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
-    repetition_penalty: Optional[float] = None
-    repetition_context_size: int = 20
-    presence_penalty: Optional[float] = None
-    presence_context_size: int = 20
-    frequency_penalty: Optional[float] = None
-    frequency_context_size: int = 20
-    constraint: Optional[Constraint] = None
-    logprobs: Optional[int] = None
 
 
 class _HiddenLog:
@@ -107,29 +61,6 @@ class _HiddenLog:
 
     def rows(self) -> Hidden:
         return Hidden.concat(self.parts)
-
-
-@dataclass
-class RowPlan:
-    """What one request decodes with, built in one place for every face (:meth:`Session.plan`).
-
-    Attributes:
-        policy: The draft-length policy (its summary is the run's); None when plain.
-        steer: ``policy``, or it with the first block capped (``Request.first_draft``).
-        drafter: A fresh drafter, or None (plain decoding).
-        sampling: Greedy, or sampling keyed by position: a request without a seed gets a
-            random one, so no global random state is read and a row's text never depends
-            on what else the engine runs.
-        processors: The request's logits processors, fresh.
-        eos: Token ids that end it.
-    """
-
-    policy: object
-    steer: object
-    drafter: object
-    sampling: SamplingParams
-    processors: tuple
-    eos: frozenset
 
 
 class Session:
@@ -208,7 +139,9 @@ class Session:
 
     def generate(self, request: Request, *, policy=None,
                  cancelled: Optional[Callable[[], bool]] = None) -> Iterator[Event]:
-        """Run ``request``; yields the runner's events.
+        """Run ``request`` as the only row of a fresh loop (:meth:`Flights.alone <.flights.Flights.alone>`).
+
+        Yields ``Prefilled``, ``Warmed``, one ``Step`` per block, then ``Finished``.
 
         Args:
             request: What to generate.
@@ -217,52 +150,14 @@ class Session:
             cancelled: Asked between prefill chunks (a long prompt is
                 cancellable too); True raises :class:`~specdec_cli.errors.Cancelled`.
         """
-        setup, opts = self.setup, self.setup.options
-        ids = list(request.prompt_ids)
-        block = min(request.block_size or self.block_size, self.block_size)
-        start = time.perf_counter()
-        hit = self._fetch(ids)
-        # Resuming is part of the prompt's time: a disk tier's read comes before the first token as a prefill does.
-        fetch_s = time.perf_counter() - start
-        cache = hit.target if hit else self.fresh_cache()
-        # The request's own state, fresh for this run (nothing it sets outlives it).
-        plan = self.plan(request, hit, policy)
-        drafter = plan.drafter
-        emitted: list[int] = []
-        # Whether the caches hold whole tokens: after the prefill (the engine keeps its
-        # invariant from then on), or when a cancel stopped the prefill between chunks.
-        consistent = False
-        events = run(
-            self.model, ids, drafter=drafter, policy=plan.steer, max_tokens=request.max_tokens,
-            eos_ids=plan.eos, sampling=plan.sampling, rollback=opts.rollback,
-            rollback_memory_cap=opts.rollback_memory_cap_bytes, prefill_step_size=opts.prefill_step_size,
-            prefill_seconds=self.prefill_seconds, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
-            timed=request.timed, cache=cache, hidden_prefix=hit.hidden if hit else None,
-            marks=self._marks(cache, request, len(ids)), choice=self._choices.get(block), cancelled=cancelled,
-            sync=setup.ranks, processors=plan.processors, logprobs=request.logprobs, shapes=opts.shapes,
-        )
+        flights = Flights(self, timed=request.timed)
         try:
-            for event in events:
-                if isinstance(event, Prefilled):
-                    consistent = True
-                    if event.rollback is not None:
-                        self._choices.setdefault(block, event.rollback)
-                    event = replace(event, seconds=event.seconds + fetch_s,
-                                    disk=hit.cached if isinstance(hit, DiskHit) else 0)
-                elif isinstance(event, Step):
-                    emitted += event.block.tokens
-                yield event
-        except Cancelled:
-            consistent = True
-            raise
+            yield from flights.alone(request, policy=policy, cancelled=cancelled)
         finally:
-            # The engine's own exit first: the caches then hold every committed token but the last.
-            events.close()
-            if self._keeps and consistent:
-                self._keep(ids + emitted, cache, drafter, hit, (*request.boundaries, len(ids) - 1))
-            if self.corpus is not None:
-                self.corpus.add(emitted)
-            self.save_to_disk()
+            try:
+                flights.close()  # the tap comes off the model
+            finally:
+                self.save_to_disk()
 
     def tap_spec(self):
         """The target hidden states this session's drafter reads (a ``TapSpec``), or None."""
@@ -270,7 +165,7 @@ class Session:
             return None
         return self.setup.make_drafter(make_policy(self.adaptive, self.block_size, self.setup.kind)).taps
 
-    def open(self, request: Request, tap: Optional[HiddenTap] = None) -> "Opening":
+    def open(self, request: Request, tap: Optional[HiddenTap] = None) -> Opening:
         """Start ``request`` for an :class:`~specdec_cli.loop.engine.Engine` shared with others.
 
         Returns an :class:`Opening`: step it to prefill the prompt a chunk at a
@@ -286,7 +181,7 @@ class Session:
         """
         return Opening(self, request, tap)
 
-    def close(self, opening: "Opening", cache: Optional[ModelCache], emitted: Sequence[int]) -> None:
+    def close(self, opening: Opening, cache: Optional[ModelCache], emitted: Sequence[int]) -> None:
         """A row left the engine (or its prefill stopped): keep its caches in the prompt cache.
 
         Args:
@@ -378,92 +273,3 @@ class Session:
             self._unsaved.append(entry)
         if self.prompt_cache is not None:
             self.prompt_cache.insert(entry)
-
-
-
-class Opening:
-    """One request on its way into a shared :class:`~specdec_cli.loop.engine.Engine`.
-
-    :meth:`step` prefills the prompt a chunk at a time (each chunk sized to
-    about ``Session.prefill_seconds``) and returns True once the drafter is
-    prefilled too; then ``row`` and ``cache`` go to ``Engine.admit`` and
-    ``prefilled`` says what the prefill did. Closing it before that leaves the
-    caches holding the chunks fed (see :meth:`Session.close`).
-
-    Attributes:
-        row: The engine row (after the last step).
-        cache: The target caches, the prompt but its last token in them.
-        prefilled: The :class:`~specdec_cli.loop.runner.Prefilled` event of this request.
-    """
-
-    def __init__(self, session: Session, request: Request, tap: Optional[HiddenTap]):
-        setup = session.setup
-        self.session, self.request, self.tap = session, request, tap
-        self.ids = list(request.prompt_ids)
-        if not self.ids:
-            raise ValueError("the prompt is empty")
-        if not session.plain and setup.ranks is not None:
-            raise ValueError("a sharded target decodes one request at a time")
-        start = time.perf_counter()
-        self.hit = session._fetch(self.ids)
-        fetch_s = time.perf_counter() - start
-        self.cache = self.hit.target if self.hit else session.fresh_cache()
-        self.cached = self.cache.length
-        plan = session.plan(request, self.hit)
-        self.policy = plan.policy if plan.policy is not None else FixedLength(0)
-        self.drafter = plan.drafter
-        self.row = Row(self.ids[-1], self.drafter, plan.steer or self.policy, plan.sampling, plan.eos,
-                       request.max_tokens, tag=request, processors=plan.processors, logprobs=request.logprobs)
-        self.parts: list = []
-        self.prefilled: Optional[Prefilled] = None
-        # Seconds spent prefilling this request (not the blocks of other rows run between its chunks).
-        self._seconds = fetch_s  # resuming from a prompt cache tier counts (a disk read comes before the first token)
-        self._chunks = self.cache.prefill_chunks(
-            self.ids[self.cached:-1], setup.options.prefill_step_size, tap if self.drafter is not None else None,
-            self.parts, seconds=session.prefill_seconds, stops=[m - self.cached for m in
-                                                               session._marks(self.cache, request, len(self.ids))])
-
-    @property
-    def ready(self) -> bool:
-        return self.prefilled is not None
-
-    def step(self) -> bool:
-        """Prefill one more chunk; True once the row can be admitted (then nothing more to do)."""
-        if self.prefilled is not None:
-            return True
-        start = time.perf_counter()
-        try:
-            return self._step(start)
-        finally:
-            self._seconds += time.perf_counter() - start
-
-    def _step(self, start: float) -> bool:
-        if next(self._chunks, None) is not None:
-            return False
-        setup, cache = self.session.setup, self.cache
-        step = min(setup.options.prefill_step_size, max(cache.chunks, default=setup.options.prefill_step_size))
-        if self.drafter is not None:
-            taps = getattr(self.drafter, "taps", None) is not None
-            if taps:
-                prefix = self.hit.hidden if self.hit else None
-                self.drafter.prefill(self.ids[:-1], step, Hidden.concat([prefix or Hidden(), *self.parts]))
-            else:
-                self.drafter.prefill(self.ids[:-1], step)
-        choice = None
-        if self.drafter is not None:
-            # A row decoding alone rolls its recurrent layers back as auto measured (once per block size).
-            k_max = getattr(self.policy, "k_max", getattr(self.policy, "k", 0))
-            choice = self.session._choices.get(k_max + 1)
-            if choice is None:
-                opts = setup.options
-                choice = self.session._choices[k_max + 1] = choose_rollback(
-                    opts.rollback, cache, k_max + 1, opts.rollback_memory_cap_bytes)
-            self.row.rollback = "carry" if choice.strategy == "trim" else choice.strategy
-        self.prefilled = Prefilled(len(self.ids), self._seconds + time.perf_counter() - start, choice,
-                                   tuple(cache.chunks), self.cached, tuple(cache.marks),
-                                   disk=self.cached if isinstance(self.hit, DiskHit) else 0)
-        return True
-
-    def close(self) -> None:
-        """Stop prefilling (the caches keep the chunks fed)."""
-        self._chunks.close()

@@ -22,7 +22,8 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from ..model.prompts import byte_level_bytes
 from ..loop.runner import Step
 from ..core.stats import Stats
-from .generate import Request, Session
+from .generate import Session
+from .request import Request
 
 log = logging.getLogger("specdec")
 

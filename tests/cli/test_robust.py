@@ -148,25 +148,28 @@ def _caches(module):
     module.ModelCache._forward = slow_forward
 
 
-def _runner(module):
-    engine = module.speculative_generate_step
+def _flights(module):
+    alone = module.Flights.alone
 
-    def marked(*args, **kwargs):
-        blocks = engine(*args, **kwargs)
+    def marked(self, *args, **kwargs):
+        events = alone(self, *args, **kwargs)
+        steps = 0
         try:
-            for i, block in enumerate(blocks):
-                yield block
-                if i == 0 and os.environ.get("MARK"):
-                    sys.stderr.write("{DECODING.decode()}\\n")
-                    sys.stderr.flush()
+            for event in events:
+                yield event
+                if isinstance(event, module.Step):
+                    steps += 1
+                    if steps == 1 and os.environ.get("MARK"):
+                        sys.stderr.write("{DECODING.decode()}\\n")
+                        sys.stderr.flush()
         finally:
-            blocks.close()
+            events.close()
 
-    module.speculative_generate_step = marked
+    module.Flights.alone = marked
 
 
 class _Patch(importlib.abc.MetaPathFinder):
-    patches = {{"specdec_cli.cache.caches": _caches, "specdec_cli.loop.runner": _runner}}
+    patches = {{"specdec_cli.cache.caches": _caches, "specdec_cli.session.flights": _flights}}
 
     def find_spec(self, name, path, target=None):
         if name not in self.patches:
@@ -363,7 +366,7 @@ def test_an_unexpected_failure_says_something_useful_without_class_names(models,
     def boom(*args, **kwargs):
         raise KeyError("layers.0")
 
-    monkeypatch.setattr(session_generate, "run", boom)
+    monkeypatch.setattr(session_generate.Flights, "alone", boom)
     result = generate("--model", models["llama"], "Hi", "-m", "2")
     assert result.exit_code == 1
     line = one_line(result)

@@ -35,11 +35,10 @@ from typer.testing import CliRunner
 
 import specdec_cli.session.setup as session_setup
 import specdec_cli.loop.plain as plain_module
-import specdec_cli.loop.runner as runner_module
 from specdec_cli.cli.app import app
 from specdec_cli.loop.compare import DIVERGED, IDENTICAL, TIE, explain, recompute
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.loop.engine import speculative_generate_step, verify_rows
+from specdec_cli.loop.engine import Engine, speculative_generate_step, verify_rows
 from specdec_cli.loop.plain import warm_up
 from specdec_cli.session.measure import sweep
 from specdec_cli.loop.runner import collect, run
@@ -168,19 +167,23 @@ def test_the_probe_agrees_where_the_cpu_is_exact():
 
 
 def broken_rollback(monkeypatch):
-    """The speculative run's rollback keeps one rejected row too many (a bookkeeping bug)."""
-    real = runner_module.speculative_generate_step
+    """Every speculative run's rollback keeps one rejected row too many (a bookkeeping bug).
 
-    def buggy(last, cache, *args, **kwargs):
+    Patched where each run's target caches join the engine (one row or many, from any face); the plain
+    side of a comparison never goes through it.
+    """
+    real = Engine.admit
+
+    def buggy(self, row, cache):
         rollback = cache.rollback
 
         def keep_one_more(snap, n_keep):
             return rollback(snap, min(n_keep + 1, cache.length - snap.length))
 
         cache.rollback = keep_one_more  # this run's cache only
-        yield from real(last, cache, *args, **kwargs)
+        return real(self, row, cache)
 
-    monkeypatch.setattr(runner_module, "speculative_generate_step", buggy)
+    monkeypatch.setattr(Engine, "admit", buggy)
 
 
 @pytest.mark.parametrize("model_of", [lambda: target("llama", "float32"), lambda: two_path("llama", "bfloat16", 1e-3)])
