@@ -14,7 +14,10 @@ drafters drafting together (``DraftBatch``: max(k) forwards of 4 rows per block)
 forwards of one row), aggregate decode tok/s (prefill excluded), the medians' ratio, and whether every
 row's text is the same both ways.
 
-Usage: python scripts/bench_batch_draft.py [--repeats 3] [--k 4] [--out bench-results/batch-draft.json]
+With ``--p-min P`` every drafter stops at its first draft below P (``--draft-p-min``): drafting alone,
+each row reads its probabilities in a host sync per draft; together, one sync per step serves every row.
+
+Usage: python scripts/bench_batch_draft.py [--repeats 3] [--k 4] [--p-min 0.5] [--out bench-results/batch-draft.json]
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ PROMPTS = [
 ]
 
 
-def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
+def run(target, draft, prompts, k: int, max_tokens: int, together: bool,
+        p_min: float = 0.0) -> tuple[float, list[list[int]], float]:
     """Decode ``prompts`` as one batch; returns aggregate decode tok/s, each row's tokens, and acceptance."""
     import mlx.core as mx
 
@@ -60,7 +64,7 @@ def run(target, draft, prompts, k: int, max_tokens: int, together: bool) -> tupl
         for i, ids in enumerate(prompts):
             cache = ModelCache(target)
             cache.prefill(ids[:-1])
-            d = ModelDrafter(draft)
+            d = ModelDrafter(draft, p_min=p_min)
             d.prefill(ids[:-1])
             mx.eval(cache.state_arrays(), d.cache.state_arrays())
             rows.append(engine.admit(Row(ids[-1], d, FixedLength(k), max_tokens=max_tokens, tag=i), cache))
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the first-N draft model")
+    parser.add_argument("--p-min", type=float, default=0.0, help="--draft-p-min of every drafter")
     parser.add_argument("--out", default="bench-results/batch-draft.json")
     args = parser.parse_args()
     blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
@@ -129,12 +134,12 @@ def main() -> None:
 
     from specdec_cli.session import ModelOptions, Session, load_setup
 
-    session = Session(load_setup(ModelOptions(dtype="auto"), "mtp"), args.k + 1, adaptive=False)
+    session = Session(load_setup(ModelOptions(dtype="auto", draft_p_min=args.p_min or None), "mtp"), args.k + 1, adaptive=False)
 
     def case(draft):
         if draft == "mtp":
             return lambda together: run_mtp(session, prompts, args.max_tokens, together)
-        return lambda together: run(target.model, draft, prompts, args.k, args.max_tokens, together)
+        return lambda together: run(target.model, draft, prompts, args.k, args.max_tokens, together, args.p_min)
 
     drafts["mtp"] = "mtp"
     results = {}
@@ -154,7 +159,7 @@ def main() -> None:
         print(f"{name:>9}: drafting together {together:6.1f} tok/s, alone {alone:6.1f} tok/s -> "
               f"{together / alone:.2f}x (acceptance {results_acc:.0%}, texts equal: {results[name]['texts_equal']})")
     meta = {"machine": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "blas": os.environ.get("LD_PRELOAD") or "bundled reference BLAS", "rows": len(PROMPTS), "k": args.k,
+            "blas": os.environ.get("LD_PRELOAD") or "bundled reference BLAS", "rows": len(PROMPTS), "k": args.k, "p_min": args.p_min,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "model": "bundled SmolLM2-135M-Instruct"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

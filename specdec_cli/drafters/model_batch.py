@@ -4,7 +4,9 @@ While the engine decodes rows together, their :class:`ModelDrafter`-s that
 share a draft model join a :class:`DraftBatch`: their caches become rows of
 one :class:`~specdec_cli.cache.batch_cache.BatchCache`, and a block drafts ``k``
 tokens for every row in ``max(k)`` forwards of ``B`` rows instead of ``sum(k)``
-forwards of one. Each drafter keeps its own bookkeeping (tokens not yet fed,
+forwards of one. With ``--draft-p-min`` a row stops at its first draft whose
+top-1 probability is below it, as it does alone; the rows' probabilities are
+read back together, one host sync per draft step for the whole batch. Each drafter keeps its own bookkeeping (tokens not yet fed,
 the state after each draft, its drafts), so ``accept`` and ``cancel`` stay the
 drafter's own calls: they move only that drafter's row back. A row that
 drafts fewer tokens than the longest is padded, and what the padding computes
@@ -13,13 +15,14 @@ is dropped at once (recurrent draft models record the forward to do that).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
 from ..cache.batch_cache import BatchCache, BatchSnapshot, batch_problem
 from ..cache.caches import ModelCache
-from ..core.sampling import SamplingParams, draw
+from ..core.sampling import SamplingParams, draw, top_probability
 from .base import Draft, as_tokens, no_draft
 from .model import ModelDrafter
 
@@ -38,9 +41,9 @@ class DraftBatch:
 
     @staticmethod
     def fits(drafter: Any) -> bool:
-        """Whether ``drafter`` can draft in a batch (a draft model without early stopping, whose cache rolls back per row)."""
-        if not isinstance(drafter, ModelDrafter) or drafter.p_min > 0 or drafter.batch is not None:
-            return False  # p-min reads each draft's probability: a host sync per row and step
+        """Whether ``drafter`` can draft in a batch (a draft model whose cache rolls back per row)."""
+        if not isinstance(drafter, ModelDrafter) or drafter.batch is not None:
+            return False
         cache = drafter.cache
         return not cache.recurrent or cache.can_record
 
@@ -109,8 +112,13 @@ class DraftBatch:
                 d._pending = []
         logprobs: dict[int, list] = {b: [] for b in x}
         record = "capture" if cache.recurrent else None
+        stopped: set[int] = set()  # rows whose p-min ended their draft
+        syncs = 0
         for i in range(max((a[2] for a in asks), default=0)):
-            stepping = [(index[id(d)], d, params) for d, _, k, params in asks if k > i]
+            stepping = [(index[id(d)], d, params) for d, _, k, params in asks if k > i
+                        and index[id(d)] not in stopped]
+            if not stepping:
+                break
             width = max(x[b].shape[0] for b, _, _ in stepping)
             tokens = mx.zeros((rows, width), dtype=mx.uint32)
             keep = [0] * rows
@@ -121,18 +129,33 @@ class DraftBatch:
             logits = cache.feed(tokens, record=record)
             cache.settle(before, keep)  # rows that were only padding keep nothing
             after = cache.snapshot()
+            tops = []
             for b, d, params in stepping:
                 row_logits = logits[b, keep[b] - 1 : keep[b], : d.vocab_size]
                 x[b], lp = draw(row_logits, params, offset=i)
                 d._after.append(after)
-                d._drafts.append(x[b])
-                if lp is not None:
-                    logprobs[b].append(lp)
+                if d.p_min > 0:
+                    tops.append((b, d, lp, top_probability(row_logits, lp)))
+                else:
+                    d._drafts.append(x[b])
+                    if lp is not None:
+                        logprobs[b].append(lp)
+            if tops:
+                # Every row's top-1 probability in one read: a row below its p-min keeps the drafts before.
+                seen = mx.concatenate([t.reshape(-1) for *_, t in tops]).tolist()
+                syncs += 1
+                for (b, d, lp, _), top in zip(tops, seen):
+                    if top < d.p_min:
+                        stopped.add(b)
+                        continue  # the state after its last kept draft is its _after[-1], as alone
+                    d._drafts.append(x[b])
+                    if lp is not None:
+                        logprobs[b].append(lp)
         drafts = []
         for d, _, k, _ in asks:
-            if k <= 0 or not d._drafts:
-                drafts.append(no_draft())
-                continue
-            lps = logprobs[index[id(d)]]
-            drafts.append(Draft(mx.concatenate(d._drafts), mx.concatenate(lps) if lps else None))
+            lps = logprobs.get(index[id(d)], [])
+            drafts.append(Draft(mx.concatenate(d._drafts), mx.concatenate(lps) if lps else None)
+                          if k > 0 and d._drafts else no_draft())
+        if syncs:
+            drafts[0] = replace(drafts[0], syncs=syncs)  # the batch's reads, once: the engine adds rows' counts
         return drafts

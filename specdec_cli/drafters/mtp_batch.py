@@ -9,17 +9,20 @@ chains ``max(k) - 1`` forwards of every row on the head's own outputs. Each
 drafter keeps its own queue of pairs and its own drafts; ``accept`` and
 ``cancel`` stay its own calls and move only its row back (O(1): a row's
 length). A row with nothing to draft this block is padding whose keys are
-never kept.
+never kept. With ``--draft-p-min`` a row stops at its first draft whose top-1
+probability is below it, as it does alone; the rows' probabilities are read
+back together, one host sync per draft step for the whole batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
 from ..cache.batch_cache import RowsKVCache
-from ..core.sampling import SamplingParams
+from ..core.sampling import SamplingParams, top_probability
 from .base import Draft, no_draft
 from .mtp import MTPDrafter
 
@@ -38,8 +41,8 @@ class MTPBatch:
 
     @staticmethod
     def fits(drafter: Any) -> bool:
-        """Whether ``drafter`` can draft in a batch (an MTP head without early stopping)."""
-        return type(drafter) is MTPDrafter and drafter.p_min <= 0 and drafter.batch is None
+        """Whether ``drafter`` can draft in a batch (an MTP head's own drafter, not one inside a hybrid)."""
+        return type(drafter) is MTPDrafter and drafter.batch is None
 
     @staticmethod
     def problem(drafter: MTPDrafter) -> Optional[str]:
@@ -139,8 +142,12 @@ class MTPBatch:
                 self.members[b]._exact = self.cache[0].lengths[b]
                 out[b] = o[b, keep[b] - 1 : keep[b]]
         logprobs: dict[int, list] = {b: [] for b in drafting}
+        stopped: set[int] = set()  # rows whose p-min ended their draft
+        syncs = 0
         for i in range(max((k for _, k, _ in drafting.values()), default=0)):
-            stepping = {b: v for b, v in drafting.items() if v[1] > i}
+            stepping = {b: v for b, v in drafting.items() if v[1] > i and b not in stopped}
+            if not stepping:
+                break
             if i:
                 width_h = next(iter(out.values())).shape[-1]
                 hidden = mx.zeros((rows_n, 1, width_h), next(iter(out.values())).dtype)
@@ -153,11 +160,27 @@ class MTPBatch:
                 o = self._forward(self.members[0].parts.embed(tokens), hidden, keep)
                 for b in stepping:
                     out[b] = o[b]
+            tops = []
             for b, (d, _, params) in stepping.items():
-                x, lp = d._pick(d._logits(out[b]), params, i)
+                logits = d._logits(out[b])
+                x, lp = d._pick(logits, params, i)
+                if d.p_min > 0:
+                    tops.append((b, d, x, lp, top_probability(logits, lp)))
+                    continue
                 d._drafts.append(x)
                 if lp is not None:
                     logprobs[b].append(lp)
+            if tops:
+                # Every row's top-1 probability in one read: a row below its p-min keeps the drafts before.
+                seen = mx.concatenate([t.reshape(-1) for *_, t in tops]).tolist()
+                syncs += 1
+                for (b, d, x, lp, _), top in zip(tops, seen):
+                    if top < d.p_min:
+                        stopped.add(b)
+                        continue
+                    d._drafts.append(x)
+                    if lp is not None:
+                        logprobs[b].append(lp)
         drafts = []
         for d, _, _, _ in asks:
             b = index[id(d)]
@@ -166,4 +189,6 @@ class MTPBatch:
                 continue
             lps = logprobs[b]
             drafts.append(Draft(mx.concatenate(d._drafts), mx.concatenate(lps) if lps else None))
+        if syncs:
+            drafts[0] = replace(drafts[0], syncs=syncs)  # the batch's reads, once: the engine adds rows' counts
         return drafts

@@ -144,19 +144,22 @@ def count_forwards(monkeypatch, model) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("family,dtype", FAMILY_DTYPES)
-def test_rows_sharing_a_draft_model_draft_in_one_forward_and_as_they_would_alone(family, dtype, monkeypatch):
+@pytest.mark.parametrize("family,dtype,p_min", [(f, d, 0.0) for f, d in FAMILY_DTYPES] +
+                         [(f, "float32", 0.6) for f in FAMILIES])
+def test_rows_sharing_a_draft_model_draft_in_one_forward_and_as_they_would_alone(family, dtype, p_min,
+                                                                                    monkeypatch):
     """One draft model for four rows (one joins late): each draft step is one forward of every row, each
-    row's text is plain decoding's, its drafts are the ones it makes alone, and its drafter's cache, back
-    on its own, is a directly built one."""
+    row's text is plain decoding's, its drafts are the ones it makes alone (with ``--draft-p-min`` too:
+    each row stops where it stops alone), and its drafter's cache, back on its own, is a directly built
+    one."""
     model = target(family, dtype)
     draft = noisy_drafter(family, dtype)
     ks = [3, 5, 2, 1]
 
-    def rows():
+    def rows(p_min=p_min):
         out = []
         for p, k in zip(PROMPTS, ks):
-            d = ModelDrafter(draft)
+            d = ModelDrafter(draft, p_min=p_min)
             d.prefill(p[:-1])
             out.append({"prompt": p, "drafter": d, "k": k})
         return out
@@ -187,6 +190,12 @@ def test_rows_sharing_a_draft_model_draft_in_one_forward_and_as_they_would_alone
         if kernels_agree(dtype):
             # The batched draft forward gives each row the tokens its own forward gives: the same accepts.
             assert (t["row"].drafted, t["row"].accepted) == (a["row"].drafted, a["row"].accepted)
+    if p_min:
+        # p-min cut drafts short (or the comparison above could not tell it was applied).
+        unlimited = rows(0.0)
+        for spec in unlimited:
+            run_batch(model, [spec])
+        assert sum(t["row"].drafted for t in together) < sum(u["row"].drafted for u in unlimited)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -484,13 +493,13 @@ def test_rows_equal_their_prompts_alone_with_the_planner_cutting_drafts(family):
 
 # --- drafters that read the target's hidden states, in a batch ------------------------------------------
 
-def _mtp_run(model, head, parts, specs, monkeypatch=None, interrupt_at=None):
+def _mtp_run(model, head, parts, specs, monkeypatch=None, interrupt_at=None, p_min=0.0):
     """Rows with MTP drafters of one head (``specs``: prompt, k, joins after n blocks); returns rows, drafters,
     each row's tokens and the row counts of every head forward in blocks where rows shared the batch."""
     from specdec_cli.drafters.mtp import MTPDrafter
     from specdec_cli.model.taps import Hidden, HiddenTap
 
-    drafters = [MTPDrafter(head, parts) for _ in specs]
+    drafters = [MTPDrafter(head, parts, p_min=p_min) for _ in specs]
     shapes, shared, fired = [], [], []
     if monkeypatch is not None:
         call = type(head).__call__
@@ -535,10 +544,12 @@ def _head_keys(drafter):
     return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
 
 
-def test_mtp_heads_of_one_head_draft_every_row_in_one_forward(monkeypatch):
+@pytest.mark.parametrize("p_min", [0.0, 0.5])
+def test_mtp_heads_of_one_head_draft_every_row_in_one_forward(monkeypatch, p_min):
     """Rows with MTP drafters of one head (different draft lengths, one drafting nothing, one joining late):
     each head forward carries every row, each row reads its own rows of the batched verify's hidden states,
-    its text is plain decoding's, and its drafts and head cache are the ones it gets alone."""
+    its text is plain decoding's, and its drafts and head cache are the ones it gets alone (with
+    ``--draft-p-min`` too: each row stops where it stops alone)."""
     from mtp_fixtures import fitted_head
     from mtp_fixtures import target as mtp_target
 
@@ -550,18 +561,22 @@ def test_mtp_heads_of_one_head_draft_every_row_in_one_forward(monkeypatch):
     model = mtp_target("qwen3_5")
     parts, head = target_parts(model), fitted_head("qwen3_5")
     specs = [(PROMPTS[0], 3, 0), (PROMPTS[1], 5, 0), (PROMPTS[2], 0, 0), (PROMPTS[3], 2, 2)]
-    rows, drafters, got, shared, _ = _mtp_run(model, head, parts, specs, monkeypatch)
+    rows, drafters, got, shared, _ = _mtp_run(model, head, parts, specs, monkeypatch, p_min=p_min)
     assert sum(r.accepted for r in rows) > 0
     assert {n for n, _ in shared} >= {3, 4}
     assert all(f and set(f) == {n} and len(f) <= 5 for n, f in shared), shared
     for (p, k, _), r, d, out in zip(specs, rows, drafters, got):
         assert out == plain_tokens(model, p)[0]
         assert d.batch is None and d.cache is not None
-        [alone], [own], _, _, _ = _mtp_run(model, head, parts, [(p, k, 0)])
+        [alone], [own], _, _, _ = _mtp_run(model, head, parts, [(p, k, 0)], p_min=p_min)
         if kernels_agree("float32"):
             assert (r.drafted, r.accepted) == (alone.drafted, alone.accepted)
             for x, y in zip(_head_keys(d), _head_keys(own)):
                 assert x.shape == y.shape and mx.array_equal(x, y).item()
+    if p_min:
+        # p-min cut drafts short (or the comparison above could not tell it was applied).
+        unlimited, *_ = _mtp_run(model, head, parts, specs)
+        assert sum(r.drafted for r in rows) < sum(r.drafted for r in unlimited)
 
 
 def test_an_interrupt_inside_a_batched_mtp_draft_leaves_every_row_as_it_was(monkeypatch):
