@@ -19,7 +19,7 @@ import pytest
 from server import Server
 from specdec_cli.session.synthetic import TINY_CONFIGS, VOCAB_SIZE, make_model_dir
 
-# Every forward of the server's caches sleeps this long (a test-only sitecustomize, as tests/cli/test_robust.py
+# Every forward of the server's caches sleeps this long (a test-only sitecustomize, as tests/cli/test_interrupts.py
 # slows its Ctrl-C children): a 100,000-token prefill in chunks of at most 2,048 tokens then lasts at
 # least 49 x 3 s, whatever the machine's speed, so it is still running when the test drops its client.
 SLOW_FORWARD_S = 3.0

@@ -1,0 +1,157 @@
+"""Bad input of every kind (bytes, empty prompts, damaged files, fuzzed options, values out of range) gets
+one clear line and a non-zero exit, never a traceback; and each command's help."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from cli_fixtures import CLASS_NAME, generate, models, one_line  # noqa: F401 (models: a fixture)
+import specdec_cli.cli.commands as commands
+import specdec_cli.session.generate as session_generate
+import specdec_cli.model.files as files
+from specdec_cli.cli.app import app
+
+
+def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(models):
+    result = generate("--model", models["llama"], "-", "-m", "4", "--json", "--ignore-chat-template",
+                      input=b"Hello \xff\xfe world")
+    assert result.exit_code == 0, result.output
+    assert one_line(result).startswith("warning: stdin is not valid UTF-8")
+    report = json.loads(result.stdout)
+    # Byte-level tokens: each U+FFFD is its three UTF-8 bytes.
+    assert report["prompt_tokens"] == len("Hello ") + 2 * 3 + len(" world")
+    assert report["generated_tokens"] > 0 or report["finish_reason"] == "eos"
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (["-p", ""], None, "the prompt is empty"),
+    (["   "], None, "the prompt is empty"),
+    (["-"], "", "stdin was empty"),
+    (["-"], " \n", "stdin was empty"),
+])
+def test_an_empty_prompt_is_a_usage_error(models, args, stdin, message):
+    result = generate("--model", models["llama"], *args, input=stdin)
+    assert result.exit_code == 2 and message in one_line(result)
+
+
+def test_a_truncated_weight_file_names_the_file_and_the_fix(models, monkeypatch):
+    result = generate("--model", models["truncated"], "Hi")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert str(models["truncated"] / "model.safetensors") in line and "truncated" in line
+    assert "download or convert" in line
+    # From the Hub: the fix is --force-download, which reaches snapshot_download.
+    calls = []
+
+    def snapshot_download(repo_id, force_download=False, **kw):
+        calls.append(force_download)
+        return str(models["truncated"] if not force_download else models["llama"])
+
+    monkeypatch.setattr(files.huggingface_hub, "snapshot_download", snapshot_download)
+    result = generate("--model", "org/cut-download", "Hi", "-m", "2")
+    assert result.exit_code == 1 and "run again with --force-download" in one_line(result)
+    assert generate("--model", "org/cut-download", "Hi", "-m", "2", "--force-download").exit_code == 0
+    assert calls == [False, True]
+
+
+def test_an_unexpected_failure_says_something_useful_without_class_names(models, monkeypatch):
+    def boom(*args, **kwargs):
+        raise KeyError("layers.0")
+
+    monkeypatch.setattr(session_generate.Flights, "alone", boom)
+    result = generate("--model", models["llama"], "Hi", "-m", "2")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert "something went wrong inside specdec" in line and "--debug" in line and "KeyError" not in line
+
+
+# --- every option checked at the boundary ------------------------------------
+
+GENERATE_OPTIONS = [
+    "--model", "--draft-model", "--dtype", "--adapter-path", "--kv-bits", "--kv-group-size",
+    "--prefill-step-size", "--prompt", "--system-prompt", "--chat-template-config", "--prefill-response",
+    "--drafter", "--block-size", "--num-draft-tokens", "--draft-p-min", "--ngram-max", "--ngram-min",
+    "--rollback", "--max-tokens", "--temp", "--top-p", "--top-k", "--min-p", "--seed", "--extra-eos-token",
+    "--repetition-penalty", "--repetition-context-size", "--json-schema",
+]
+SWEEP_OPTIONS = [o for o in GENERATE_OPTIONS if o not in {
+    "--num-draft-tokens", "--temp", "--top-p", "--top-k", "--min-p", "--seed", "--block-size",
+    "--repetition-penalty", "--repetition-context-size", "--json-schema"}] + [
+    "--block-sizes", "--repeats", "--warmup"]
+
+
+def _fuzz_values(rng: random.Random) -> list[str]:
+    noise = bytes(rng.randrange(1, 256) for _ in range(12)).decode("utf-8", "surrogateescape")
+    return [noise, "", "-1", "0", "1e400", "nan", "-inf", str(10**30), str(-(10**30)), "2,0,x", "{", "-"]
+
+
+@pytest.mark.parametrize("command, options", [("generate", GENERATE_OPTIONS), ("sweep", SWEEP_OPTIONS)])
+def test_fuzzed_options_exit_1_or_2_in_at_most_3_lines(tmp_path, command, options):
+    rng = random.Random(18)
+    missing = str(tmp_path / "no-model")  # whatever passes the checks then fails to load: exit 1
+    runner = CliRunner()
+    for option in options:
+        for value in _fuzz_values(rng):
+            args = [command, "--model", missing, "Hi", option, value]
+            if option == "--model":
+                args = [command, "Hi", option, value]
+            result = runner.invoke(app, args, input="")
+            where = f"{command} {option} {value!r}: {result.stderr!r}"
+            assert result.exit_code in (1, 2), where
+            assert result.exception is None or isinstance(result.exception, SystemExit), where
+            assert 1 <= len(result.stderr.strip().splitlines()) <= 3, where
+            assert "Traceback" not in result.output and not CLASS_NAME.search(result.stderr), where
+    # The prompt argument itself.
+    for value in _fuzz_values(rng):
+        result = runner.invoke(app, [command, "--model", missing, value], input="")
+        assert result.exit_code in (1, 2) and len(result.stderr.strip().splitlines()) <= 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "200"], "range 1<=x<=64"),
+    (["--num-draft-tokens", "-1"], "range 0<=x<=63"),
+    (["--temp", "-0.5"], "range x>=0.0"),
+    (["--top-p", "2"], "range 0.0<=x<=1.0"),
+    (["--min-p", "-1"], "range 0.0<=x<=1.0"),
+    (["--top-k", "-3"], "range 0<=x<="),
+    (["--draft-p-min", "3"], "range 0.0<=x<=1.0"),
+    (["--prefill-step-size", "0"], "range 1<=x<="),
+    (["--kv-bits", "7"], "is not one of 2, 3, 4, 5, 6, 8"),
+    (["--repetition-penalty", "-1"], "range x>=0.0"),
+    (["--repetition-context-size", "0"], "range 1<=x<="),
+    (["--temp", "nan"], "'--temp'"),
+    (["--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "--ngram-min (5) <= --ngram-max (3)"),
+])
+def test_each_bad_value_names_the_range(models, args, message):
+    result = generate("--model", models["llama"], "Hi", *args)
+    assert result.exit_code == 2 and message in one_line(result)
+
+
+def test_block_size_maximum_is_a_named_constant():
+    assert commands.MAX_ANY_BLOCK_SIZE == max(commands.MAX_BLOCK_SIZE.values()) == 64
+    result = CliRunner().invoke(app, ["sweep", "--model", "x", "Hi", "--block-sizes", "2,65"])
+    assert result.exit_code == 2 and "--block-sizes is at most 64 with --drafter lookup" in result.stderr
+
+
+# --- help ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["generate", "sweep"])
+def test_help_has_panels_defaults_flags_and_an_example(command):
+    result = CliRunner().invoke(app, [command, "-h"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0
+    text = re.sub(r"[│\s]+", " ", result.stdout)  # wrapped cells read as one line
+    for panel in ("Model", "Prompt", "Drafting", "Sampling", "Output", "Diagnostics"):
+        assert f"╭─ {panel} ─" in text, panel
+    assert "<bool>" not in text
+    assert re.search(r"--block-size[s]?\b.*\[default: (model 4, lookup 64[^\]]*|2,3,4,6,8,12,16)\]", text)
+    assert "--ngram-max" in text and "[default: 4]" in text and "[default: 2]" in text
+    assert "[default: auto]" in text and "[default: 0, never stop early]" in text
+    assert "Example: specdec " + command in text
+    if command == "generate":
+        assert re.search(r"--live --no-live", text)
+    assert CliRunner().invoke(app, ["-h"]).exit_code == 0

@@ -1,0 +1,191 @@
+"""mlx_lm's options, as mlx_lm reads them: a quantized KV cache, adapters, extra EOS tokens, the chat
+template's config, remote code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from cli_fixtures import KV_LLAMA, generate, models, one_line  # noqa: F401 (models: a fixture)
+from specdec_cli.cache.caches import ModelCache, make_cache
+from specdec_cli.session.loading import load
+from specdec_cli.loop.runner import collect, run
+from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, build_model, perturb
+
+def _cli_json(*args):
+    result = generate(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+def test_quantized_kv_cache_speculation_equals_plain_decoding(family):
+    cfg = {**TINY_CONFIGS[family], "head_dim": 32}
+    if "text_config" in cfg:
+        cfg["text_config"] = {**cfg["text_config"], "head_dim": 32}
+    model = build_model(cfg, seed=0)
+    draft = build_model(cfg, seed=0)
+    perturb(draft, 0.05, seed=7)
+    from specdec_cli.drafters import ModelDrafter
+
+    prompt = list(b"The quick brown fox jumps over the lazy dog, twice: the quick brown fox.")
+    kv = dict(kv_bits=4, kv_group_size=32)
+    _, plain = collect(run(model, prompt, max_tokens=40, **kv))
+    stats, spec = collect(run(model, prompt, drafter=ModelDrafter(draft), num_draft_tokens=3, max_tokens=40,
+                              **kv))
+    _, full = collect(run(model, prompt, max_tokens=40))
+    assert spec == plain and stats.drafted > stats.accepted > 0  # rejections were rolled back
+    assert full != plain or family == "qwen3_5"  # the cache really is quantized (few attention layers)
+
+
+def test_a_trimmed_quantized_cache_equals_one_built_directly():
+    model = build_model(KV_LLAMA, seed=0)
+    ids = list(range(30, 70))
+    trimmed = ModelCache(model, make_cache(model, kv_bits=4, kv_group_size=32))
+    trimmed.prefill(ids[:30])
+    snap = trimmed.snapshot()
+    trimmed.feed(mx.array(ids[30:], dtype=mx.uint32))
+    trimmed.rollback(snap, 4)
+    direct = ModelCache(model, make_cache(model, kv_bits=4, kv_group_size=32))
+    direct.prefill(ids[:30])
+    direct.feed(mx.array(ids[30:34], dtype=mx.uint32))
+    for a, b in zip(trimmed._attention, direct._attention):
+        assert a.offset == b.offset == 34
+        for x, y in zip(tree_flatten([a.keys, a.values]), tree_flatten([b.keys, b.values])):
+            assert mx.array_equal(x[1][..., :34, :], y[1][..., :34, :])
+
+
+def test_kv_bits_through_the_cli_is_exact_and_refused_by_name_where_it_cannot_run(models):
+    report = _cli_json("--model", models["kv-llama"], "--draft-model", models["kv-llama-draft"], "Hi", "-m", "24",
+                       "--kv-bits", "4", "--kv-group-size", "32", "--compare-ar")
+    assert report["compare"]["identical"] and report["kv_bits"] == 4
+    # Head dim 16 cannot be quantized in groups of 64: refused by family, before any output.
+    result = generate("--model", models["llama"], "Hi", "--kv-bits", "4")
+    assert result.exit_code == 1 and result.stdout == ""
+    assert "llama cannot run with a quantized KV cache" in one_line(result)
+
+
+def test_adapters_are_loaded_the_mlx_lm_way(models, tmp_path):
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load as mlx_lm_load
+
+    model = load(str(models["llama"])).model
+    model.freeze()
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, params)
+    mx.random.seed(3)
+    adapters = {k: mx.random.normal(v.shape) * 0.1 for k, v in tree_flatten(model.parameters())
+                if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    mx.save_safetensors(str(tmp_path / "adapters.safetensors"), adapters)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params}))
+
+    base = _cli_json("--model", models["llama"], "Hi", "-m", "16", "--ignore-chat-template")
+    tuned = _cli_json("--model", models["llama"], "Hi", "-m", "16", "--ignore-chat-template",
+                      "--adapter-path", tmp_path, "--compare-ar")
+    assert tuned["compare"]["identical"] and tuned["text"] != base["text"]
+    # The same adapters through mlx-lm's own loader give the same greedy text.
+    ref_model, ref_tok = mlx_lm_load(str(models["llama"]), adapter_path=str(tmp_path))
+    _, tokens = collect(run(ref_model, ref_tok.encode("Hi"), max_tokens=16, eos_ids=[EOS_ID]))
+    assert ref_tok.decode(tokens) == tuned["text"]
+    result = generate("--model", models["llama"], "Hi", "--adapter-path", tmp_path / "none")
+    assert result.exit_code == 1 and "has no adapter_config.json" in one_line(result)
+
+
+def test_extra_eos_token_stops_generation(models):
+    loaded = load(str(models["llama"]))
+    ids = loaded.tokenizer.encode("Hi")
+    _, tokens = collect(run(loaded.model, ids, max_tokens=24, eos_ids=[EOS_ID]))
+    # A position whose token appears there first: the run must stop right before it.
+    stop = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    report = _cli_json("--model", models["llama"], "Hi", "-m", "24", "--ignore-chat-template",
+                       "--extra-eos-token", str(tokens[stop]), "--extra-eos-token", "<|endoftext|>")
+    assert report["finish_reason"] == "eos" and report["generated_tokens"] == stop
+    result = generate("--model", models["llama"], "Hi", "--extra-eos-token", "<no-such-token>")
+    assert result.exit_code == 2 and "is not a token of this tokenizer" in one_line(result)
+
+
+@pytest.mark.parametrize("token, message", [
+    ("blue sky", "as text it is several tokens ('b', 'l', 'u', 'e', 'Ġ', 's', 'k', 'y'), and a stop token is one"),
+    ("notatoken_xyz", "is not a token of this tokenizer: as text it is several tokens"),
+    ("", "--extra-eos-token is empty: give a token of this tokenizer (like '<|im_end|>' (id 258)) or its id"),
+    ("999999", "--extra-eos-token 999999: no token has this id (this tokenizer's ids run from 0 to"),
+    ("-1", "--extra-eos-token -1: no token has this id"),
+])
+def test_extra_eos_token_refuses_what_is_not_a_token(models, token, message):
+    # mlx-lm maps an unknown token to the unknown-token id (<|endoftext|> here) and takes any integer.
+    result = generate("--model", models["llama"], "Hi", "-m", "4", "--extra-eos-token", token)
+    assert result.exit_code == 2, result.output
+    assert message in one_line(result) and result.stdout == ""
+
+
+def test_extra_eos_token_names_the_leading_space_form():
+    # The bundled model's BPE: "Blue" and "ĠBlue" (" Blue", what follows "2." in a list) are two tokens.
+    from specdec_cli.model import bundled
+
+    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", " Blue")
+    assert result.exit_code == 2
+    assert "as text, ' Blue' is the token 'ĠBlue' (id 10062): pass a token as the vocabulary spells it" in \
+        one_line(result)
+    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", "Blue", "--json")
+    assert result.exit_code == 0, result.output
+    assert ("note: --extra-eos-token 'Blue' stops at that token only; after a space the text is the token "
+            "'ĠBlue' (id 10062): pass it too to stop there") in result.stderr.splitlines()
+    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", "Blue",
+                      "--extra-eos-token", "10062", "--json")
+    assert result.exit_code == 0 and "--extra-eos-token" not in result.stderr
+
+
+def test_a_run_of_no_tokens_has_no_speedup_in_json(models):
+    loaded = load(str(models["llama"]))
+    _, tokens = collect(run(loaded.model, loaded.tokenizer.encode("Hi"), max_tokens=1, eos_ids=[EOS_ID]))
+    report = _cli_json("--model", models["llama"], "Hi", "-m", "8", "--ignore-chat-template", "--compare-ar",
+                       "--extra-eos-token", str(tokens[0]))
+    assert report["generated_tokens"] == 0 and report["compare"]["identical"]
+    assert report["compare"]["speedup"] is None  # the text line says "no speedup measurable"
+    # Whichever side generated nothing (a divergence can leave one side empty), or took no time: null, not 0.0.
+    from specdec_cli.loop.compare import Comparison, comparison_dict
+    from specdec_cli.core.stats import Stats
+
+    some = Stats(generated=5, decode_s=0.5)
+    for specdec, plain in ((Stats(generated=0, decode_s=0.5), some), (some, Stats(generated=0, decode_s=0.5)),
+                           (Stats(generated=5, decode_s=0.0), some)):
+        cmp = Comparison(identical=True, tokens=plain.generated, divergence=None, plain=plain)
+        assert comparison_dict(cmp, specdec, loaded.tokenizer)["speedup"] is None
+    assert comparison_dict(Comparison(True, 5, None, some), some, loaded.tokenizer)["speedup"] == 1.0
+
+
+def test_chat_template_config_and_prefill_response(models, tmp_path):
+    custom = tmp_path / "templated"
+    shutil.copytree(models["llama"], custom)
+    cfg_file = custom / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = (
+        "{% if mood is defined %}{{ mood }}{% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    cfg_file.write_text(json.dumps(cfg))
+    plain = _cli_json("--model", custom, "Hi", "-m", "2")
+    moody = _cli_json("--model", custom, "Hi", "-m", "2", "--chat-template-config", '{"mood": "CALM"}')
+    assert moody["prompt_tokens"] == plain["prompt_tokens"] + len("CALM")
+    prefilled = _cli_json("--model", custom, "Hi", "-m", "2", "--prefill-response", "Sure:")
+    # [user]Hi[assistant]Sure: (continued, no generation prompt after it)
+    assert prefilled["prompt_tokens"] == len("[user]Hi[assistant]Sure:")
+    result = generate("--model", custom, "Hi", "--prefill-response", "x", "--ignore-chat-template")
+    assert result.exit_code == 2 and "--prefill-response needs the chat template" in one_line(result)
+
+
+def test_trust_remote_code(models, tmp_path):
+    custom = tmp_path / "remote"
+    shutil.copytree(models["llama"], custom)
+    (custom / "my_model.py").write_text("from mlx_lm.models.llama import Model, ModelArgs  # noqa: F401\n")
+    cfg = json.loads((custom / "config.json").read_text())
+    cfg["model_file"] = "my_model.py"
+    (custom / "config.json").write_text(json.dumps(cfg))
+    result = generate("--model", custom, "Hi", "-m", "2")
+    assert result.exit_code == 1 and "pass --trust-remote-code" in one_line(result)
+    assert generate("--model", custom, "Hi", "-m", "2", "--trust-remote-code").exit_code == 0
