@@ -38,7 +38,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_serve import NOTICE, ask, free_port, start, stop  # noqa: E402
+from bench_serve import NOTICE, ask, free_port, start, stop, workload  # noqa: E402
 
 from specdec_cli.model import blas, bundled  # noqa: E402
 
@@ -106,26 +105,8 @@ class Prompts:
 
 
 def burst(port: int, requests: list) -> dict:
-    """Send every request at once (one client each); the burst's aggregate and per-request figures."""
-    answers: dict = {}
-
-    def client(i: int, prompt: str, max_tokens: int) -> None:
-        answers[i] = ask(port, [{"role": "user", "content": prompt}], max_tokens)
-
-    threads = [threading.Thread(target=client, args=(i, p, m)) for i, (_, p, m) in enumerate(requests)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    out = [answers[i] for i in range(len(requests))]
-    tokens = sum(a["completion_tokens"] for a in out)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-            "mean_latency_s": sum(a["wall_s"] for a in out) / len(out),
-            "worst_latency_s": max(a["wall_s"] for a in out),
-            "mean_ttft_s": sum(a["ttft_s"] or 0 for a in out) / len(out),
-            "texts": [a["text"] for a in out]}
+    """Send every request at once, one client each (bench_serve's workload with as many clients as requests)."""
+    return workload(port, requests, len(requests))
 
 
 def main() -> None:
