@@ -38,7 +38,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,9 +132,9 @@ def main() -> None:
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
                      "blas": str(library) if library else "bundled reference BLAS", "workloads": {}}
     try:
-        for workload in args.workloads.split(","):
+        for kind in args.workloads.split(","):
             for level in levels:
-                cold, warm = prompts.burst(workload, level), prompts.burst(workload, level)
+                cold, warm = prompts.burst(kind, level), prompts.burst(kind, level)
                 row: dict = {"load_before": os.getloadavg()}
                 for server in ("mlx_lm", "specdec"):
                     port = free_port()
@@ -152,12 +151,12 @@ def main() -> None:
                     s, m = row["specdec"][phase], row["mlx_lm"][phase]
                     row[f"{phase}_ratio"] = s["tok_s"] / m["tok_s"]
                     row[f"{phase}_same_text"] = sum(a == b for a, b in zip(s["texts"], m["texts"]))
-                    print(f"{workload:5s} x{level:<2d} {phase}: specdec {s['tok_s']:6.1f} tok/s, mlx_lm "
+                    print(f"{kind:5s} x{level:<2d} {phase}: specdec {s['tok_s']:6.1f} tok/s, mlx_lm "
                           f"{m['tok_s']:6.1f} ({row[f'{phase}_ratio']:.2f}x); mean latency "
                           f"{s['mean_latency_s']:.1f} / {m['mean_latency_s']:.1f} s; TTFT {s['mean_ttft_s']:.2f} / "
                           f"{m['mean_ttft_s']:.2f} s; same text {row[f'{phase}_same_text']}/{level}", flush=True)
                 row["requests"] = {"cold": [k for k, _, _ in cold], "warm": [k for k, _, _ in warm]}
-                results["workloads"].setdefault(workload, {})[level] = row
+                results["workloads"].setdefault(kind, {})[level] = row
                 Path(args.out).write_text(json.dumps(results, indent=2))  # what is measured so far survives
     finally:
         shutil.rmtree(work, ignore_errors=True)
