@@ -111,6 +111,8 @@ class Opening:
                 self.drafter.prefill(self.ids[:-1], step, Hidden.concat([prefix or Hidden(), *self.parts]))
             else:
                 self.drafter.prefill(self.ids[:-1], step)
+        # The prefill's time ends here: auto's rollback measurement below is reported apart (RollbackChoice.seconds).
+        seconds = self._seconds + time.perf_counter() - start
         choice = None
         if self.drafter is not None:
             choice = self._rollback()
@@ -120,7 +122,7 @@ class Opening:
                     raise OptionError(f"--shapes bucketed on this recurrent model needs --rollback capture or "
                                       f"tape (it would {strategy}: {choice.reason}); or use --shapes exact")
                 self.shapes = "exact"  # auto: padding rows cannot be cut out of a recurrence that records nothing
-        self.prefilled = Prefilled(len(self.ids), self._seconds + time.perf_counter() - start, choice,
+        self.prefilled = Prefilled(len(self.ids), seconds, choice,
                                    tuple(cache.chunks), self.cached, tuple(cache.marks), self.shapes,
                                    disk=self.cached if isinstance(self.hit, DiskHit) else 0)
         return True

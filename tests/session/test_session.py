@@ -354,3 +354,22 @@ def test_an_answer_that_recurs_is_drafted_from_the_corpus_and_decoded_exactly(se
              if not isinstance(b, BatchEnd) and isinstance(b.event, Step)]
     assert [t for b in again for t in b.event.block.tokens] == texts[0]
     assert sum(b.event.block.accepted for b in again) >= 30
+
+
+def test_the_prefill_time_leaves_out_the_rollback_measurement(setups, monkeypatch):
+    """``Prefilled.seconds`` is the prompt's time (fetch, chunks, the drafter's prefill); auto's rollback
+    measurement after it is reported apart (``RollbackChoice.seconds``), for every face alike."""
+    import specdec_cli.session.opening as opening
+
+    clock = {"skew": 0.0}
+    real_clock, real_choose = opening.time.perf_counter, opening.choose_rollback
+
+    def measured(*args, **kwargs):
+        clock["skew"] += 1000.0  # the measurement "takes" 1000 s on the module's clock
+        return real_choose(*args, **kwargs)
+
+    monkeypatch.setattr(opening.time, "perf_counter", lambda: real_clock() + clock["skew"])
+    monkeypatch.setattr(opening, "choose_rollback", measured)
+    _, prefilled = gen(Session(setups["qwen3_5"], 4), PROMPT, 4)
+    assert clock["skew"] == 1000.0 and prefilled.rollback is not None  # measured once, for this run
+    assert prefilled.seconds < 1000.0
