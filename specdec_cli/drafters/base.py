@@ -14,7 +14,7 @@ from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..core.sampling import GREEDY, SamplingParams
+from ..core.sampling import GREEDY, SamplingParams, top_probability
 from ..model.taps import Hidden, TapSpec
 
 
@@ -44,6 +44,27 @@ class Draft:
 
 def no_draft() -> Draft:
     return Draft(mx.array([], dtype=mx.uint32))
+
+
+def above_p_min(picks: Sequence[tuple[float, mx.array, Optional[mx.array]]]) -> tuple[list[bool], int]:
+    """One batched draft step's p-min verdicts, as each row's drafter decides alone.
+
+    Args:
+        picks: Each row's ``(p_min, logits, log q)`` for the draft just drawn.
+
+    Returns:
+        Whether each draft is kept (its top-1 probability is at least its
+        ``p_min``; always, for a ``p_min`` of 0), and the host syncs that took:
+        every probability is read in one, for the whole batch.
+    """
+    asked = [i for i, (p_min, _, _) in enumerate(picks) if p_min > 0]
+    keep = [True] * len(picks)
+    if not asked:
+        return keep, 0
+    tops = mx.concatenate([top_probability(picks[i][1], picks[i][2]).reshape(-1) for i in asked]).tolist()
+    for i, top in zip(asked, tops):
+        keep[i] = not top < picks[i][0]  # as alone: `top < p_min` stops (a NaN does not)
+    return keep, 1
 
 
 class Drafter(Protocol):

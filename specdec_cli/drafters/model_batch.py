@@ -22,8 +22,8 @@ import mlx.core as mx
 
 from ..cache.batch_cache import BatchCache, BatchSnapshot, batch_problem
 from ..cache.caches import ModelCache
-from ..core.sampling import SamplingParams, draw, top_probability
-from .base import Draft, as_tokens, no_draft
+from ..core.sampling import SamplingParams, draw
+from .base import Draft, above_p_min, as_tokens, no_draft
 from .model import ModelDrafter
 
 
@@ -129,28 +129,21 @@ class DraftBatch:
             logits = cache.feed(tokens, record=record)
             cache.settle(before, keep)  # rows that were only padding keep nothing
             after = cache.snapshot()
-            tops = []
+            picks = []
             for b, d, params in stepping:
                 row_logits = logits[b, keep[b] - 1 : keep[b], : d.vocab_size]
                 x[b], lp = draw(row_logits, params, offset=i)
                 d._after.append(after)
-                if d.p_min > 0:
-                    tops.append((b, d, lp, top_probability(row_logits, lp)))
-                else:
-                    d._drafts.append(x[b])
-                    if lp is not None:
-                        logprobs[b].append(lp)
-            if tops:
-                # Every row's top-1 probability in one read: a row below its p-min keeps the drafts before.
-                seen = mx.concatenate([t.reshape(-1) for *_, t in tops]).tolist()
-                syncs += 1
-                for (b, d, lp, _), top in zip(tops, seen):
-                    if top < d.p_min:
-                        stopped.add(b)
-                        continue  # the state after its last kept draft is its _after[-1], as alone
-                    d._drafts.append(x[b])
-                    if lp is not None:
-                        logprobs[b].append(lp)
+                picks.append((b, d, x[b], lp, row_logits))
+            kept, read = above_p_min([(d.p_min, row_logits, lp) for _, d, _, lp, row_logits in picks])
+            syncs += read
+            for (b, d, token, lp, _), ok in zip(picks, kept):
+                if not ok:
+                    stopped.add(b)
+                    continue  # the state after its last kept draft is its _after[-1], as alone
+                d._drafts.append(token)
+                if lp is not None:
+                    logprobs[b].append(lp)
         drafts = []
         for d, _, k, _ in asks:
             lps = logprobs.get(index[id(d)], [])

@@ -22,8 +22,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from ..cache.batch_cache import RowsKVCache
-from ..core.sampling import SamplingParams, top_probability
-from .base import Draft, no_draft
+from ..core.sampling import SamplingParams
+from .base import Draft, above_p_min, no_draft
 from .mtp import MTPDrafter
 
 
@@ -160,27 +160,20 @@ class MTPBatch:
                 o = self._forward(self.members[0].parts.embed(tokens), hidden, keep)
                 for b in stepping:
                     out[b] = o[b]
-            tops = []
+            picks = []
             for b, (d, _, params) in stepping.items():
                 logits = d._logits(out[b])
                 x, lp = d._pick(logits, params, i)
-                if d.p_min > 0:
-                    tops.append((b, d, x, lp, top_probability(logits, lp)))
+                picks.append((b, d, x, lp, logits))
+            kept, read = above_p_min([(d.p_min, logits, lp) for _, d, _, lp, logits in picks])
+            syncs += read
+            for (b, d, x, lp, _), ok in zip(picks, kept):
+                if not ok:
+                    stopped.add(b)
                     continue
                 d._drafts.append(x)
                 if lp is not None:
                     logprobs[b].append(lp)
-            if tops:
-                # Every row's top-1 probability in one read: a row below its p-min keeps the drafts before.
-                seen = mx.concatenate([t.reshape(-1) for *_, t in tops]).tolist()
-                syncs += 1
-                for (b, d, x, lp, _), top in zip(tops, seen):
-                    if top < d.p_min:
-                        stopped.add(b)
-                        continue
-                    d._drafts.append(x)
-                    if lp is not None:
-                        logprobs[b].append(lp)
         drafts = []
         for d, _, _, _ in asks:
             b = index[id(d)]
