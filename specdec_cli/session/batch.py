@@ -104,7 +104,7 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
     """Decode ``requests`` together, at most ``max_rows`` at a time; yields each row's events, then :class:`BatchEnd`.
 
     Each row's text is what its request gives alone: greedy, or sampled with
-    draws keyed by (seed, position) (see :meth:`Session.open`). Closing the
+    draws keyed by (seed, position) (see :meth:`Session.plan`). Closing the
     generator stops every row at the block boundary.
 
     Args:

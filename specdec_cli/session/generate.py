@@ -20,7 +20,7 @@ from ..cache.rollback import RollbackChoice
 from ..core.adaptive import FirstBlock
 from ..core.processors import make_processors
 from ..defaults import HIDDEN_STATE_DRAFTERS
-from ..model.taps import Hidden, HiddenTap
+from ..model.taps import Hidden
 from .corpus import Corpus
 from .disk_tier import DiskTier, open_disk_tier
 from .flights import Event, Flights
@@ -164,22 +164,6 @@ class Session:
         if self.plain or self.setup.kind not in HIDDEN_STATE_DRAFTERS:
             return None
         return self.setup.make_drafter(make_policy(self.adaptive, self.block_size, self.setup.kind)).taps
-
-    def open(self, request: Request, tap: Optional[HiddenTap] = None) -> Opening:
-        """Start ``request`` for an :class:`~specdec_cli.loop.engine.Engine` shared with others.
-
-        Returns an :class:`Opening`: step it to prefill the prompt a chunk at a
-        time (between other rows' blocks), then admit its ``row`` and ``cache``
-        to the engine; when the row leaves, hand its caches to :meth:`close`.
-
-        Args:
-            request: What to generate. Sampling without a seed gets a random
-                one: every draw is then keyed by position, so a row's text
-                never depends on what else the engine runs.
-            tap: The hidden-state tap installed on the target for the engine's
-                life, when the drafter reads hidden states.
-        """
-        return Opening(self, request, tap)
 
     def close(self, opening: Opening, cache: Optional[ModelCache], emitted: Sequence[int]) -> None:
         """A row left the engine (or its prefill stopped): keep its caches in the prompt cache.

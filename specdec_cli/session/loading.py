@@ -101,7 +101,6 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
     return Loaded(name, path, model, tokenizer, config, describe_dtype(model, config))
 
 
-
 def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
     """mlx-lm's own adapter loading (``mlx_lm.lora``'s output directory)."""
     from mlx_lm.tuner.utils import load_adapters

@@ -12,6 +12,7 @@ from specdec_cli.cache.caches import ModelCache
 from specdec_cli.errors import Cancelled
 from specdec_cli.loop.runner import Prefilled, Step
 from specdec_cli.session import ModelOptions, PromptCache, Request, SavedCache, Session, load_setup
+from specdec_cli.session.opening import Opening
 from specdec_cli.session.reply import Reply, TextStream
 from specdec_cli.session.synthetic import make_model_dir
 
@@ -287,7 +288,7 @@ def test_one_row_builder_every_face_samples_alike(setups, monkeypatch):
     assert alone == seeded
     plan = session.plan(Request(PROMPT, 24, sampling=sampling))
     assert plan.sampling.seed == 1234 and plan.sampling.keyed
-    opening = session.open(Request(PROMPT, 24, sampling=sampling))
+    opening = Opening(session, Request(PROMPT, 24, sampling=sampling), None)
     while not opening.step():
         pass
     engine = Engine(session.model)
@@ -343,7 +344,7 @@ def test_an_answer_that_recurs_is_drafted_from_the_corpus_and_decoded_exactly(se
     texts, with_corpus = accepted(Session(setup, 16, corpus=corpus), 2)
     assert texts == plain_texts and texts[0] == texts[1]
     assert with_corpus >= 30 > without + 10
-    # The batch and server path (Session.open / close) feeds and reads the same corpus.
+    # The batch and server path (an Opening, then Session.close) feeds and reads the same corpus.
     batch = Session(setup, 16, corpus=Corpus())
     rows = {}
     for event in run_batch(batch, [Request(ask, 40)], max_rows=1):
