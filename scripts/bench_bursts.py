@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,9 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_serve import NOTICE, ask, free_port, start, stop, workload  # noqa: E402
-
-from specdec_cli.model import blas, bundled  # noqa: E402
+from bench_serve import NOTICE, ask, free_port, prepare, start, stop, workload  # noqa: E402
 
 THINGS = ["a bicycle", "a refrigerator", "a compass", "a thermostat", "a lighthouse", "a windmill", "a camera",
           "a telescope", "a piano", "a kettle", "a sailboat", "a vaccine", "a battery", "a rainbow", "a volcano",
@@ -117,17 +114,7 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
 
     work = Path(tempfile.mkdtemp(prefix="bench-bursts-"))
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env["HF_HUB_OFFLINE"] = "1"
-    env["SPECDEC_PROMPT_CACHE_DISK_GB"] = "0"  # memory against memory: mlx_lm.server has no disk tier
-    library = blas.find_system_openblas() if sys.platform == "linux" else None
-    peer_env = dict(env)
-    if library:
-        peer_env["LD_PRELOAD"] = str(library)
-    f32 = work / "smollm2-f32"
-    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
-                    "--dtype", "float32", "--mlx-path", str(f32)], check=True, env=peer_env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    f32, env, peer_env, library = prepare(work)
     prompts = Prompts()
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
                      "blas": str(library) if library else "bundled reference BLAS", "workloads": {}}

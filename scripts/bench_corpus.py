@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,10 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_serve import OPEN, OPEN2, OPEN3, ask, free_port, start  # noqa: E402
-
-from specdec_cli.model import blas
-from specdec_cli.model import bundled  # noqa: E402
+from bench_serve import OPEN, OPEN2, OPEN3, ask, free_port, prepare, start  # noqa: E402
 
 QUESTIONS = [OPEN, OPEN2, OPEN3]
 ASKERS = ["You answer a student.", "You answer a colleague."]
@@ -48,17 +43,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "corpus.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-corpus-"))
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env["HF_HUB_OFFLINE"] = "1"
-    # Memory against memory: mlx_lm.server has no disk tier, and runs must not resume each other's caches.
-    env["SPECDEC_PROMPT_CACHE_DISK_GB"] = "0"
-    library = blas.find_system_openblas() if sys.platform == "linux" else None
-    peer_env = dict(env, **({"LD_PRELOAD": str(library)} if library else {}))
-    f32 = work / "smollm2-f32"
-
-    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
-                    "--dtype", "float32", "--mlx-path", str(f32)], check=True, env=peer_env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    f32, env, peer_env, _ = prepare(work)
     servers = {
         "mlx_lm": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32)], peer_env),
         "specdec_no_corpus": ([sys.executable, "-m", "specdec_cli", "serve", "--model", str(f32),

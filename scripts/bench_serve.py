@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -103,6 +104,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def prepare(work: Path, dtype: str = "float32") -> tuple[Path, dict, dict, Optional[Path]]:
+    """The bundled model's files in ``dtype`` under ``work`` (``mlx_lm.convert``), and each server's environment.
+
+    Both run offline with specdec's disk tier off (memory against memory: mlx_lm.server has none, and
+    runs must not resume each other's caches); mlx_lm gets the system OpenBLAS preloaded, as specdec
+    preloads it itself. Returns the model folder, specdec's and mlx_lm's environments, and the
+    OpenBLAS (None: none here).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["HF_HUB_OFFLINE"] = "1"
+    env["SPECDEC_PROMPT_CACHE_DISK_GB"] = "0"
+    library = blas.find_system_openblas() if sys.platform == "linux" else None
+    peer_env = dict(env)
+    if library:
+        peer_env["LD_PRELOAD"] = str(library)
+    folder = work / f"smollm2-{dtype}"
+    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
+                    "--dtype", dtype, "--mlx-path", str(folder)], check=True, env=peer_env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return folder, env, peer_env, library
 
 
 def start(cmd: list[str], port: int, env: dict, log: Path) -> subprocess.Popen:
@@ -253,18 +276,7 @@ def main() -> None:
     args.out = args.out or str(ROOT / "bench-results" / name)
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env["HF_HUB_OFFLINE"] = "1"
-    # Memory against memory: mlx_lm.server has no disk tier, and runs must not resume each other's caches.
-    env["SPECDEC_PROMPT_CACHE_DISK_GB"] = "0"
-    library = blas.find_system_openblas() if sys.platform == "linux" else None
-    peer_env = dict(env)
-    if library:
-        peer_env["LD_PRELOAD"] = str(library)
-    f32 = work / "smollm2-f32"
-    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
-                    "--dtype", args.dtype, "--mlx-path", str(f32)], check=True, env=peer_env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    f32, env, peer_env, library = prepare(work, args.dtype)
 
     ports = {"mlx_lm": free_port(), "specdec": free_port()}
     batch = ["--decode-concurrency", args.decode_concurrency] if levels and args.decode_concurrency != "default" else []
