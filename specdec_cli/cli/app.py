@@ -651,8 +651,8 @@ QueueOpt = Annotated[int, _opt(
 DecodeConcurrencyOpt = Annotated[Optional[int], _opt(
     "--decode-concurrency", "--parallel", metavar="N", min=1, max=256, help="Requests decoded together (as "
     "mlx_lm.server's and llama-server's).", rich_help_panel=LIMITS,
-    **_default(f"measured at start-up: rows are doubled, up to {AUTO_ROWS[-1]}, while that adds {KNEE_GAIN:.0%} to a "
-               "step's tokens/s"))]
+    **_default(f"measured at start-up: the most rows, up to {AUTO_ROWS[-1]}, whose step's tokens/s gain "
+               f"{KNEE_GAIN:.0%} a doubling"))]
 
 
 LookupCorpusOpt = Annotated[int, _opt(

@@ -108,7 +108,7 @@ def bind(host: str, port: int) -> socket.socket:
 def concurrency_line(rows: int, steps: dict[int, float]) -> str:
     """What the start-up measurement chose for ``--decode-concurrency`` and why, in one line."""
     rates = ", ".join(f"{b}: {b / s:.0f}" for b, s in sorted(steps.items()))
-    why = "the most tried" if rows == max(steps) else f"{2 * rows} would add under {KNEE_GAIN:.0%}"
+    why = "the most tried" if rows == max(steps) else f"no more rows added {KNEE_GAIN:.0%} a doubling"
     return (f"decode concurrency {rows}, chosen at start-up ({why}; tokens/s of a one-token step by rows: "
             f"{rates}); --decode-concurrency sets it")
 

@@ -28,6 +28,7 @@ and the widest worthwhile block is ``W = 1``: plain batched decoding.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from bisect import bisect_left
@@ -57,17 +58,20 @@ MARGIN = 0.05
 def knee(costs: dict[int, float], gain: float = KNEE_GAIN) -> int:
     """The most rows worth decoding together, from one-token steps' seconds by row count.
 
-    Rows are added while the next measured count (double the last) returns at
-    least ``gain`` more tokens per second (rows / step seconds) than the one
-    before: past that, every row waits longer per token for little more
-    throughput. The first count is always kept.
+    A row count is taken when its tokens per second (rows / step seconds)
+    beat the count taken so far by at least ``gain`` per doubling of the rows:
+    past that, every row waits longer per token for little more throughput.
+    A count that measured worse does not end the search: noise only adds
+    time, so a larger count that measured well is real (a busy moment at 2
+    rows once made a server decode one request at a time). The first count
+    is always kept.
     """
     rows = sorted(costs)
     chosen = rows[0]
-    for lo, hi in zip(rows, rows[1:]):
-        if hi / costs[hi] < (1.0 + gain) * lo / costs[lo]:
-            break
-        chosen = hi
+    for b in rows[1:]:
+        doublings = math.log2(b / chosen)
+        if b / costs[b] >= (1.0 + gain) ** doublings * chosen / costs[chosen]:
+            chosen = b
     return chosen
 
 
@@ -98,7 +102,9 @@ class CostTable:
 
         Widths grow while a forward stays under ``_SLOW_FORWARD_S`` and the
         whole measurement under ``budget`` seconds; each row count's first
-        (narrowest) width is always measured. The caches are throwaway.
+        (narrowest) width is always measured. Each cell is the fastest of
+        ``repeats`` forwards, or one forward where that one took longer than
+        ``_SLOW_FORWARD_S``. The caches are throwaway.
         """
         base = fresh()
         base.prefill([(7 * i) % 97 + 1 for i in range(context)])
@@ -122,13 +128,16 @@ class CostTable:
             x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)
             times = []
             # On GPUs a shape's first run compiles kernels: not timed. MLX's CPU backend compiles none.
-            for _ in range(repeats + (0 if mx.default_device() == mx.cpu else 1)):
+            compile_run = 0 if mx.default_device() == mx.cpu else 1
+            for i in range(repeats + compile_run):
                 snap = cache.snapshot()
                 t0 = time.perf_counter()
                 mx.eval(cache.feed(x))
                 times.append(time.perf_counter() - t0)
                 cache.restore(snap)
-            cells[(b, w)] = min(times[-repeats:])
+                if i >= compile_run and times[-1] > _SLOW_FORWARD_S:
+                    break  # a slow forward's noise is small beside it: one timing will do (start-up waits less)
+            cells[(b, w)] = min(times[compile_run:])
             if cells[(b, w)] > _SLOW_FORWARD_S:
                 slow.add(b)  # wider forwards of this row count cost more still: extrapolated
         return cls(cells)

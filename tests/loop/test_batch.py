@@ -426,6 +426,27 @@ def test_the_cost_table_interpolates_between_and_beyond_what_it_measured():
     assert table.cost(4, 32) == guess * 3  # an estimate is replaced by what a block of that shape took
 
 
+def test_the_cost_table_times_each_cell_three_times_but_a_slow_forward_once(monkeypatch):
+    from specdec_cli.loop import batch_policy
+
+    model = target("llama", "float32")
+    feeds = []
+    for cls in (ModelCache, BatchCache):
+        def counted(self, x, *a, _feed=cls.feed, **k):
+            feeds.append(tuple(x.shape))
+            return _feed(self, x, *a, **k)
+        monkeypatch.setattr(cls, "feed", counted)
+    fresh = lambda: ModelCache(model)  # noqa: E731
+    table = CostTable.measure(model, fresh, (1, 2), (1, 2), context=8, budget=float("inf"))
+    assert set(table.cells) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert sorted(feeds) == sorted([(1,)] * 3 + [(2,)] * 3 + [(2, 1)] * 3 + [(2, 2)] * 3)
+    # Every forward slower than the threshold: one timing per cell, and no wider forward of that row count.
+    feeds.clear()
+    monkeypatch.setattr(batch_policy, "_SLOW_FORWARD_S", 0.0)
+    table = CostTable.measure(model, fresh, (1, 2), (1, 2), context=8, budget=float("inf"))
+    assert set(table.cells) == {(1, 1), (2, 1)} and sorted(feeds) == [(1,), (2, 1)]
+
+
 def test_the_decode_concurrency_default_stops_where_doubling_the_rows_stops_paying():
     # A GPU-like curve (a step costs the same up to 32 rows): all 32, as mlx_lm.server.
     assert knee({1: 10, 2: 10, 4: 10, 8: 10, 16: 10, 32: 10}) == 32
@@ -434,8 +455,15 @@ def test_the_decode_concurrency_default_stops_where_doubling_the_rows_stops_payi
     # A CPU-like curve: cheap up to 4 rows, then nearly linear; 8 rows add 5%, under the 10% asked.
     assert knee({1: 58, 2: 65, 4: 83, 8: 158, 16: 316}) == 4
     assert knee({1: 58, 2: 65, 4: 83, 8: 158}, gain=0.01) == 8
-    # Measured noise that makes a larger count look worse stops there, never past it.
-    assert knee({1: 10, 2: 25, 4: 12}) == 1
+    # Noise only adds time: a count that measured worse (a busy moment at 2 rows) does not end the
+    # search, and a larger count that measured well is taken (4 rows: 3.3x one row's tokens/s).
+    assert knee({1: 10, 2: 25, 4: 12}) == 4
+    # The gain asked is per doubling: 16 rows must beat 4 by 21% (10% twice), not by 10%.
+    assert knee({1: 58, 2: 65, 4: 83, 8: 158, 16: 300}) == 4
+    assert knee({1: 58, 2: 65, 4: 83, 8: 158, 16: 272}) == 16
+    # The start-up line of a loaded test machine that once chose 1 (tokens/s 314, 251, 502, ...).
+    rates = {1: 314, 2: 251, 4: 502, 8: 928, 16: 1448, 32: 2893}
+    assert knee({b: b / r for b, r in rates.items()}) == 32
 
 
 def test_the_planner_drafts_nothing_when_nothing_is_accepted_and_wide_when_all_is():
