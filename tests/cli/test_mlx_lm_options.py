@@ -122,19 +122,21 @@ def test_extra_eos_token_refuses_what_is_not_a_token(models, token, message):
     assert message in one_line(result) and result.stdout == ""
 
 
-def test_extra_eos_token_names_the_leading_space_form():
+def test_extra_eos_token_names_the_leading_space_form(tmp_path):
     # The bundled model's BPE: "Blue" and "ĠBlue" (" Blue", what follows "2." in a list) are two tokens.
-    from specdec_cli.model import bundled
+    # A tiny model with its tokenizer (loaded three times: the bundled weights cost seconds each).
+    from agents import hello_model_dir
 
-    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", " Blue")
+    model = hello_model_dir(tmp_path / "m", "qwen3_5")
+    result = generate("--model", model, "Hi", "-m", "1", "--extra-eos-token", " Blue")
     assert result.exit_code == 2
     assert "as text, ' Blue' is the token 'ĠBlue' (id 10062): pass a token as the vocabulary spells it" in \
         one_line(result)
-    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", "Blue", "--json")
+    result = generate("--model", model, "Hi", "-m", "1", "--extra-eos-token", "Blue", "--json")
     assert result.exit_code == 0, result.output
     assert ("note: --extra-eos-token 'Blue' stops at that token only; after a space the text is the token "
             "'ĠBlue' (id 10062): pass it too to stop there") in result.stderr.splitlines()
-    result = generate("--model", bundled.require(), "Hi", "-m", "1", "--extra-eos-token", "Blue",
+    result = generate("--model", model, "Hi", "-m", "1", "--extra-eos-token", "Blue",
                       "--extra-eos-token", "10062", "--json")
     assert result.exit_code == 0 and "--extra-eos-token" not in result.stderr
 

@@ -6,6 +6,8 @@ import contextlib
 import json
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from server import TOOL_QUESTION, WEATHER_TOOL, Server, tool_model_dir
+from server import TOOL_QUESTION, WEATHER_TOOL, Server, env, tool_model_dir
 from specdec_cli.cli.app import app
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
@@ -450,7 +452,10 @@ def test_sigterm_and_ctrl_c_stop_the_server_mid_generation(dirs, sig):
 
 def test_the_bundled_model_serves_with_no_options():
     prompt = "Copy this text exactly: The city council met on Tuesday to discuss the new park."
-    server = Server()
+    # As a user runs it: the CLI preloads OpenBLAS (re-executing itself), which the other servers here
+    # leave out to match in-process references; generate below runs the same way.
+    users = {"SPECDEC_NO_REEXEC": ""}
+    server = Server(extra_env=users)
     try:
         client = server.client()
         assert client.models.list().data[0].id == "smollm2-135m-instruct"
@@ -462,8 +467,10 @@ def test_the_bundled_model_serves_with_no_options():
         assert out2.usage.prompt_tokens_details.cached_tokens >= out.usage.total_tokens - 1
     finally:
         server.stop()
-    result = CliRunner().invoke(app, ["generate", "--json", "-m", str(N), "-p", prompt])
-    assert result.exit_code == 0, result.output
+    assert "decode concurrency" in server.log and "batch forward costs measured at start-up" in server.log
+    result = subprocess.run([sys.executable, "-m", "specdec_cli", "generate", "--json", "-m", str(N), "-p", prompt],
+                            env=env(**users), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
     assert text == json.loads(result.stdout)["text"]
     assert out.model_extra["timings"]["drafter"] == "lookup"
 
