@@ -62,6 +62,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "drafters/test_hybrid.py": FAST,
     "drafters/test_lookup.py": FAST,
     "drafters/test_mtp.py": FAST,
+    "drafters/test_registry.py": FAST,
     "core/test_processors.py": FAST,
     "model/test_recurrence_check.py": FAST,
     "cli/test_limits.py": FAST,

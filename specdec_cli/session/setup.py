@@ -17,15 +17,14 @@ import mlx.core as mx
 from .. import __version__
 from ..model import blas, bundled
 from ..model import distributed
-from ..core.adaptive import MatchLength
 from ..cache.caches import cache_kinds, check_kv_quantization
 from ..defaults import DEFAULT_BLOCK_SIZE, DRAFTERS, NGRAM_MAX, NGRAM_MIN
 from ..model.distributed import Ranks
 from ..model.fingerprint import model_fingerprint
-from ..drafters import DFlashDrafter, Drafter, HybridDrafter, LookupHistory, ModelDrafter, NgramDrafter, SuffixDrafter
+from ..drafters import Drafter, LookupHistory
+from ..drafters.registry import Materials, build
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
-from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
 from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
@@ -132,21 +131,12 @@ class Setup:
             recent: Earlier outputs a lookup drafter also drafts from (a server's corpus).
         """
         opts = self.options
-        if self.kind == "lookup":
-            size = policy.size if isinstance(policy, MatchLength) else None
-            earlier = [*(self.history.outputs() if self.history else ()), *recent]
-            return SuffixDrafter(size, earlier, self.eos_ids)
-        if self.kind == "ngram":
-            return NgramDrafter(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN)
-        if self.kind == "mtp":
-            return MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
-        if self.kind == "lookup+mtp":
-            head = MTPDrafter(self.mtp.head, self.mtp.parts, p_min=opts.draft_p_min or 0.0)
-            return HybridDrafter(SuffixDrafter(policy.size, stop_ids=self.eos_ids), head, policy)
-        if self.kind == "dflash":
-            return DFlashDrafter(self.draft.model, self.parts, p_min=opts.draft_p_min or 0.0)
-        return ModelDrafter(self.draft.model, draft_cache, vocab_size=_vocab_size(self.target.config),
-                            p_min=opts.draft_p_min or 0.0)
+        earlier = [*(self.history.outputs() if self.history else ()), *recent]
+        return build(self.kind, Materials(
+            policy=policy, eos_ids=self.eos_ids, earlier=earlier, p_min=opts.draft_p_min or 0.0,
+            ngram=(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN),
+            draft_model=self.draft.model if self.draft is not None else None, draft_cache=draft_cache,
+            vocab_size=_vocab_size(self.target.config), head=self.mtp, parts=self.parts))
 
     def check_ranks(self, prompt_ids: list[int]) -> None:
         """Every rank loaded the same files and encoded the same prompt (no-op in one process).
