@@ -15,12 +15,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import bundled
-from ..cache.batch_cache import batch_problem
 from .display import print_loading, print_stderr
 from ..defaults import KNEE_GAIN
 from ..errors import OptionError
 from ..cache.limits import gb
-from ..session.batch import auto_concurrency
+from ..session.batch import auto_concurrency, batch_refusal
 from ..session.corpus import DEFAULT_TOKENS
 from ..session import (
     Corpus,
@@ -136,7 +135,7 @@ def serve_command(opts: ServeOptions) -> int:
     disk_warning = session.use_disk(opts.prompt_cache_dir, opts.prompt_cache_disk_gb)
     batching = None
     if opts.decode_concurrency is None or opts.decode_concurrency > 1:
-        problem = batch_problem(setup.target.model, session.fresh_cache)
+        problem = batch_refusal(session)
         if problem:
             batching = f"note: requests are decoded one at a time: {problem}"
             opts.decode_concurrency = 1

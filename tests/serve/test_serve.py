@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -393,6 +394,22 @@ def test_a_full_queue_answers_503_with_retry_after(dirs):
                 over = server.post("/v1/chat/completions", body)
                 assert over.status_code == 503 and over.headers["retry-after"] == "1"
                 assert over.json()["error"]["code"] == "overloaded"
+    finally:
+        server.stop()
+
+
+def test_a_model_whose_rows_cannot_batch_is_served_one_request_at_a_time(tmp_path):
+    # A quantized KV cache has no row form: the start-up says so, and two clients at once still get their texts.
+    model = make_model_dir(tmp_path / "kv-llama", {**TINY_CONFIGS["llama"], "head_dim": 32}, seed=0)
+    server = Server("--model", model, "--kv-bits", "4", "--kv-group-size", "32")
+    try:
+        assert "note: requests are decoded one at a time:" in server.log
+        assert "up to 1 requests decoded together" in server.log
+        client = server.client()
+        asks = [[{"role": "user", "content": f"Say {w}."}] for w in ("yes", "no")]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda m: chat_text(client, m, max_tokens=8)[0], asks))
+        assert together == [chat_text(client, m, max_tokens=8)[0] for m in asks]
     finally:
         server.stop()
 
