@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from ..core.adaptive import MatchLength
+from ..defaults import NGRAM_MAX, NGRAM_MIN
 from .base import Drafter
 from .dflash import DFlashDrafter
 from .hybrid import HybridDrafter
@@ -42,7 +43,7 @@ class Materials:
     eos_ids: Sequence[int] = ()
     earlier: Sequence[Sequence[int]] = field(default_factory=list)
     p_min: float = 0.0
-    ngram: tuple[int, int] = (4, 2)
+    ngram: tuple[int, int] = (NGRAM_MAX, NGRAM_MIN)
     draft_model: Any = None
     draft_cache: Any = None
     vocab_size: Optional[int] = None
