@@ -81,7 +81,7 @@ from specdec_cli.drafters.mtp_io import load_head
 from specdec_cli.model.files import read_config
 from specdec_cli.loop.engine import MAX_CARRY
 from specdec_cli.session.loading import load
-from specdec_cli.session.measure import measure
+from specdec_cli.session.measure import measure_plain
 from specdec_cli.loop.runner import collect, run
 from specdec_cli.core.sampling import GREEDY, SamplingParams
 from specdec_cli.session.synthetic import build_model
@@ -432,7 +432,7 @@ def bench_prompt(name, category, model, ids, drafters, *, block_size, max_tokens
 
     reforward = (lambda t: cost(t, True)) if recurrent else None
 
-    _, reference = measure(model, ids, None, max_tokens=max_tokens, eos_ids=eos)
+    _, reference = measure_plain(model, ids, max_tokens=max_tokens, eos_ids=eos)
     configs = make_configs(model, ids, reference, drafters, vocab, eos, history)
     if recurrent and "carry" in rollbacks:
         carried = [replace(c, label=f"{c.label} carry", rollback="carry") for c in configs
@@ -603,7 +603,7 @@ def main() -> None:
             # What earlier runs said: every prompt's own output, and related tasks'.
             related = {c: encode(RELATED[c]) for c in prompts if kind == "real" and c in RELATED}
             for c, ids in [*prompts.items(), *((f"{c} (related)", ids) for c, ids in related.items())]:
-                outputs[c] = measure(model, ids, None, max_tokens=args.max_tokens, eos_ids=eos)[1]
+                outputs[c] = measure_plain(model, ids, max_tokens=args.max_tokens, eos_ids=eos)[1]
         for category, ids in prompts.items():
             history = [out for c, out in outputs.items() if c != category]
             rows += bench_prompt(name, category, model, ids, drafters, block_size=args.block_size,

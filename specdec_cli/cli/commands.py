@@ -46,7 +46,7 @@ from .display import (
 from ..model.distributed import peer_errors
 from ..errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError
 from ..cache.limits import gb
-from ..session.measure import DefaultSetting, SweepResult, sweep
+from ..session.measure import SweepResult, sweep
 from ..core.processors import ConstraintError, check_constraint, make_processors
 from ..model.prompts import clean, encode_prompt, read_prompt
 from ..loop.runner import Step
@@ -322,14 +322,8 @@ def _sweep(opts: SweepOptions) -> int:
     # What generate runs with no --block-size and no --no-adaptive: measured too, as the row to
     # compare the fixed sizes with (a user runs it without knowing its speed otherwise).
     default_block = setup.block_size(None, resolve_block_size(None, None, kind))
-    default = DefaultSetting(default_block, lambda: make_policy(True, default_block, setup.kind))
-    events = sweep(
-        setup.target.model, ids, setup.make_drafter, sizes, max_tokens=max_tokens,
-        eos_ids=setup.eos_ids, repeats=opts.repeats, warmup=opts.warmup, rollback=opts.rollback,
-        rollback_memory_cap=opts.rollback_memory_cap_bytes,
-        prefill_step_size=opts.prefill_step_size, prefill_seconds=PREFILL_CHUNK_S,
-        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group, sync=ranks, default=default, shapes=opts.shapes,
-    )
+    events = sweep(setup, ids, sizes, max_tokens=max_tokens, repeats=opts.repeats, warmup=opts.warmup,
+                   default_block=default_block, prefill_seconds=PREFILL_CHUNK_S)
     result = None
     with sweep_progress() as advance, closing(events):
         for event in events:

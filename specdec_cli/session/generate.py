@@ -72,6 +72,8 @@ class Session:
         adaptive: Size drafts by acceptance (the policy ``generate`` uses).
         prompt_cache: Keep caches across requests (None: every prompt prefilled from scratch).
         prefill_seconds: Size prefill chunks to about this long (None: ``prefill_step_size`` each).
+        prefill_chunks: Exact prefill chunk sizes, an earlier prefill's (the same caches bit for bit,
+            so that runs compared with each other start alike); they override ``prefill_seconds``.
         plain: Decode without a drafter (a baseline).
         corpus: Recent outputs every request's lookup also drafts from; each
             request's output joins it (None: none).
@@ -82,12 +84,14 @@ class Session:
 
     def __init__(self, setup: Setup, block_size: int, *, adaptive: bool = True,
                  prompt_cache: Optional[PromptCache] = None, prefill_seconds: Optional[float] = PREFILL_CHUNK_S,
-                 plain: bool = False, corpus: Optional[Corpus] = None, disk: Optional[DiskTier] = None):
+                 plain: bool = False, corpus: Optional[Corpus] = None, disk: Optional[DiskTier] = None,
+                 prefill_chunks: Optional[Sequence[int]] = None):
         self.setup = setup
         self.block_size = block_size
         self.adaptive = adaptive
         self.prompt_cache = prompt_cache
         self.prefill_seconds = prefill_seconds
+        self.prefill_chunks = prefill_chunks
         self.plain = plain
         self.corpus = corpus
         self.disk = disk

@@ -8,50 +8,30 @@ phase timing; a separate timed run gives the per-phase milliseconds (its
 extra syncs would otherwise slow the speed runs). Besides the fixed block
 sizes a sweep can measure ``generate``'s own default (adaptive, its default
 block size), the setting a user would otherwise run without knowing its speed.
+Each speculative run is a request alone in the loop ``generate`` drives;
+plain decoding is the oracle's.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
-from ..core.adaptive import DraftPolicy, FixedLength
-from ..loop.compare import IDENTICAL, explain
-from ..drafters import Drafter
-from ..loop.runner import collect, run
-from ..core.sampling import GREEDY, SamplingParams
 from ..core.stats import Stats
+from ..loop.compare import IDENTICAL, explain
+from ..loop.runner import collect, run
+from .generate import Session
+from .request import Request
+from .setup import Setup
 
 
-def measure(
-    model: nn.Module,
-    prompt_ids: Sequence[int],
-    drafter: Optional[Drafter],
-    block_size: int = 1,
-    *,
-    max_tokens: int,
-    eos_ids: Sequence[int] = (),
-    sampling: SamplingParams = GREEDY,
-    rollback: str = "auto",
-    rollback_memory_cap: Optional[int] = None,
-    prefill_step_size: int = 2048,
-    timed: bool = False,
-    policy: Optional[DraftPolicy] = None,
-    **run_options,
-) -> tuple[Stats, list[int]]:
-    """One generation (plain when ``drafter`` is None) with a fixed block size, or with ``policy``'s.
-
-    ``run_options`` go to :func:`~specdec_cli.loop.runner.run` (prefill sizing, KV quantization).
-    """
-    return collect(run(
-        model, prompt_ids, drafter=drafter, policy=policy if policy is not None else FixedLength(block_size - 1),
-        max_tokens=max_tokens,
-        eos_ids=eos_ids, sampling=sampling, rollback=rollback, rollback_memory_cap=rollback_memory_cap,
-        prefill_step_size=prefill_step_size, timed=timed, **run_options,
-    ))
+def measure_plain(model: nn.Module, prompt_ids: Sequence[int], **run_options) -> tuple[Stats, list[int]]:
+    """One plain decoding run, the baseline and reference (``run_options`` go to
+    :func:`~specdec_cli.loop.runner.run`: tokens, EOS, prefill sizing, KV quantization, ranks)."""
+    return collect(run(model, prompt_ids, **run_options))
 
 
 @dataclass(frozen=True)
@@ -74,23 +54,6 @@ class SweepRow:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class DefaultSetting:
-    """What ``generate`` runs when no option says otherwise: its default block size, adaptive.
-
-    Attributes:
-        block_size: The drafter's default block size.
-        policy: Makes a fresh adaptive policy for each run (a policy learns as it runs).
-    """
-
-    block_size: int
-    policy: Callable[[], DraftPolicy]
-
-    @property
-    def label(self) -> str:
-        return default_label(self.block_size)
 
 
 def default_label(block_size: int) -> str:
@@ -136,60 +99,54 @@ class Progress:
 
 
 def sweep(
-    model: nn.Module,
+    setup: Setup,
     prompt_ids: Sequence[int],
-    make_drafter: Callable[..., Drafter],
     block_sizes: Sequence[int],
     *,
     max_tokens: int,
-    eos_ids: Sequence[int] = (),
     repeats: int = 1,
     warmup: int = 1,
-    rollback: str = "auto",
-    rollback_memory_cap: Optional[int] = None,
-    prefill_step_size: int = 2048,
+    default_block: Optional[int] = None,
     prefill_seconds: Optional[float] = None,
-    kv_bits: Optional[int] = None,
-    kv_group_size: int = 64,
-    sync=None,
-    default: Optional[DefaultSetting] = None,
-    shapes: str = "auto",
 ) -> Iterator[Union[Progress, SweepResult]]:
     """Measure each block size against plain decoding; yields progress, then the result.
 
+    Each speculative run is a request decoded as the only row of the loop every
+    face drives (:meth:`Session.generate <.generate.Session.generate>`), with
+    the options of ``setup`` (rollback, shapes, KV quantization, prefill step);
+    plain decoding, the baseline and the reference, is the oracle
+    (:func:`~specdec_cli.loop.runner.run` without a drafter).
+
     Args:
-        model: Target model.
+        setup: The loaded models and drafter kind.
         prompt_ids: Prompt token ids, shared by every run.
-        make_drafter: Builds a fresh drafter for each run; for ``default``'s runs it is
-            handed the run's policy (a lookup drafter sizes its drafts with it).
         block_sizes: Block sizes to measure (>= 1; 1 drafts nothing).
         max_tokens: Tokens per run.
-        eos_ids: Ids that end a run.
         repeats: Speed runs per configuration (median reported).
         warmup: Untimed runs of plain and of the first block size before measuring
             (every run also warms the shapes it can use before its timing starts,
             so this is no longer needed for fair figures).
-        rollback: Recurrent rollback strategy (``auto`` chooses per block size).
-        rollback_memory_cap: Most extra bytes capture may hold per verify.
-        prefill_step_size: Prompt chunk size.
+        default_block: Also measure ``generate``'s default setting, adaptive up to this
+            block size, as one more configuration (its row is ``SweepResult.default``).
         prefill_seconds: Size the first run's prefill chunks by time; every
             other run reuses its sizes, so all of them start from identical caches.
-        kv_bits: Quantized KV cache for the target (None: off).
-        kv_group_size: Its group size.
-        sync: The ranks of a sharded target (see :mod:`specdec_cli.model.distributed`).
-        default: Also measure ``generate``'s default setting, as one more configuration
-            (its row is ``SweepResult.default``).
-        shapes: Verify widths, ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.core.shapes`).
     """
-    kw = dict(max_tokens=max_tokens, eos_ids=eos_ids, prefill_step_size=prefill_step_size,
-              kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
+    opts = setup.options
+    model = setup.target.model
+    kw = dict(max_tokens=max_tokens, eos_ids=setup.eos_ids, prefill_step_size=opts.prefill_step_size,
+              kv_bits=opts.kv_bits, kv_group_size=opts.kv_group, sync=setup.ranks)
+    chunks = None
     if prefill_seconds is not None:
         # One timed prefill fixes the chunk sizes for every run.
-        first, _ = measure(model, prompt_ids, None, **dict(kw, max_tokens=1), prefill_seconds=prefill_seconds)
-        kw["prefill_chunks"] = first.prefill_chunks
-    spec_kw = dict(kw, rollback=rollback, rollback_memory_cap=rollback_memory_cap, shapes=shapes)
-    # Every configuration: a fixed block size, or "default" (generate's own setting).
-    configs: list[Union[int, str]] = [*block_sizes, *(["default"] if default is not None else [])]
+        first, _ = measure_plain(model, prompt_ids, **dict(kw, max_tokens=1), prefill_seconds=prefill_seconds)
+        chunks = kw["prefill_chunks"] = first.prefill_chunks
+    # One session per configuration, none keeping caches: every run starts from the same fresh ones.
+    sessions: dict[Union[int, str], Session] = {
+        b: Session(setup, b, adaptive=False, prefill_seconds=None, prefill_chunks=chunks) for b in block_sizes}
+    if default_block is not None:
+        sessions["default"] = Session(setup, default_block, adaptive=True, prefill_seconds=None,
+                                      prefill_chunks=chunks)
+    configs = list(sessions)
     total = 2 * warmup + repeats * (1 + len(configs)) + len(configs)
     done = 0
 
@@ -202,14 +159,10 @@ def sweep(
         return f"block {c}" if c != "default" else "default"
 
     def once(c: Union[int, str], timed: bool = False) -> tuple[Stats, list[int]]:
-        if c == "default":
-            policy = default.policy()
-            return measure(model, prompt_ids, make_drafter(policy), default.block_size, policy=policy,
-                           timed=timed, **spec_kw)
-        return measure(model, prompt_ids, make_drafter(), c, timed=timed, **spec_kw)
+        return collect(sessions[c].generate(Request(list(prompt_ids), max_tokens, timed=timed)))
 
     for _ in range(warmup):
-        measure(model, prompt_ids, None, **kw)
+        measure_plain(model, prompt_ids, **kw)
         yield step("warm-up: plain")
         once(configs[0])
         yield step(f"warm-up: {name(configs[0])}")
@@ -223,14 +176,14 @@ def sweep(
     def judge(c: Union[int, str], stats: Stats, out: list[int]) -> None:
         # The first difference per configuration is explained (recomputed both ways).
         if out != reference and verdict[c] == IDENTICAL:
-            d = explain(model, prompt_ids, out, reference, stats.trace, eos_ids=eos_ids,
-                        prefill_step_size=prefill_step_size, prefill_chunks=kw.get("prefill_chunks"),
-                        kv_bits=kv_bits, kv_group_size=kv_group_size, sync=sync)
+            d = explain(model, prompt_ids, out, reference, stats.trace, eos_ids=setup.eos_ids,
+                        prefill_step_size=opts.prefill_step_size, prefill_chunks=stats.prefill_chunks,
+                        kv_bits=opts.kv_bits, kv_group_size=opts.kv_group, sync=setup.ranks)
             verdict[c] = d.verdict
         warm_s[c] += stats.warmup_s
 
     for _ in range(repeats):
-        stats, reference = measure(model, prompt_ids, None, **kw)
+        stats, reference = measure_plain(model, prompt_ids, **kw)
         plain_tps.append(stats.decode_tps)
         yield step("plain")
         for c in configs:
@@ -247,7 +200,7 @@ def sweep(
         runs = spec[c]
         ms = timed.phase_ms or {"draft_ms": 0.0, "verify_ms": 0.0, "rollback_ms": 0.0}
         rows[c] = SweepRow(
-            block_size=default.block_size if c == "default" else c,
+            block_size=default_block if c == "default" else c,
             decode_tps=statistics.median(s.decode_tps for s in runs),
             # No ratio when nothing was generated (e.g. an EOS first): 0.0, shown as "-".
             speedup=statistics.median([s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0] or [0.0]),

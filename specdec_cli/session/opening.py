@@ -78,7 +78,7 @@ class Opening:
         self._seconds = fetch_s  # resuming from a prompt cache tier counts (a disk read comes before the first token)
         self._chunks = self.cache.prefill_chunks(
             self.ids[self.cached:-1], setup.options.prefill_step_size, tap if self.drafter is not None else None,
-            self.parts, seconds=session.prefill_seconds, agree=self._agree,
+            self.parts, seconds=session.prefill_seconds, sizes=session.prefill_chunks, agree=self._agree,
             stops=[m - self.cached for m in session._marks(self.cache, request, len(self.ids))])
 
     @property

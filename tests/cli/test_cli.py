@@ -492,19 +492,19 @@ def test_sweep_bad_block_sizes(models, sizes, message):
 
 
 def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
-    import specdec_cli.session.measure as measure_module
+    from specdec_cli.session.flights import Flights
 
-    real = measure_module.run
+    real = Flights.alone  # the loop a sweep's speculative runs go through (plain decoding does not)
 
-    def corrupt(model, prompt_ids, *, drafter=None, **kw):
-        for event in real(model, prompt_ids, drafter=drafter, **kw):
-            if drafter is not None and hasattr(event, "block") and event.block.tokens:
+    def corrupt(self, request, **kw):
+        for event in real(self, request, **kw):
+            if hasattr(event, "block") and event.block.tokens:
                 b = event.block
                 event = type(event)(type(b)((b.tokens[0] ^ 1, *b.tokens[1:]), *list(b.__dict__.values())[1:]),
                                     event.seconds)
             yield event
 
-    monkeypatch.setattr(measure_module, "run", corrupt)
+    monkeypatch.setattr(Flights, "alone", corrupt)
     result = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0", "--json")
     assert result.exit_code == 3
     row = json.loads(result.stdout)["rows"][0]

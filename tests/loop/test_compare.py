@@ -13,6 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -40,7 +41,10 @@ from specdec_cli.loop.compare import DIVERGED, IDENTICAL, TIE, explain, recomput
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.loop.engine import Engine, speculative_generate_step, verify_rows
 from specdec_cli.loop.plain import warm_up
+from specdec_cli.model.files import Loaded
 from specdec_cli.session.measure import sweep
+from specdec_cli.session.options import ModelOptions
+from specdec_cli.session.setup import Setup
 from specdec_cli.loop.runner import collect, run
 from specdec_cli.core.sampling import SamplingParams
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, make_model_dir, perturb
@@ -196,10 +200,16 @@ def test_a_bug_is_diverged_even_where_ties_happen(monkeypatch, model_of):
     assert d.verdict == DIVERGED and not d.reproduced and d.mismatch is not None
 
 
+def setup_of(model, draft, eos=()) -> Setup:
+    """Models built in memory, loaded as a sweep gets them (a draft model; ``eos`` its end tokens)."""
+    tokenizer = SimpleNamespace(eos_token_ids=set(eos))
+    return Setup(ModelOptions(), "model", Loaded("target", Path("."), model, tokenizer, {}),
+                 Loaded("draft", Path("."), draft, None, {}))
+
+
 def test_sweep_marks_ties_and_keeps_the_exit_code(capsys):
-    model = two_path("llama", "bfloat16", 1e-3)
-    result = list(sweep(model, PROMPT, lambda: ModelDrafter(noisy_drafter("llama", "bfloat16")), [2, 4],
-                        max_tokens=GEN, warmup=0))[-1]
+    setup = setup_of(two_path("llama", "bfloat16", 1e-3), noisy_drafter("llama", "bfloat16"))
+    result = list(sweep(setup, PROMPT, [2, 4], max_tokens=GEN, warmup=0))[-1]
     assert [r.verdict for r in result.rows] == [TIE, TIE]
     assert not any(r.identical for r in result.rows)
     assert all(r.warmup_s >= 0 for r in result.rows) and "warmup_s" in result.rows[0].to_dict()
@@ -212,9 +222,30 @@ def test_sweep_marks_ties_and_keeps_the_exit_code(capsys):
 def test_a_sweep_that_generates_nothing_reports_no_speedup():
     model = target("llama", "float32")
     first = plain(model, max_tokens=1)[0][0]  # made an end-of-sequence token: nothing is generated
-    result = list(sweep(model, PROMPT, lambda: ModelDrafter(noisy_drafter("llama", "float32")), [2],
-                        max_tokens=8, eos_ids=[first], warmup=0, repeats=1))[-1]
+    setup = setup_of(model, noisy_drafter("llama", "float32"), eos=[first])
+    result = list(sweep(setup, PROMPT, [2], max_tokens=8, warmup=0, repeats=1))[-1]
     assert result.tokens == 0 and result.rows[0].speedup == 0.0
+
+
+def test_a_sweep_runs_each_block_size_through_the_loop_generate_drives(monkeypatch):
+    # One loop: every speculative run of a sweep is a request alone in Flights (the default setting
+    # too), and each one's text is plain decoding's (the CPU's kernels are exact).
+    from specdec_cli.session.flights import Flights
+
+    seen = []
+    real = Flights.alone
+
+    def alone(self, request, **kw):
+        seen.append(self.session.block_size)
+        return real(self, request, **kw)
+
+    monkeypatch.setattr(Flights, "alone", alone)
+    setup = setup_of(target("llama", "float32"), noisy_drafter("llama", "float32"))
+    result = list(sweep(setup, PROMPT, [2, 4], max_tokens=GEN, warmup=0, default_block=6,
+                        prefill_seconds=0.05))[-1]
+    assert sorted(seen) == [2, 2, 4, 4, 6, 6]  # a speed run and a timed run each
+    assert [r.verdict for r in result.rows] == [IDENTICAL, IDENTICAL] and result.default.identical
+    assert result.default.adaptive and result.default.block_size == 6 and result.tokens == GEN
 
 
 # --- through the command line ----------------------------------------------------------
