@@ -45,6 +45,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "cache/test_caches.py": FAST,
     "cli/test_cli.py": FAST,
     "drafters/test_dflash.py": FAST,
+    "drafters/test_dflash_batch.py": FAST,
     "serve/test_dialects.py": SERVER,
     "session/test_disk_cache.py": FAST,
     "session/test_disk_tier.py": FAST,  # the disk tier through Session, the CLI and a restarted server
@@ -198,7 +199,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "core/test_seeded_sampling.py::test_one_seed_gives_one_text_under_any_draft_lengths": SLOW,
     "core/test_seeded_sampling.py::test_every_rollback_keeps_the_seeded_text": SLOW,
     "serve/test_scheduler.py::test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache": SLOW,
-    "serve/test_scheduler.py::test_requests_with_a_dflash_drafter_decode_together": SLOW,
+    "serve/test_scheduler.py::test_requests_with_a_dflash_drafter_draft_together": SLOW,
     "model/test_templates.py::test_strict_templates_refuse_these_shapes_unfolded": SLOW,
     "model/test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[qwen3_5-codex]": FAST,
     "model/test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[mistral-middle]": FAST,

@@ -10,6 +10,7 @@ got verified.
 
 from .base import Draft, Drafter, no_draft
 from .dflash import DFlashDrafter
+from .dflash_batch import DFlashBatch
 from .history import LookupHistory
 from .hybrid import HybridDrafter
 from .lookup import LookupDrafter, NgramDrafter
@@ -23,6 +24,7 @@ from .suffix import SuffixDrafter
 # engine reads it there; the group modules import the drafters, so it is set here).
 ModelDrafter.batch_group = DraftBatch
 MTPDrafter.batch_group = MTPBatch
+DFlashDrafter.batch_group = DFlashBatch
 
 __all__ = ["DFlashDrafter", "Draft", "Drafter", "HybridDrafter", "LookupDrafter", "LookupHistory", "ModelDrafter", "NgramDrafter",
            "SuffixDrafter", "no_draft"]

@@ -259,7 +259,27 @@ class _Attention(nn.Module):
                 visible = visible & (k - q < self.window)
         return visible
 
-    def __call__(self, x: mx.array, rope: nn.Module, cache: KVCache) -> mx.array:
+    def rows_mask(self, lengths: Sequence[int], sizes: Sequence[int], L: int) -> mx.array:
+        """``[B, 1, L, S]`` for rows of their own context ``lengths`` whose blocks hold ``sizes[b]`` of the
+        ``L`` positions: what row ``b`` sees alone, the padding after its block hidden from it."""
+        n = mx.array(list(lengths), dtype=mx.int32)[:, None, None]
+        size = mx.array(list(sizes), dtype=mx.int32)[:, None, None]
+        t = mx.arange(L, dtype=mx.int32)[None, :, None]
+        q = n + t
+        k = mx.arange(max(lengths) + L, dtype=mx.int32)[None, None]
+        visible = k < n + size
+        if self.causal:
+            visible = visible & (k <= q)
+        if self.window is not None:
+            visible = visible & (q - k < self.window)
+            if not self.causal:
+                visible = visible & (k - q < self.window)
+        # A padding query sees the first column: never a row of nothing to attend to (its output is dropped).
+        return (visible | ((t >= size) & (k == 0)))[:, None]
+
+    def __call__(self, x: mx.array, rope: nn.Module, cache: Any, mask: Optional[mx.array] = None) -> mx.array:
+        """Alone, ``cache`` is a ``KVCache`` and the mask is built here; rows of a batch (a
+        ``RowsKVCache``, offsets per row) come with theirs (:meth:`rows_mask`)."""
         B, L, _ = x.shape
         ctx = cache.offset
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
@@ -267,7 +287,9 @@ class _Attention(nn.Module):
         # The block's K/V go after the context in the cache's buffer (no copy of the
         # context); the model trims them off once every layer has run.
         k, v = cache.update_and_fetch(*self.kv(x, rope, ctx))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=self._mask(ctx, L))
+        if mask is None:
+            mask = self._mask(ctx, L)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -279,8 +301,8 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, rope: nn.Module, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), rope, cache)
+    def __call__(self, x: mx.array, rope: nn.Module, cache: Any, mask: Optional[mx.array] = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -308,11 +330,35 @@ class DFlashModel(nn.Module):
 
     def add_context(self, hidden: Hidden, cache: list[KVCache]) -> None:
         """Project the target's rows ``hidden`` (consecutive positions) into every layer's context K/V."""
-        feats = mx.concatenate(list(hidden.layers), axis=-1)[None]
+        self._add(mx.concatenate(list(hidden.layers), axis=-1)[None], cache)
+
+    def _add(self, feats: mx.array, cache: list) -> None:
         ctx = self.hidden_norm(self.fc(feats.astype(self.fc.weight.dtype)))
         for layer, c in zip(self.layers, cache):
             k, v = layer.self_attn.kv(ctx, self.rope, c.offset)
             c.update_and_fetch(k, v)
+
+    def add_context_rows(self, feats: mx.array, widths: Sequence[int], cache: list) -> None:
+        """Rows of a batch: row ``b``'s first ``widths[b]`` of ``feats`` ``[B, W, layers x H]`` (the target's
+        rows, joined) join its context in every layer's ``RowsKVCache``; what padding computed is dropped."""
+        before = list(cache[0].lengths)
+        self._add(feats, cache)
+        for c in cache:
+            c.set_lengths([n + w for n, w in zip(before, widths)])
+
+    def rows(self, block: mx.array, sizes: Sequence[int], cache: list) -> mx.array:
+        """Normed outputs ``[B, L, H]`` of rows' embedded blocks ``[B, L, H]`` (row ``b``'s first ``sizes[b]``
+        positions its own, the rest padding) after each row's context in every layer's ``RowsKVCache``."""
+        lengths = list(cache[0].lengths)
+        L = block.shape[1]
+        h = block.astype(self.fc.weight.dtype)
+        try:
+            for layer, c in zip(self.layers, cache):
+                h = layer(h, self.rope, c, layer.self_attn.rows_mask(lengths, sizes, L))
+        finally:
+            for c in cache:
+                c.set_lengths(lengths)  # the blocks' K/V serve this call only, as alone
+        return self.norm(h)
 
     def __call__(self, block: mx.array, cache: list[KVCache]) -> mx.array:
         """Normed outputs [L, H] of the embedded block [L, H] after the cached context."""
@@ -385,6 +431,8 @@ class DFlashDrafter:
         # Committed rows not yet projected into the context cache.
         self._pending: list[Hidden] = []
         self._undo: Optional[tuple[int, list[Hidden]]] = None
+        # While its row shares a batch: the DFlashBatch that drafts for it (its cache is a row there).
+        self.batch = None
 
     @property
     def block_size(self) -> int:
@@ -393,7 +441,7 @@ class DFlashDrafter:
     @property
     def context_length(self) -> int:
         """Positions in the context cache."""
-        return self.cache[0].offset
+        return self.cache[0].offset if self.batch is None else self.batch.offset(self)
 
     def prefill(self, tokens: Sequence[int], step_size: int = 2048, hidden: Optional[Hidden] = None) -> None:
         """Project the prompt's rows (all prompt tokens but the last) into the context cache."""
@@ -413,10 +461,18 @@ class DFlashDrafter:
         """The drafter's logits for ``k`` slots after ``last`` (lazy, [k, V]); adds pending context."""
         self._flush()
         ids = mx.array([int(last)] + [self.config.mask_token_id] * k, dtype=mx.uint32)
+        emb = self.embed(ids)
+        return self.logits(self.model(emb, self.cache)[1:])
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """The target's embedding of a block's ids, scaled as the drafter reads it."""
         emb = self.parts.embed(ids)
         if self.config.input_embedding_scale != 1.0:
             emb = emb * self.config.input_embedding_scale
-        h = self.model(emb, self.cache)[1:]
+        return emb
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The drafts' logits from the drafter's normed outputs at their slots, through the target's lm_head."""
         logits = self.parts.head(h)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
@@ -427,6 +483,8 @@ class DFlashDrafter:
 
     def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft:
         """Draft up to ``k`` (at most block size - 1) tokens after ``last``."""
+        if self.batch is not None:
+            raise RuntimeError("this drafter drafts in its batch (DFlashBatch.propose)")
         self._undo = (self.context_length, list(self._pending))
         k = min(k, self.config.block_size - 1)
         if k <= 0:
@@ -452,8 +510,11 @@ class DFlashDrafter:
         if self._undo is None:
             return
         length, pending = self._undo
-        for c in self.cache:
-            c.trim(c.offset - length)
+        if self.batch is not None:
+            self.batch.trim(self, length)
+        else:
+            for c in self.cache:
+                c.trim(c.offset - length)
         self._pending = pending
         self._undo = None
 

@@ -75,7 +75,7 @@ def test_requests_decoded_together_each_get_their_own_answer(setup):
 
 
 def group_sizes(monkeypatch, group) -> list[int]:
-    """Notes how many rows each propose of a drafter group (DraftBatch, MTPBatch) drafts for."""
+    """Notes how many rows each propose of a drafter group (DraftBatch, MTPBatch, DFlashBatch) drafts for."""
     rows: list[int] = []
     propose = group.propose
 
@@ -120,14 +120,19 @@ def test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache(tmp_p
     assert again == want
 
 
-def test_requests_with_a_dflash_drafter_decode_together(tmp_path):
-    """DFlash reads the target's hidden states of every prompt token: rows prefilled between blocks get theirs."""
+def test_requests_with_a_dflash_drafter_draft_together(tmp_path, monkeypatch):
+    """DFlash reads the target's hidden states of every prompt token: rows prefilled between blocks get theirs,
+    and the rows of a batch draft in one drafter forward."""
     from test_dflash import qwen_dflash_setup
 
+    from specdec_cli.drafters.dflash_batch import DFlashBatch
+
     setup = qwen_dflash_setup(tmp_path)
+    rows = group_sizes(monkeypatch, DFlashBatch)
     session = Session(setup, 6)
+    want = [alone(setup, p) for p in PROMPTS]
     got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
-    assert got == [alone(setup, p) for p in PROMPTS]
+    assert got == want and max(rows) >= 2  # the first request may end before the last one has prefilled
 
 
 def test_a_request_waits_until_the_batch_it_would_join_fits_in_memory(setup, monkeypatch):
