@@ -7,7 +7,10 @@ preloaded as ``specdec`` does). Two draft models, each loaded apart from the tar
 
 - ``self``: the bundled model itself (every draft accepted: the draft model's cost at its largest);
 - ``first-N``: its first N decoder layers (a cheap, often wrong drafter);
-- ``mtp``: the bundled MTP head (through the session layer, as ``generate --prompts-file`` runs it).
+- ``mtp``: the bundled MTP head (through the session layer, as ``generate --prompts-file`` runs it);
+- ``dflash``: a DFlash drafter shaped for the bundled model (``--dflash-layers`` layers, random weights:
+  its drafts are almost never accepted, so this measures what drafting costs, every block drafting k),
+  through the session layer too (``DFlashBatch``: one block forward of 4 rows, against one per row).
 
 For each, side by side and alternately (``--repeats`` times after one untimed run of each): the rows'
 drafters drafting together (``DraftBatch``: max(k) forwards of 4 rows per block) and each alone (sum(k)
@@ -17,7 +20,7 @@ row's text is the same both ways.
 With ``--p-min P`` every drafter stops at its first draft below P (``--draft-p-min``): drafting alone,
 each row reads its probabilities in a host sync per draft; together, one sync per step serves every row.
 
-Usage: python scripts/bench_batch_draft.py [--repeats 3] [--k 4] [--p-min 0.5] [--out bench-results/batch-draft.json]
+Usage: python scripts/bench_batch_draft.py [--repeats 3] [--k 4] [--p-min 0.5] [--dflash-layers 2] [--only dflash,mtp] [--out bench-results/batch-draft.json]
 """
 
 from __future__ import annotations
@@ -83,8 +86,8 @@ def run(target, draft, prompts, k: int, max_tokens: int, together: bool,
     return sum(map(len, out.values())) / seconds, [out[i] for i in range(len(prompts))], accepted / max(drafted, 1)
 
 
-def run_mtp(session, prompts, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
-    """The same through the session layer with the bundled MTP head (``generate --prompts-file``'s path)."""
+def run_session(session, prompts, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
+    """The same through the session layer (``generate --prompts-file``'s path): an MTP head, a DFlash drafter."""
     from specdec_cli.loop import engine
     from specdec_cli.loop.runner import Step
     from specdec_cli.session import Request
@@ -114,6 +117,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the first-N draft model")
     parser.add_argument("--p-min", type=float, default=0.0, help="--draft-p-min of every drafter")
+    parser.add_argument("--dflash-layers", type=int, default=2, help="layers of the random DFlash drafter")
+    parser.add_argument("--only", default=None, help="comma-separated drafters to run (default: all)")
     parser.add_argument("--out", default="bench-results/batch-draft.json")
     args = parser.parse_args()
     blas.maybe_reexec()  # the system OpenBLAS, as specdec itself does
@@ -134,14 +139,30 @@ def main() -> None:
 
     from specdec_cli.session import ModelOptions, Session, load_setup
 
-    session = Session(load_setup(ModelOptions(dtype="auto", draft_p_min=args.p_min or None), "mtp"), args.k + 1, adaptive=False)
+    sessions = {"mtp": Session(load_setup(ModelOptions(dtype="auto", draft_p_min=args.p_min or None), "mtp"),
+                               args.k + 1, adaptive=False)}
+    import tempfile
+
+    from specdec_cli.model.files import read_config
+    from specdec_cli.session.synthetic import dflash_config, save_dflash_dir
+
+    tcfg = read_config(bundled.model_dir())
+    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    dcfg = dflash_config(tcfg, layers=args.dflash_layers, block_size=args.k + 1, heads=(heads, kv_heads),
+                         head_dim=tcfg["hidden_size"] // heads, intermediate_size=tcfg["intermediate_size"])
+    dflash_dir = save_dflash_dir(Path(tempfile.mkdtemp()) / "dflash", dcfg, seed=0)
+    sessions["dflash"] = Session(load_setup(ModelOptions(dtype="auto", draft_model=str(dflash_dir),
+                                                         draft_p_min=args.p_min or None), "dflash"),
+                                 args.k + 1, adaptive=False)
 
     def case(draft):
-        if draft == "mtp":
-            return lambda together: run_mtp(session, prompts, args.max_tokens, together)
+        if draft in sessions:
+            return lambda together: run_session(sessions[draft], prompts, args.max_tokens, together)
         return lambda together: run(target.model, draft, prompts, args.k, args.max_tokens, together, args.p_min)
 
-    drafts["mtp"] = "mtp"
+    drafts.update({name: name for name in sessions})
+    if args.only:
+        drafts = {name: d for name, d in drafts.items() if name in args.only.split(",")}
     results = {}
     for name, draft in drafts.items():
         runs = {"together": [], "alone": []}
