@@ -247,17 +247,8 @@ class _Attention(nn.Module):
 
     def _mask(self, ctx: int, L: int) -> Optional[mx.array]:
         if not self.causal and self.window is None:
-            return None
-        q = ctx + mx.arange(L)[:, None]
-        k = mx.arange(ctx + L)[None]
-        visible = mx.ones((L, ctx + L), dtype=mx.bool_)
-        if self.causal:
-            visible = visible & (k <= q)
-        if self.window is not None:
-            visible = visible & (q - k < self.window)
-            if not self.causal:
-                visible = visible & (k - q < self.window)
-        return visible
+            return None  # every key visible
+        return self.rows_mask([ctx], [L], L)[0, 0]
 
     def rows_mask(self, lengths: Sequence[int], sizes: Sequence[int], L: int) -> mx.array:
         """``[B, 1, L, S]`` for rows of their own context ``lengths`` whose blocks hold ``sizes[b]`` of the

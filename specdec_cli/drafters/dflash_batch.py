@@ -16,28 +16,23 @@ device and the rows' cuts are read back together, in one host sync.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..cache.batch_cache import RowsKVCache
 from ..core.sampling import SamplingParams, draw, top_probability
 from ..model.taps import Hidden
 from .base import Draft, as_tokens, no_draft
 from .dflash import DFlashDrafter
+from .rows_group import RowsGroup
 
 
-class DFlashBatch:
+class DFlashBatch(RowsGroup):
     """The rows of one DFlash drafter model's context caches, drafted together.
 
     Args:
         model: The ``DFlashModel`` its members share.
     """
-
-    def __init__(self, model: Any):
-        self.model = model
-        self.members: list[DFlashDrafter] = []
-        self.cache: Optional[list[RowsKVCache]] = None
 
     @staticmethod
     def fits(drafter: Any) -> bool:
@@ -45,44 +40,8 @@ class DFlashBatch:
         return type(drafter) is DFlashDrafter and drafter.batch is None
 
     @staticmethod
-    def problem(drafter: DFlashDrafter) -> Optional[str]:
-        """None: the drafter is this project's own module, written for per-row positions and masks."""
-        return None
-
-    @staticmethod
     def key(drafter: DFlashDrafter) -> Any:
         return drafter.model
-
-    def join(self, drafter: DFlashDrafter) -> None:
-        """Move ``drafter``'s context caches in as the last row (its state is unchanged)."""
-        if self.cache is None:
-            self.cache = [RowsKVCache() for _ in drafter.cache]
-        for rows, own in zip(self.cache, drafter.cache):
-            rows.add(own)
-        drafter.cache, drafter.batch = None, self
-        self.members.append(drafter)
-
-    def leave(self, drafter: DFlashDrafter) -> None:
-        """Give ``drafter`` its row back as caches of its own (between blocks)."""
-        b = self.members.index(drafter)
-        drafter.cache, drafter.batch = [rows.row(b) for rows in self.cache], None
-        self.members.pop(b)
-        if self.members:
-            for rows in self.cache:
-                rows.keep_rows([i for i in range(len(self.members) + 1) if i != b])
-        else:
-            self.cache = None
-
-    def offset(self, drafter: DFlashDrafter) -> int:
-        return self.cache[0].lengths[self.members.index(drafter)]
-
-    def trim(self, drafter: DFlashDrafter, offset: int) -> None:
-        """``drafter``'s row back to ``offset`` context positions."""
-        b = self.members.index(drafter)
-        for rows in self.cache:
-            lengths = list(rows.lengths)
-            lengths[b] = offset
-            rows.set_lengths(lengths)
 
     def propose(self, asks: Sequence[tuple[DFlashDrafter, Any, int, SamplingParams]]) -> list[Draft]:
         """Draft for every member: ``asks`` is ``(drafter, last, k, params)`` each; returns their drafts in order.

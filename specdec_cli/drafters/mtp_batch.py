@@ -17,27 +17,22 @@ back together, one host sync per draft step for the whole batch.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..cache.batch_cache import RowsKVCache
 from ..core.sampling import SamplingParams
 from .base import Draft, above_p_min, no_draft
 from .mtp import MTPDrafter
+from .rows_group import RowsGroup
 
 
-class MTPBatch:
+class MTPBatch(RowsGroup):
     """The rows of one MTP head's caches, drafted together.
 
     Args:
         head: The head its members share.
     """
-
-    def __init__(self, head: Any):
-        self.model = head
-        self.members: list[MTPDrafter] = []
-        self.cache: Optional[list[RowsKVCache]] = None
 
     @staticmethod
     def fits(drafter: Any) -> bool:
@@ -45,44 +40,8 @@ class MTPBatch:
         return type(drafter) is MTPDrafter and drafter.batch is None
 
     @staticmethod
-    def problem(drafter: MTPDrafter) -> Optional[str]:
-        """None: the head is this project's own module, written for per-row positions and masks."""
-        return None
-
-    @staticmethod
     def key(drafter: MTPDrafter) -> Any:
         return drafter.head
-
-    def join(self, drafter: MTPDrafter) -> None:
-        """Move ``drafter``'s caches in as the last row (its state is unchanged)."""
-        if self.cache is None:
-            self.cache = [RowsKVCache() for _ in drafter.cache]
-        for rows, own in zip(self.cache, drafter.cache):
-            rows.add(own)
-        drafter.cache, drafter.batch = None, self
-        self.members.append(drafter)
-
-    def leave(self, drafter: MTPDrafter) -> None:
-        """Give ``drafter`` its row back as caches of its own (between blocks)."""
-        b = self.members.index(drafter)
-        drafter.cache, drafter.batch = [rows.row(b) for rows in self.cache], None
-        self.members.pop(b)
-        if self.members:
-            for rows in self.cache:
-                rows.keep_rows([i for i in range(len(self.members) + 1) if i != b])
-        else:
-            self.cache = None
-
-    def offset(self, drafter: MTPDrafter) -> int:
-        return self.cache[0].lengths[self.members.index(drafter)]
-
-    def trim(self, drafter: MTPDrafter, offset: int) -> None:
-        """``drafter``'s row back to ``offset`` positions."""
-        b = self.members.index(drafter)
-        for rows in self.cache:
-            lengths = list(rows.lengths)
-            lengths[b] = offset
-            rows.set_lengths(lengths)
 
     def propose(self, asks: Sequence[tuple[MTPDrafter, Any, int, SamplingParams]]) -> list[Draft]:
         """Draft for every member: ``asks`` is ``(drafter, last, k, params)`` each; returns their drafts in order.
