@@ -139,21 +139,26 @@ def main() -> None:
 
     from specdec_cli.session import ModelOptions, Session, load_setup
 
-    sessions = {"mtp": Session(load_setup(ModelOptions(dtype="auto", draft_p_min=args.p_min or None), "mtp"),
-                               args.k + 1, adaptive=False)}
     import tempfile
 
     from specdec_cli.model.files import read_config
     from specdec_cli.session.synthetic import dflash_config, save_dflash_dir
 
-    tcfg = read_config(bundled.model_dir())
-    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
-    dcfg = dflash_config(tcfg, layers=args.dflash_layers, block_size=args.k + 1, heads=(heads, kv_heads),
-                         head_dim=tcfg["hidden_size"] // heads, intermediate_size=tcfg["intermediate_size"])
-    dflash_dir = save_dflash_dir(Path(tempfile.mkdtemp()) / "dflash", dcfg, seed=0)
-    sessions["dflash"] = Session(load_setup(ModelOptions(dtype="auto", draft_model=str(dflash_dir),
-                                                         draft_p_min=args.p_min or None), "dflash"),
-                                 args.k + 1, adaptive=False)
+    wanted = set(args.only.split(",")) if args.only else {"self", f"first-{args.layers}", "mtp", "dflash"}
+    scratch = tempfile.TemporaryDirectory()
+    sessions = {}
+    if "mtp" in wanted:
+        sessions["mtp"] = Session(load_setup(ModelOptions(dtype="auto", draft_p_min=args.p_min or None), "mtp"),
+                                  args.k + 1, adaptive=False)
+    if "dflash" in wanted:
+        tcfg = read_config(bundled.model_dir())
+        heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+        dcfg = dflash_config(tcfg, layers=args.dflash_layers, block_size=args.k + 1, heads=(heads, kv_heads),
+                             head_dim=tcfg["hidden_size"] // heads, intermediate_size=tcfg["intermediate_size"])
+        dflash_dir = save_dflash_dir(Path(scratch.name) / "dflash", dcfg, seed=0)
+        sessions["dflash"] = Session(load_setup(ModelOptions(dtype="auto", draft_model=str(dflash_dir),
+                                                             draft_p_min=args.p_min or None), "dflash"),
+                                     args.k + 1, adaptive=False)
 
     def case(draft):
         if draft in sessions:
@@ -161,8 +166,7 @@ def main() -> None:
         return lambda together: run(target.model, draft, prompts, args.k, args.max_tokens, together, args.p_min)
 
     drafts.update({name: name for name in sessions})
-    if args.only:
-        drafts = {name: d for name, d in drafts.items() if name in args.only.split(",")}
+    drafts = {name: d for name, d in drafts.items() if name in wanted}
     results = {}
     for name, draft in drafts.items():
         runs = {"together": [], "alone": []}

@@ -446,6 +446,7 @@ def drafter_check(model, draft, prompt: list[int], k: int, max_tokens: int) -> d
     bad, first = 0, None
     for (i, ctx, got), ok in zip(asked, agree):
         # The batched forward is a fast path: a proposal it disagrees with is judged by its own forward.
+        # (Rows of one forward compute as one row does under MLX's bundled BLAS, which the tests run on.)
         if not ok and not _is_greedy_continuation(draft, ctx, got):
             bad += 1
             first = i if first is None else first

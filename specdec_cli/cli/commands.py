@@ -338,7 +338,7 @@ def _sweep(opts: SweepOptions) -> int:
     elif not opts.json_output:
         print_stderr([setup.model_line] + ([ranks.line + _overridden(ranks)] if ranks is not None else []))
         print_sweep(result, setup.drafter_name)
-    if any(row.verdict == DIVERGED for row in result.rows):
+    if any(row.verdict == DIVERGED for row in [*result.rows, *([result.default] if result.default else [])]):
         print_stderr(["error: a speculative run diverged from plain decoding (see the 'same' column)"])
         return EXIT_DIVERGED
     return 0

@@ -269,8 +269,7 @@ class _Attention(nn.Module):
         return (visible | ((t >= size) & (k == 0)))[:, None]
 
     def __call__(self, x: mx.array, rope: nn.Module, cache: Any, mask: Optional[mx.array] = None) -> mx.array:
-        """Alone, ``cache`` is a ``KVCache`` and the mask is built here; rows of a batch (a
-        ``RowsKVCache``, offsets per row) come with theirs (:meth:`rows_mask`)."""
+        # Alone: a KVCache, the mask built here. Rows of a batch: a RowsKVCache (offsets per row), their mask given.
         B, L, _ = x.shape
         ctx = cache.offset
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)

@@ -16,7 +16,7 @@ device and the rows' cuts are read back together, in one host sync.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
@@ -25,6 +25,10 @@ from ..model.taps import Hidden
 from .base import Draft, as_tokens, no_draft
 from .dflash import DFlashDrafter
 from .rows_group import RowsGroup
+
+
+# RoPE classes whose offset may be an array, one per row (mlx.nn.RoPE and mlx-lm's scaled kinds).
+_ROWS_ROPE = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE")
 
 
 class DFlashBatch(RowsGroup):
@@ -40,7 +44,20 @@ class DFlashBatch(RowsGroup):
         return type(drafter) is DFlashDrafter and drafter.batch is None
 
     @staticmethod
+    def problem(drafter: DFlashDrafter) -> Optional[str]:
+        """Why its rows cannot draft together (then each drafts alone), or None.
+
+        The drafter's RoPE comes from mlx-lm's ``initialize_rope``: these kinds take each row's own
+        offset; "dynamic" NTK scaling derives its base from one offset, which rows do not share.
+        """
+        rope = type(drafter.model.rope)
+        if rope.__name__ not in _ROWS_ROPE:
+            return f"its RoPE ({rope.__name__}) takes one position offset, not one per row"
+        return None
+
+    @staticmethod
     def key(drafter: DFlashDrafter) -> Any:
+        """What its rows share: the drafter model."""
         return drafter.model
 
     def propose(self, asks: Sequence[tuple[DFlashDrafter, Any, int, SamplingParams]]) -> list[Draft]:

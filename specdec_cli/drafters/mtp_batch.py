@@ -41,6 +41,7 @@ class MTPBatch(RowsGroup):
 
     @staticmethod
     def key(drafter: MTPDrafter) -> Any:
+        """What its rows share: the head."""
         return drafter.head
 
     def propose(self, asks: Sequence[tuple[MTPDrafter, Any, int, SamplingParams]]) -> list[Draft]:

@@ -29,8 +29,13 @@ from .setup import Setup
 
 
 def measure_plain(model: nn.Module, prompt_ids: Sequence[int], **run_options) -> tuple[Stats, list[int]]:
-    """One plain decoding run, the baseline and reference (``run_options`` go to
-    :func:`~specdec_cli.loop.runner.run`: tokens, EOS, prefill sizing, KV quantization, ranks)."""
+    """One plain decoding run: the baseline and the reference.
+
+    Args:
+        model: The target model.
+        prompt_ids: Prompt token ids.
+        **run_options: For :func:`~specdec_cli.loop.runner.run` (tokens, EOS, prefill sizing, KV quantization, ranks).
+    """
     return collect(run(model, prompt_ids, **run_options))
 
 

@@ -496,9 +496,11 @@ def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
 
     real = Flights.alone  # the loop a sweep's speculative runs go through (plain decoding does not)
 
+    only_default = False  # then only generate's default setting (the adaptive row) goes wrong
+
     def corrupt(self, request, **kw):
         for event in real(self, request, **kw):
-            if hasattr(event, "block") and event.block.tokens:
+            if hasattr(event, "block") and event.block.tokens and (self.session.adaptive or not only_default):
                 b = event.block
                 event = type(event)(type(b)((b.tokens[0] ^ 1, *b.tokens[1:]), *list(b.__dict__.values())[1:]),
                                     event.seconds)
@@ -512,6 +514,10 @@ def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
     assert "diverged from plain decoding" in result.stderr
     table = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0")
     assert table.exit_code == 3 and re.search(r"│\s+NO\s+│", table.stdout)
+    only_default = True
+    result = sweep(*base(models), "Hi", "--block-sizes", "2", "--warmup", "0", "--json")
+    out = json.loads(result.stdout)
+    assert result.exit_code == 3 and out["rows"][0]["identical"] and out["default"]["verdict"] == "diverged"
 
 
 # --- options that did nothing, silently (issue 28) ---------------------------------

@@ -19,9 +19,10 @@ from specdec_cli.drafters.dflash_io import load_dflash
 from specdec_cli.core.sampling import GREEDY
 from specdec_cli.session.synthetic import TINY_CONFIGS, dflash_config, save_dflash_dir
 
-PROMPTS = (13, 5, 9)  # each row's prompt rows
+PROMPTS = (13, 5, 9, 0)  # each row's prompt rows (the last: a one-token prompt, an empty context)
 # Per block: each row's (target rows handed over with its accept, drafts asked for).
-BLOCKS = [((0, 7), (0, 3), (0, 0)), ((3, 7), (1, 5), (0, 6)), ((1, 2), (4, 7), (2, 7)), ((2, 7), (1, 0), (1, 4))]
+BLOCKS = [((0, 7), (0, 3), (0, 0), (0, 4)), ((3, 7), (1, 5), (0, 6), (1, 7)), ((1, 2), (4, 7), (2, 7), (3, 0)),
+          ((2, 7), (1, 0), (1, 4), (2, 5))]
 
 
 def drafter_model(tmp_path, attention: str, block_size: int = 8):
@@ -72,14 +73,17 @@ def test_each_row_drafts_what_it_drafts_alone_block_after_block(attention, tmp_p
     joined.cancel()
     alone.cancel()
     assert joined.context_length == alone.context_length < others[2]
-    assert [twins[0].context_length for twins, _, _ in rowset][:2] == others[:2]
-    # A row that leaves drafts alone from the context it has in the batch.
-    batch.leave(joined)
-    assert joined.batch is None and len(batch.members) == 2
-    assert joined.propose(7, 7).tokens.tolist() == alone.propose(7, 7).tokens.tolist()
-    for a, b in zip(joined.cache, alone.cache):
-        n = a.offset
-        assert n == b.offset and mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item()
+    assert [twins[0].context_length for twins, _, _ in rowset[:2]] == others[:2]
+    # Rows that leave (one that drafted last, one that did not) draft alone from the context they have.
+    for i in (2, 1):
+        (joined, alone), _, _ = rowset[i]
+        batch.leave(joined)
+        assert joined.batch is None and joined not in batch.members
+        assert joined.propose(7, 7).tokens.tolist() == alone.propose(7, 7).tokens.tolist()
+        for a, b in zip(joined.cache, alone.cache):
+            n = a.offset
+            assert n == b.offset and mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item()
+    assert len(batch.members) == 2
 
 
 def test_a_member_cannot_draft_on_its_own_and_the_batch_drafts_for_all(tmp_path):
@@ -118,3 +122,16 @@ def test_p_min_cuts_each_row_as_alone_in_one_sync_for_the_batch(tmp_path):
         sizes.append(draft.size)
     assert len(set(sizes)) > 1  # the cut differs between rows
     assert sum(d.syncs for d in got) == 1
+
+
+def test_a_drafter_whose_rope_takes_one_offset_drafts_alone(tmp_path):
+    # "dynamic" NTK scaling derives its base from the offset: rows of several lengths cannot share a call,
+    # so the engine leaves each row's drafter to draft alone (DFlashBatch.problem says why).
+    plain = drafter_model(tmp_path, "bidirectional")
+    (d, _), _, _ = pairs(plain)[0]
+    assert DFlashBatch.problem(d) is None
+    cfg = dflash_config(TINY_CONFIGS["qwen3"], block_size=8, layers=2,
+                        rope={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    dynamic = load_dflash(str(save_dflash_dir(tmp_path / "dynamic", cfg, seed=2))).model
+    (d, _), _, _ = pairs(dynamic)[0]
+    assert "DynamicNTKScalingRoPE" in DFlashBatch.problem(d)
