@@ -379,6 +379,35 @@ class BatchCache:
         return sum(a.nbytes for a in self.state_arrays())
 
 
+def prefill_rows(model: nn.Module, caches: Sequence[ModelCache], tokens: Sequence[Sequence[int]]) -> list[ModelCache]:
+    """Feed each cache its own tokens in one forward of them all as rows; returns each row's caches.
+
+    Rows are padded at the end and keep only their own tokens (attention layers trim in O(1)), so a
+    row's caches hold what feeding it alone would, bit for bit where the backend's kernels compute a
+    row alike in any batch (what :func:`batch_problem` checks before rows decode together).
+
+    Args:
+        model: The model the caches belong to (no recurrent layers: their states would need recording).
+        caches: One-row caches of one layout (each may already hold a prefix).
+        tokens: What each is fed, at least one token each.
+    """
+    batch = BatchCache(model, caches[0])
+    for cache in caches[1:]:
+        batch.add(cache)
+    if batch.recurrent:
+        raise ValueError("rows with recurrent layers are prefilled one at a time")
+    width = max(len(t) for t in tokens)
+    xs = mx.array([list(t) + [0] * (width - len(t)) for t in tokens], dtype=mx.uint32)
+    snap = batch.snapshot()
+    batch.feed(xs)
+    batch.settle(snap, [len(t) for t in tokens])
+    mx.eval(batch.state_arrays())
+    rows = [batch.row(b) for b in range(len(caches))]
+    mx.eval([row.state_arrays() for row in rows])
+    mx.clear_cache()  # the batch's buffers, before the rows decode
+    return rows
+
+
 def batch_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional[str]:
     """Why ``model`` cannot decode several rows together here (None: it can), found before any request.
 

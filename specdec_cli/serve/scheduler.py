@@ -342,10 +342,23 @@ class Scheduler:
             self._leave(flight)
 
     def _prefill_one(self) -> None:
-        """One prefill chunk of the oldest request still prefilling; admitted to the engine once done."""
-        flight = next((f for f in self._flights if f.state is State.PREFILLING), None)
-        if flight is None:
+        """One prefill chunk of the oldest request still prefilling; admitted to the engine once done.
+
+        Requests that arrived together with short prompts are prefilled in one forward of them all
+        (``Flights.together``): a burst's first tokens come after one forward, not one per request.
+        """
+        waiting = [f for f in self._flights if f.state is State.PREFILLING]
+        if not waiting:
             return
+        group = self._rows.together(waiting)
+        if group:
+            try:
+                for flight in self._rows.prefill_together(group):
+                    flight.tag.reply.take(flight.opening.prefilled)
+            except Exception as e:
+                self._fail([f for f in group if f.state is not State.FINISHED], e)
+            return
+        flight = waiting[0]
         try:
             if self._rows.prefill(flight) is not None:
                 flight.tag.reply.take(flight.opening.prefilled)

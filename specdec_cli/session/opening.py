@@ -76,10 +76,16 @@ class Opening:
         self.prefilled: Optional[Prefilled] = None
         # Seconds spent prefilling this request (not the blocks of other rows run between its chunks).
         self._seconds = fetch_s  # resuming from a prompt cache tier counts (a disk read comes before the first token)
+        stops = [m - self.cached for m in session._marks(self.cache, request, len(self.ids))]
+        self._tapped = tap if self.drafter is not None else None
         self._chunks = self.cache.prefill_chunks(
-            self.ids[self.cached:-1], setup.options.prefill_step_size, tap if self.drafter is not None else None,
+            self.ids[self.cached:-1], setup.options.prefill_step_size, self._tapped,
             self.parts, seconds=session.prefill_seconds, sizes=session.prefill_chunks, agree=self._agree,
-            stops=[m - self.cached for m in session._marks(self.cache, request, len(self.ids))])
+            stops=stops)
+        # Whether its prompt may be prefilled in one forward with other requests' (Flights.prefill_together):
+        # nothing fed yet, no hidden states to hand a drafter, no checkpoints, no ranks, layers that trim.
+        self.joinable = (self._tapped is None and not stops and self._agree is None and not self.cache.recurrent
+                         and setup.options.kv_bits is None and len(self.ids) - 1 > self.cached)
 
     @property
     def ready(self) -> bool:
@@ -99,7 +105,16 @@ class Opening:
         finally:
             self._seconds += time.perf_counter() - start
 
+    def fed_together(self, cache: Any, seconds: float) -> None:
+        """Its prompt went into ``cache`` in one forward with other requests' (``seconds``: that forward's)."""
+        self._chunks.close()
+        self._chunks = iter(())
+        cache.chunks = [len(self.ids) - 1 - self.cached]
+        self.cache, self.joinable = cache, False
+        self._seconds += seconds
+
     def _step(self, start: float) -> bool:
+        self.joinable = False  # a chunk of its own is fed now
         if next(self._chunks, None) is not None:
             return False
         setup, cache = self.session.setup, self.cache

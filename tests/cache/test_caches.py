@@ -167,3 +167,33 @@ def test_one_row_and_many_share_one_cache_protocol(family):
         one.feed(mx.array(tokens, dtype=mx.uint32))
         with pytest.raises(RuntimeError):
             one.settle(snap, [1])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_rows_prefilled_together_hold_what_each_prefill_alone_leaves(family):
+    # Requests that arrive together are prefilled in one forward (the server's bursts): each row's caches
+    # must be its own prefill's, bit for bit, whatever the other rows' lengths (one row resumes a prefix,
+    # as a prompt cache hit does; gemma3_text's sliding layers see their window of a longer prompt).
+    from specdec_cli.cache.batch_cache import prefill_rows
+
+    model = target(family, "float32")
+    held = ModelCache(model)
+    held.prefill(PROMPT[:5])
+    feeds = [PROMPT[:-1], PROMPT[:7], PROMPT[5:25]]
+    rows = prefill_rows(model, [ModelCache(model), ModelCache(model), held], feeds)
+    for row, chunks in zip(rows, [[PROMPT[:-1]], [PROMPT[:7]], [PROMPT[:5], PROMPT[5:25]]]):
+        direct = ModelCache(model)
+        for chunk in chunks:
+            direct.prefill(chunk)
+        assert row.length == direct.length and max_cache_diff(row, direct) == 0.0
+        # and the next forward computes alike from either
+        x = mx.array([PROMPT[-1]], dtype=mx.uint32)
+        assert mx.array_equal(row.feed(x), direct.feed(x)).item()
+
+
+def test_rows_with_recurrent_layers_are_not_prefilled_together():
+    from specdec_cli.cache.batch_cache import prefill_rows
+
+    model = target("qwen3_5", "float32")
+    with pytest.raises(ValueError, match="one at a time"):
+        prefill_rows(model, [ModelCache(model), ModelCache(model)], [PROMPT[:4], PROMPT[:6]])

@@ -74,6 +74,35 @@ def test_requests_decoded_together_each_get_their_own_answer(setup):
     assert any(kind == "Piece" and i != done[0] for i, kind in events[: events.index((done[0], "Done"))])
 
 
+def test_requests_that_arrive_together_are_prefilled_in_one_forward(setup, monkeypatch):
+    """A burst's prompts go into one forward of them all (their first tokens come after one forward, not one
+    per request); each answer is still its request's alone."""
+    from specdec_cli.session.flights import Flights
+
+    together: list[int] = []
+    real = Flights.prefill_together
+
+    def noted(self, flights):
+        together.append(len(flights))
+        return real(self, flights)
+
+    monkeypatch.setattr(Flights, "prefill_together", noted)
+    session = Session(setup, 8)
+    got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
+    assert got == [alone(setup, p) for p in PROMPTS]
+    assert together and max(together) >= 2, together
+    # Who joins: the oldest requests with nothing fed yet, while their padded prompts fit the budget.
+    rows = Flights(session)
+    try:
+        flights = [rows.open(Request(p, N)) for p in PROMPTS]
+        assert len(rows.together(flights)) == len(PROMPTS)
+        assert rows.together(flights, budget=len(PROMPTS[0])) == []
+        rows.prefill(flights[0])  # a chunk of its own fed: it no longer joins others
+        assert rows.together(flights) == []
+    finally:
+        rows.close()
+
+
 def group_sizes(monkeypatch, group) -> list[int]:
     """Notes how many rows each propose of a drafter group (DraftBatch, MTPBatch, DFlashBatch) drafts for."""
     rows: list[int] = []
