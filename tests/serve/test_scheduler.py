@@ -91,14 +91,16 @@ def test_requests_that_arrive_together_are_prefilled_in_one_forward(setup, monke
     got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
     assert got == [alone(setup, p) for p in PROMPTS]
     assert together and max(together) >= 2, together
-    # Who joins: the oldest requests with nothing fed yet, while their padded prompts fit the budget.
+    # Who joins: requests with nothing fed yet, from the oldest, while their prompts padded to the longest
+    # fit the budget and are not mostly padding (PROMPTS: 72, 23 and 25 bytes; 23 and 25 go together).
     rows = Flights(session)
     try:
         flights = [rows.open(Request(p, N)) for p in PROMPTS]
-        assert len(rows.together(flights)) == len(PROMPTS)
-        assert rows.together(flights, budget=len(PROMPTS[0])) == []
-        rows.prefill(flights[0])  # a chunk of its own fed: it no longer joins others
-        assert rows.together(flights) == []
+        assert rows.together(flights) == [flights[0], flights[2]]  # 2 x 71 padded for 71 + 24 tokens
+        assert rows.together(flights[1:]) == flights[1:]
+        assert rows.together(flights[1:], budget=len(PROMPTS[2])) == []
+        rows.prefill(flights[1])  # a chunk of its own fed: it goes on alone, and the others wait
+        assert rows.together(flights[1:]) == []
     finally:
         rows.close()
 
