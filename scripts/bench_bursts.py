@@ -24,7 +24,7 @@ burst's wall time), mean and worst latency, mean time to first token, and
 whether the two servers' texts are the same. Ratios are specdec / mlx_lm.
 Results go to ``bench-results/serve-bursts.json``.
 
-Usage: python scripts/bench_bursts.py [--concurrency 1,2,4,8,16] [--workloads mixed,open]
+Usage: python scripts/bench_bursts.py [--concurrency 1,2,4,8,16] [--workloads mixed,open] [--specdec-args '--block-size 1']
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--workloads", default="mixed,open")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "serve-bursts.json"))
+    ap.add_argument("--specdec-args", default="", help="more options for specdec serve (default: none, its defaults)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
 
@@ -117,7 +119,8 @@ def main() -> None:
     f32, env, peer_env, library = prepare(work)
     prompts = Prompts()
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                     "blas": str(library) if library else "bundled reference BLAS", "workloads": {}}
+                     "blas": str(library) if library else "bundled reference BLAS",
+                     "specdec_args": args.specdec_args, "workloads": {}}
     try:
         for kind in args.workloads.split(","):
             for level in levels:
@@ -127,7 +130,8 @@ def main() -> None:
                     port = free_port()
                     cmd = ([sys.executable, "-m", "mlx_lm", "server"] if server == "mlx_lm" else
                            [sys.executable, "-m", "specdec_cli", "serve"])
-                    proc = start([*cmd, "--model", str(f32), "--port", str(port)], port,
+                    extra = shlex.split(args.specdec_args) if server == "specdec" else []
+                    proc = start([*cmd, "--model", str(f32), "--port", str(port), *extra], port,
                                  peer_env if server == "mlx_lm" else env, work / f"{server}.log")
                     try:
                         ask(port, [{"role": "user", "content": "Hello"}], 8)  # untimed, one request alone
