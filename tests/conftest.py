@@ -200,6 +200,12 @@ TESTS: dict[str, tuple[str, ...]] = {
     "core/test_seeded_sampling.py::test_every_rollback_keeps_the_seeded_text": SLOW,
     "serve/test_scheduler.py::test_requests_with_an_mtp_head_draft_together_through_the_prompt_cache": SLOW,
     "serve/test_scheduler.py::test_requests_with_a_dflash_drafter_draft_together": SLOW,
+    # The fast tier keeps one of each (its other parameters, or the same path by another test).
+    "drafters/test_dflash_batch.py::test_each_row_drafts_what_it_drafts_alone_block_after_block[causal-sliding]": SLOW,
+    "drafters/test_dflash_batch.py::test_p_min_cuts_each_row_as_alone_in_one_sync_for_the_batch": SLOW,
+    "cache/test_caches.py::test_rows_prefilled_together_hold_what_each_prefill_alone_leaves[gemma3_text]": SLOW,
+    "loop/test_compare.py::test_a_sweep_runs_each_block_size_through_the_loop_generate_drives": SLOW,
+    "cli/test_cli.py::test_sweep_flags_a_run_that_is_not_identical": SLOW,
     "model/test_templates.py::test_strict_templates_refuse_these_shapes_unfolded": SLOW,
     "model/test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[qwen3_5-codex]": FAST,
     "model/test_templates.py::test_strict_templates_refuse_these_shapes_unfolded[mistral-middle]": FAST,
