@@ -39,7 +39,8 @@ Event = Union[Prefilled, Warmed, Step, Finished]
 # against 2.8 s).
 PREFILL_TOGETHER = {"decoding": 128, "idle": 1024}
 # Padded tokens of such a forward per prompt token, at most: one forward of rows prefills about twice the
-# tokens per second of one row at a time there (8 x 40 above), so padding beyond half of it would not pay.
+# tokens per second of one row at a time there (8 x 40 above); padding past half the prompt tokens eats most
+# of that gain.
 PADDING_AT_MOST = 1.5
 
 
@@ -156,7 +157,7 @@ class Flights:
                 if not group:
                     return []  # the oldest goes on with chunks of its own
                 continue
-            n = len(opening.ids) - 1 - opening.cached
+            n = len(opening.rest)
             padded = (len(group) + 1) * max(width, n)
             # A prompt much longer or shorter than the others waits for a forward of its own kind.
             if padded > budget or padded > PADDING_AT_MOST * (real + n):
@@ -170,7 +171,7 @@ class Flights:
         admit each to the engine; returns them. Each row's caches are what its own prefill would leave."""
         start = time.perf_counter()
         caches = prefill_rows(self.session.model, [f.opening.cache for f in flights],
-                              [f.opening.ids[f.opening.cached:-1] for f in flights])
+                              [f.opening.rest for f in flights])
         seconds = time.perf_counter() - start
         for flight, cache in zip(flights, caches):
             flight.opening.fed_together(cache, seconds)

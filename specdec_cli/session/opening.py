@@ -77,15 +77,19 @@ class Opening:
         # Seconds spent prefilling this request (not the blocks of other rows run between its chunks).
         self._seconds = fetch_s  # resuming from a prompt cache tier counts (a disk read comes before the first token)
         stops = [m - self.cached for m in session._marks(self.cache, request, len(self.ids))]
-        self._tapped = tap if self.drafter is not None else None
+        tapped = tap if self.drafter is not None else None
         self._chunks = self.cache.prefill_chunks(
-            self.ids[self.cached:-1], setup.options.prefill_step_size, self._tapped,
-            self.parts, seconds=session.prefill_seconds, sizes=session.prefill_chunks, agree=self._agree,
-            stops=stops)
+            self.rest, setup.options.prefill_step_size, tapped, self.parts, seconds=session.prefill_seconds,
+            sizes=session.prefill_chunks, agree=self._agree, stops=stops)
         # Whether its prompt may be prefilled in one forward with other requests' (Flights.prefill_together):
         # nothing fed yet, no hidden states to hand a drafter, no checkpoints, no ranks, layers that trim.
-        self.joinable = (self._tapped is None and not stops and self._agree is None and not self.cache.recurrent
-                         and setup.options.kv_bits is None and len(self.ids) - 1 > self.cached)
+        self.joinable = (tapped is None and not stops and self._agree is None and not self.cache.recurrent
+                         and setup.options.kv_bits is None and len(self.rest) > 0)
+
+    @property
+    def rest(self) -> list[int]:
+        """The prompt tokens its prefill feeds: all but the last, after those the caches already held."""
+        return self.ids[self.cached:-1]
 
     @property
     def ready(self) -> bool:
@@ -109,7 +113,7 @@ class Opening:
         """Its prompt went into ``cache`` in one forward with other requests' (``seconds``: that forward's)."""
         self._chunks.close()
         self._chunks = iter(())
-        cache.chunks = [len(self.ids) - 1 - self.cached]
+        cache.chunks = [len(self.rest)]
         self.cache, self.joinable = cache, False
         self._seconds += seconds
 
