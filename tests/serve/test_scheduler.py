@@ -74,19 +74,31 @@ def test_requests_decoded_together_each_get_their_own_answer(setup):
     assert any(kind == "Piece" and i != done[0] for i, kind in events[: events.index((done[0], "Done"))])
 
 
+def rows_per_call(monkeypatch, owner, method: str) -> list[int]:
+    """Notes how many rows each call of ``owner.method`` takes (its argument's length): a drafter group's
+    ``propose`` (DraftBatch, MTPBatch, DFlashBatch), ``Flights.prefill_together``."""
+    rows: list[int] = []
+    real = getattr(owner, method)
+
+    def noted(self, arg):
+        rows.append(len(arg))
+        return real(self, arg)
+
+    monkeypatch.setattr(owner, method, noted)
+    return rows
+
+
+def group_sizes(monkeypatch, group) -> list[int]:
+    """How many rows each propose of a drafter group drafts for."""
+    return rows_per_call(monkeypatch, group, "propose")
+
+
 def test_requests_that_arrive_together_are_prefilled_in_one_forward(setup, monkeypatch):
     """A burst's prompts go into one forward of them all (their first tokens come after one forward, not one
     per request); each answer is still its request's alone."""
     from specdec_cli.session.flights import Flights
 
-    together: list[int] = []
-    real = Flights.prefill_together
-
-    def noted(self, flights):
-        together.append(len(flights))
-        return real(self, flights)
-
-    monkeypatch.setattr(Flights, "prefill_together", noted)
+    together = rows_per_call(monkeypatch, Flights, "prefill_together")
     session = Session(setup, 8)
     got, _ = serve(Scheduler(session, max_rows=4), session, PROMPTS)
     assert got == [alone(setup, p) for p in PROMPTS]
@@ -103,19 +115,6 @@ def test_requests_that_arrive_together_are_prefilled_in_one_forward(setup, monke
         assert rows.together(flights[1:]) == []
     finally:
         rows.close()
-
-
-def group_sizes(monkeypatch, group) -> list[int]:
-    """Notes how many rows each propose of a drafter group (DraftBatch, MTPBatch, DFlashBatch) drafts for."""
-    rows: list[int] = []
-    propose = group.propose
-
-    def noted(self, asks):
-        rows.append(len(asks))
-        return propose(self, asks)
-
-    monkeypatch.setattr(group, "propose", noted)
-    return rows
 
 
 def test_requests_with_a_draft_model_draft_together_and_each_get_their_own_answer(tmp_path, monkeypatch):
