@@ -2,7 +2,7 @@
 
 :func:`run_batch` is the loop behind ``specdec generate --prompts-file``: it
 opens requests while fewer than ``max_rows`` decode, prefills each prompt
-whole, admits it to the :class:`~specdec_cli.loop.engine.Engine`, runs one block
+whole (short ones that fit one forward together, as the server does), admits it to the :class:`~specdec_cli.loop.engine.Engine`, runs one block
 for every row, and takes out the rows that ended; waiting requests join as
 rows leave. It yields typed events and never prints. :func:`concurrency_sweep`
 runs it over copies of one prompt for ``specdec sweep --concurrency``.
@@ -31,7 +31,7 @@ from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable, knee
 from ..loop.compare import IDENTICAL, explain
 from .measure import Progress
 from ..loop.runner import Finished, Prefilled, Step, cache_bytes, collect, run
-from .flights import Flights
+from .flights import PREFILL_TOGETHER, Flights
 from .generate import Session
 from .request import Request
 from .setup import Setup
@@ -137,13 +137,12 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
     blocks = most = 0
     try:
         while waiting or flights.flights:
-            while waiting and len(flights.flights) < max_rows:
-                index, request = waiting.popleft()
+            t = time.perf_counter()
+            joined = _admit(flights, waiting, max_rows)
+            prefill_s += time.perf_counter() - t
+            for flight in joined:
                 t = time.perf_counter()
-                flight = flights.prefill(flights.open(request, index), whole=True)
-                prefill_s += time.perf_counter() - t
-                t = time.perf_counter()
-                yield RowEvent(index, flight.opening.prefilled, now())
+                yield RowEvent(flight.tag, flight.opening.prefilled, now())
                 paused += time.perf_counter() - t
             t = time.perf_counter()
             out = flights.step()
@@ -164,6 +163,25 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
         yield BatchEnd(decode_s, prefill_s, now(), blocks, most, planner_s)
     finally:
         flights.close()
+
+
+def _admit(flights: Flights, waiting: deque, max_rows: int) -> list:
+    """Open waiting requests while fewer than ``max_rows`` are in flight and prefill each whole: the short
+    prompts that fit one forward together (``Flights.together``, at its budget with no row decoding, since
+    here no row's next token is waited for), the others alone. Returns them as admitted, in order."""
+    opened = []
+    while waiting and len(flights.flights) < max_rows:
+        index, request = waiting.popleft()
+        opened.append(flights.open(request, index))
+    joined = []
+    while opened:
+        group = flights.together(opened, budget=PREFILL_TOGETHER["idle"])
+        if group:
+            joined += flights.prefill_together(group)
+            opened = [f for f in opened if f not in group]
+        else:
+            joined.append(flights.prefill(opened.pop(0), whole=True))
+    return sorted(joined, key=lambda f: f.tag)
 
 
 # -- specdec sweep --concurrency ---------------------------------------------------------------------

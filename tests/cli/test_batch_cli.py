@@ -55,12 +55,20 @@ def write(tmp_path: Path, name: str, lines: list) -> Path:
 
 
 @pytest.mark.parametrize("target, draft", [("llama", None), ("qwen3_5", "qwen3_5-draft")])
-def test_each_row_is_its_prompt_alone_and_compare_ar_proves_it(models, tmp_path, target, draft):
+def test_each_row_is_its_prompt_alone_and_compare_ar_proves_it(models, tmp_path, target, draft, monkeypatch):
+    from specdec_cli.session.flights import Flights
+
+    together: list[int] = []  # rows of each forward that prefilled several prompts
+    real = Flights.prefill_together
+    monkeypatch.setattr(Flights, "prefill_together", lambda self, fs: together.append(len(fs)) or real(self, fs))
     model_args = ["--model", models[target], "-m", GEN] + (["--draft-model", models[draft]] if draft else [])
     # Blank lines are skipped; the rows keep the file's order.
     path = write(tmp_path, "prompts.txt", [PROMPTS[0], "", PROMPTS[1], "  ", PROMPTS[2]])
     result = generate(*model_args, "--prompts-file", path, "--json", "--compare-ar")
     assert result.exit_code == 0, result.output
+    # The two short prompts share one prefill forward (the long one would be mostly padding beside them), in the
+    # speculative batch and in the plain batch it is weighed against; a model with recurrent layers prefills each alone.
+    assert together == ([2, 2] if target == "llama" else []), together
     report = json.loads(result.stdout)
     rows = report["rows"]
     assert [r["line"] for r in rows] == [1, 3, 5] and [r["prompt"] for r in rows] == PROMPTS
