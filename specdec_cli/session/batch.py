@@ -2,9 +2,9 @@
 
 :func:`run_batch` is the loop behind ``specdec generate --prompts-file``: it
 opens requests while fewer than ``max_rows`` decode, prefills each prompt
-whole (short ones that fit one forward together, as the server does), admits it to the :class:`~specdec_cli.loop.engine.Engine`, runs one block
-for every row, and takes out the rows that ended; waiting requests join as
-rows leave. It yields typed events and never prints. :func:`concurrency_sweep`
+whole (short ones that fit one forward together, as the server does), admits
+it to the :class:`~specdec_cli.loop.engine.Engine`, runs one block for every
+row, and takes out the rows that ended; waiting requests join as rows leave. It yields typed events and never prints. :func:`concurrency_sweep`
 runs it over copies of one prompt for ``specdec sweep --concurrency``.
 
 Unlike the server's scheduler (which prefills one chunk between blocks, so
@@ -168,7 +168,7 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
 def _admit(flights: Flights, waiting: deque, max_rows: int) -> list:
     """Open waiting requests while fewer than ``max_rows`` are in flight and prefill each whole: the short
     prompts that fit one forward together (``Flights.together``, at its budget with no row decoding, since
-    here no row's next token is waited for), the others alone. Returns them as admitted, in order."""
+    here no row's next token is waited for), the others alone. Returns them, in the requests' order."""
     opened = []
     while waiting and len(flights.flights) < max_rows:
         index, request = waiting.popleft()
