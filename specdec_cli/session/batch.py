@@ -4,8 +4,9 @@
 opens requests while fewer than ``max_rows`` decode, prefills each prompt
 whole (short ones that fit one forward together, as the server does), admits
 it to the :class:`~specdec_cli.loop.engine.Engine`, runs one block for every
-row, and takes out the rows that ended; waiting requests join as rows leave. It yields typed events and never prints. :func:`concurrency_sweep`
-runs it over copies of one prompt for ``specdec sweep --concurrency``.
+row, and takes out the rows that ended; waiting requests join as rows leave.
+It yields typed events and never prints. :func:`concurrency_sweep` runs it
+over copies of one prompt for ``specdec sweep --concurrency``.
 
 Unlike the server's scheduler (which prefills one chunk between blocks, so
 rows already answering never stall), a prompt here is prefilled whole before
