@@ -215,3 +215,17 @@ def assert_exact(model, dtype: str, blocks: list[Block], ref: list[int], prompt=
 
     d = explain(model, prompt, out, ref, blocks, eos_ids=eos_ids)
     assert d is None or d.verdict == TIE, d
+
+
+def rows_per_call(monkeypatch, owner, method: str) -> list[int]:
+    """Notes how many rows each call of ``owner.method`` takes (its argument's length): a drafter group's
+    ``propose`` (DraftBatch, MTPBatch, DFlashBatch), ``Flights.prefill_together``."""
+    rows: list[int] = []
+    real = getattr(owner, method)
+
+    def noted(self, arg):
+        rows.append(len(arg))
+        return real(self, arg)
+
+    monkeypatch.setattr(owner, method, noted)
+    return rows

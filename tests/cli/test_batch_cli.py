@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import rows_per_call
 from typer.testing import CliRunner
 
 from specdec_cli.cli.app import app
@@ -58,9 +59,7 @@ def write(tmp_path: Path, name: str, lines: list) -> Path:
 def test_each_row_is_its_prompt_alone_and_compare_ar_proves_it(models, tmp_path, target, draft, monkeypatch):
     from specdec_cli.session.flights import Flights
 
-    together: list[int] = []  # rows of each forward that prefilled several prompts
-    real = Flights.prefill_together
-    monkeypatch.setattr(Flights, "prefill_together", lambda self, fs: together.append(len(fs)) or real(self, fs))
+    together = rows_per_call(monkeypatch, Flights, "prefill_together")  # rows of each forward of several prompts
     model_args = ["--model", models[target], "-m", GEN] + (["--draft-model", models[draft]] if draft else [])
     # Blank lines are skipped; the rows keep the file's order.
     path = write(tmp_path, "prompts.txt", [PROMPTS[0], "", PROMPTS[1], "  ", PROMPTS[2]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import rows_per_call
 
 from specdec_cli.serve.scheduler import Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, Request, Session, load_setup
@@ -72,20 +73,6 @@ def test_requests_decoded_together_each_get_their_own_answer(setup):
     # Interleaved: a request's text came before another one had finished.
     done = [i for i, kind in events if kind == "Done"]
     assert any(kind == "Piece" and i != done[0] for i, kind in events[: events.index((done[0], "Done"))])
-
-
-def rows_per_call(monkeypatch, owner, method: str) -> list[int]:
-    """Notes how many rows each call of ``owner.method`` takes (its argument's length): a drafter group's
-    ``propose`` (DraftBatch, MTPBatch, DFlashBatch), ``Flights.prefill_together``."""
-    rows: list[int] = []
-    real = getattr(owner, method)
-
-    def noted(self, arg):
-        rows.append(len(arg))
-        return real(self, arg)
-
-    monkeypatch.setattr(owner, method, noted)
-    return rows
 
 
 def group_sizes(monkeypatch, group) -> list[int]:
