@@ -9,8 +9,10 @@
 #   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
 #
 # STEPS (default "info smoke peer generate exact nocudnn sweep serve tests probe") picks steps of `run` (also: qwarm-bg, qwait,
-# gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; PIN="taskset -c 0-7"; GEN_AHEAD=both runs each
-# generate configuration with and without the engine's step queued ahead); GEN_ARGS adds options to
+# gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,900-token prompt's prefill with
+# cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_AHEAD=both runs each
+# generate configuration with and without the engine's step queued ahead, GEN_REPEAT=N each N times, every other
+# round in the reverse order); GEN_ARGS adds options to
 # every generate run (e.g. "--shapes exact"); BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so.
 set -uo pipefail
@@ -109,10 +111,15 @@ run_checks() {
     generate)
       step generate 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
         --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-on} \
-        -- ${gen[*]} | tee -a $OUT/generate.md" ;;
+        --repeat ${GEN_REPEAT:-1} -- ${gen[*]} | tee -a $OUT/generate.md" ;;
     gen4)
       step gen4 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN4_TIMEOUT:-60} \
-        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} -- ${gen[*]} | tee -a $OUT/generate.md" ;;
+        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-on} --repeat ${GEN_REPEAT:-1} \
+        -- ${gen[*]} | tee -a $OUT/generate.md" ;;
+    prefill) step prefill 120 bash -c "${PIN:-} $py scripts/gpu_matrix.py --prefill --out $OUT/prefill.jsonl --timeout 50 \
+        --repeat ${PREFILL_REPEAT:-2} | tee -a $OUT/generate.md" ;;
+    ptx) step ptx 20 bash -c "d=\$($py -c 'from specdec_cli.core.shapes import ptx_cache_dir; print(ptx_cache_dir())'); \
+        echo \$d; ls \$d | wc -l; du -sh \$d" ;;
     exact) step exact 120 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
         --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${EXACT_PROMPTS:-copy,open} -- --shapes exact ${gen[*]} | tee -a $OUT/generate.md" ;;
     nocudnn) step nocudnn 60 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_matrix.py --out $OUT/generate.jsonl \

@@ -9,7 +9,9 @@ run goes to ``--out``; a markdown table to stdout.
 
 Usage: python scripts/gpu_matrix.py --out runs.jsonl [--dtypes auto,bfloat16]
            [--prompts copy,edit,summary,open] [--timeout 45] [--max-tokens 256] [--ahead on|off|both]
-           [-- EXTRA...]
+           [--repeat N] [-- EXTRA...]
+       python scripts/gpu_matrix.py --prefill --out prefill.jsonl [--repeat N]: the long prompt's prefill
+           with cuDNN's attention on and off, alternating, 4 tokens each, bf16
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ PROMPTS = {
     "edit": f"Fix the typo in this Python code and return the whole corrected file:\n\n{EDIT}",
     "summary": f"Summarize this story in three sentences:\n\n{COPY}",
     "open": "Explain how a refrigerator keeps food cold.",
+    # Prefill only (``--prefill``): about 1,900 tokens, where attention's kernel choice shows.
+    "long": "Summarize these notes:\n\n" + "\n\n".join(f"Note {i}: {COPY}" for i in range(16)),
 }
 # Stacks on SIGUSR1, then the CLI as `specdec` runs it.
 # A watchdog thread dumps them too, ahead of the time box (it needs no signal delivered to a busy main thread).
@@ -113,9 +117,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--print", metavar="PROMPT", help="Print that prompt's text and exit")
     ap.add_argument("--ahead", default="on", help="on, off or both: the engine's step queued ahead (QUEUE_AHEAD)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="Run each configuration N times; with --ahead both, every other round in the reverse order")
+    ap.add_argument("--prefill", action="store_true", help="Time the long prompt's prefill, cuDNN on and off")
     args, extra = ap.parse_known_args()
     if args.print:
         print(PROMPTS[args.print])
+        return
+    if args.prefill:
+        prefill(args)
         return
     extra = [x for x in extra if x != "--"]
     print("| dtype | prompt | extra | spec tok/s | plain tok/s | speedup | verdict | warm-up s | blocks | wall s |")
@@ -125,7 +135,7 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             stalled = False
             for prompt in args.prompts.split(","):
-                for no_ahead in modes:
+                for no_ahead in [m for r in range(args.repeat) for m in (modes if r % 2 == 0 else modes[::-1])]:
                     label = " ".join(extra + (["(no step ahead)"] if no_ahead else []))
                     if stalled:  # one stall in a dtype says enough; the time box is short
                         print(f"| {dtype} | {prompt} | {label} | skipped after a stall | | | | | | |", flush=True)
@@ -143,6 +153,30 @@ def main() -> None:
                     print(f"| {r.get('dtype', dtype)} | {prompt} | {label} | {fmt(r.get('decode_tps'))} "
                           f"| {fmt(r.get('ar_decode_tps'))} | {fmt(r.get('speedup'), 2)}x | {r.get('verdict')} "
                           f"| {fmt(r.get('warmup_s'), 2)} | {r.get('blocks')} | {r['wall_s']} |", flush=True)
+
+def prefill(args) -> None:
+    """The long prompt's prefill, cuDNN's attention on then off, then off then on: a fresh process each."""
+    print("| cuDNN attention | prompt tokens | prefill s | prefill tok/s | wall s |")
+    print("|---|---|---|---|---|")
+    with open(args.out, "a") as f:
+        for r in range(args.repeat):
+            for cudnn in ("1", "0") if r % 2 == 0 else ("0", "1"):
+                cmd = [sys.executable, "-m", "specdec_cli", "generate", PROMPTS["long"], "-m", "4", "--json",
+                       "--dtype", "bfloat16"]
+                env = dict(os.environ, SPECDEC_NO_REEXEC="1", MLX_CUDA_USE_CUDNN_SDPA=cudnn)
+                t0 = time.perf_counter()
+                try:
+                    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+                    d = json.loads(p.stdout)
+                except (subprocess.TimeoutExpired, ValueError) as e:
+                    d = {"error": str(e)[-500:]}
+                row = {"cudnn": cudnn, "wall_s": round(time.perf_counter() - t0, 1),
+                       **{k: d.get(k) for k in ("prompt_tokens", "prefill_s", "prompt_tps", "error") if k in d}}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(f"| {cudnn} | {row.get('prompt_tokens')} | {row.get('prefill_s')} | {row.get('prompt_tps')} "
+                      f"| {row['wall_s']} |", flush=True)
+
 
 if __name__ == "__main__":
     main()
