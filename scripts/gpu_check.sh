@@ -110,11 +110,11 @@ run_checks() {
     qwait) step qwait 240 bash -c "while kill -0 ${QWARM_PID:-0} 2>/dev/null; do sleep 1; done; cat $OUT/qwarm.jsonl" ;;
     generate)
       step generate 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
-        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-on} \
+        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-default} \
         --repeat ${GEN_REPEAT:-1} -- ${gen[*]} | tee -a $OUT/generate.md" ;;
     gen4)
       step gen4 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN4_TIMEOUT:-60} \
-        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-on} --repeat ${GEN_REPEAT:-1} \
+        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-default} --repeat ${GEN_REPEAT:-1} \
         -- ${gen[*]} | tee -a $OUT/generate.md" ;;
     prefill) step prefill 120 bash -c "${PIN:-} $py scripts/gpu_matrix.py --prefill --out $OUT/prefill.jsonl --timeout 50 \
         --repeat ${PREFILL_REPEAT:-2} | tee -a $OUT/generate.md" ;;

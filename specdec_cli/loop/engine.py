@@ -45,8 +45,8 @@ MAX_CARRY = 8
 # while their rows share a batch; False makes every row draft alone (benchmarks compare the two).
 GROUP_DRAFTS = True
 # Queue a single row's next step ahead after a block without drafts (Engine's ``ahead``). Off: on an
-# H100 (bf16, 2026-11-27) runs with it were not faster than without, within that check's noise
-# (docs/GPU-CHECK.md); benchmarks turn it on to measure it again (gpu_matrix.py --ahead both).
+# H200 (bf16, 2026-11-27, each pair in both orders) open prompts ran 0.87-0.94x plain decoding with it
+# and 1.05-1.19x without; copying the same (docs/GPU-CHECK.md).
 QUEUE_AHEAD = False
 # How far the engine restores the target below the start offset of its latest
 # forward: plain decoding's queued step (the speculative loop itself only cuts
