@@ -10,9 +10,8 @@
 #
 # STEPS (default "info smoke peer generate exact nocudnn sweep serve tests probe") picks steps of `run` (also: qwarm-bg, qwait,
 # gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,900-token prompt's prefill with
-# cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_AHEAD=both runs each
-# generate configuration with and without the engine's step queued ahead, GEN_REPEAT=N each N times, every other
-# round in the reverse order); GEN_ARGS adds options to
+# cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
+# generate configuration N times); GEN_ARGS adds options to
 # every generate run (e.g. "--shapes exact"); BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so.
 set -uo pipefail
@@ -110,11 +109,11 @@ run_checks() {
     qwait) step qwait 240 bash -c "while kill -0 ${QWARM_PID:-0} 2>/dev/null; do sleep 1; done; cat $OUT/qwarm.jsonl" ;;
     generate)
       step generate 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
-        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-default} \
+        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${GEN_PROMPTS:-copy,edit,summary,open} \
         --repeat ${GEN_REPEAT:-1} -- ${gen[*]} | tee -a $OUT/generate.md" ;;
     gen4)
       step gen4 300 bash -c "${PIN:-} $py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN4_TIMEOUT:-60} \
-        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --ahead ${GEN_AHEAD:-default} --repeat ${GEN_REPEAT:-1} \
+        --dtypes auto --prompts ${GEN_PROMPTS:-copy,edit,summary,open} --repeat ${GEN_REPEAT:-1} \
         -- ${gen[*]} | tee -a $OUT/generate.md" ;;
     prefill) step prefill 120 bash -c "${PIN:-} $py scripts/gpu_matrix.py --prefill --out $OUT/prefill.jsonl --timeout 50 \
         --repeat ${PREFILL_REPEAT:-2} | tee -a $OUT/generate.md" ;;

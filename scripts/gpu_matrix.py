@@ -8,8 +8,8 @@ Python stacks go to the log: where it hung), then is killed. One JSON line per
 run goes to ``--out``; a markdown table to stdout.
 
 Usage: python scripts/gpu_matrix.py --out runs.jsonl [--dtypes auto,bfloat16]
-           [--prompts copy,edit,summary,open] [--timeout 45] [--max-tokens 256] [--ahead on|off|both]
-           [--repeat N] [-- EXTRA...]
+           [--prompts copy,edit,summary,open] [--timeout 45] [--max-tokens 256] [--repeat N]
+           [-- EXTRA...]
        python scripts/gpu_matrix.py --prefill --out prefill.jsonl [--repeat N]: the long prompt's prefill
            with cuDNN's attention on and off, alternating, 4 tokens each, bf16
 """
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 COPY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin can of oil and "
         "a cloth. He polished the great lens until it gleamed, trimmed the wick, and lit the lamp. Ships far "
@@ -48,8 +47,7 @@ PROMPTS = {
 # A watchdog thread dumps them too, ahead of the time box (it needs no signal delivered to a busy main thread).
 LAUNCH = ("import faulthandler, os, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
           "faulthandler.dump_traceback_later(float(os.environ['WATCHDOG_S']), exit=False); "
-          "sys.argv = ['specdec'] + sys.argv[1:]; import specdec_cli.loop.engine as e; "
-          "e.QUEUE_AHEAD = {'1': False, '0': True}.get(os.environ['NO_AHEAD'], e.QUEUE_AHEAD); from specdec_cli.cli.app import main; main()")
+          "sys.argv = ['specdec'] + sys.argv[1:]; from specdec_cli.cli.app import main; main()")
 
 
 def where(pid: int) -> dict:
@@ -70,12 +68,10 @@ def where(pid: int) -> dict:
     return seen
 
 
-def run(prompt: str, dtype: str, extra: list[str], timeout: float, max_tokens: int,
-        no_ahead: Optional[bool] = None) -> dict:
+def run(prompt: str, dtype: str, extra: list[str], timeout: float, max_tokens: int) -> dict:
     cmd = [sys.executable, "-c", LAUNCH, "generate", PROMPTS[prompt], "--compare-ar", "--json",
            "-m", str(max_tokens), "--dtype", dtype, *extra]
-    env = dict(os.environ, SPECDEC_NO_REEXEC="1", PYTHONUNBUFFERED="1", WATCHDOG_S=str(max(1.0, timeout - 6)),
-               NO_AHEAD={None: "", True: "1", False: "0"}[no_ahead])
+    env = dict(os.environ, SPECDEC_NO_REEXEC="1", PYTHONUNBUFFERED="1", WATCHDOG_S=str(max(1.0, timeout - 6)))
     t0 = time.perf_counter()
     # stderr into a file, not a pipe: whatever the process wrote survives its kill.
     with tempfile.TemporaryFile("w+") as errf:
@@ -118,10 +114,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=45)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--print", metavar="PROMPT", help="Print that prompt's text and exit")
-    ap.add_argument("--ahead", default="default",
-                    help="default (the engine's QUEUE_AHEAD), on, off or both: the engine's step queued ahead")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="Run each configuration N times; with --ahead both, every other round in the reverse order")
+                    help="Run each configuration N times")
     ap.add_argument("--prefill", action="store_true", help="Time the long prompt's prefill, cuDNN on and off")
     args, extra = ap.parse_known_args()
     if args.print:
@@ -133,18 +127,16 @@ def main() -> None:
     extra = [x for x in extra if x != "--"]
     print("| dtype | prompt | extra | spec tok/s | plain tok/s | speedup | verdict | warm-up s | blocks | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    modes = {"default": [None], "on": [False], "off": [True], "both": [False, True]}[args.ahead]
     with open(args.out, "a") as f:
         for dtype in args.dtypes.split(","):
             stalled = False
             for prompt in args.prompts.split(","):
-                for no_ahead in [m for r in range(args.repeat) for m in (modes if r % 2 == 0 else modes[::-1])]:
-                    label = " ".join(extra + {None: [], True: ["(no step ahead)"], False: ["(step ahead)"]}[no_ahead])
+                for _ in range(args.repeat):
+                    label = " ".join(extra)
                     if stalled:  # one stall in a dtype says enough; the time box is short
                         print(f"| {dtype} | {prompt} | {label} | skipped after a stall | | | | | | |", flush=True)
                         continue
-                    r = run(prompt, dtype, extra, args.timeout, args.max_tokens, no_ahead)
-                    r["ahead"] = None if no_ahead is None else not no_ahead
+                    r = run(prompt, dtype, extra, args.timeout, args.max_tokens)
                     stalled = "timed_out" in r
                     f.write(json.dumps(r) + "\n")
                     f.flush()

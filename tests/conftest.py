@@ -54,7 +54,6 @@ FILES: dict[str, tuple[str, ...]] = {
     "model/test_distributed.py": DISTRIBUTED,
     "drafters/test_drafting.py": FAST,
     "loop/test_engine.py": FAST,
-    "loop/test_ahead.py": FAST,  # the step queued after a block without drafts
     "cli/test_first_hour.py": FAST,
     "cli/test_first_run.py": FAST,
     "drafters/test_history_file.py": FAST,
@@ -96,9 +95,6 @@ TESTS: dict[str, tuple[str, ...]] = {
     "session/test_disk_tier.py::test_an_mtp_head_resumes_from_the_hidden_states_on_disk_and_drafts_as_from_memory": SLOW,
     "session/test_disk_cache.py::test_two_processes_saving_into_one_folder_leave_only_files_that_load_exactly": SLOW,
     # The step queued ahead (off by default): every family and dtype, every ending and interrupt point.
-    "loop/test_ahead.py::test_gaps_equal_plain_and_leave_plain_caches": SLOW,
-    "loop/test_ahead.py::test_interrupt_around_a_queued_step_resumes_exactly": SLOW,
-    "loop/test_ahead.py::test_max_tokens_right_after_a_gap": SLOW,
     # Out of the fast tier's 2-minute budget (--durations, 2026-11-27: 1.5-3.6 s each); their subjects keep
     # fast tests beside them (bucketed float32, one sweep, one warm-up, the hybrid's own checks).
     "core/test_shapes.py::test_bucketed_output_and_caches_equal_exact[gemma3_text-bfloat16": SLOW,
@@ -112,7 +108,6 @@ TESTS: dict[str, tuple[str, ...]] = {
     "model/test_recurrence_check.py::test_a_batched_recurrence_that_differs_is_verified_one_token_at_a_time": SLOW,
     "drafters/test_hybrid.py::test_hybrid_samples": SLOW,
     "distill/test_distill.py::test_head_trained_for_another_model_is_refused": SLOW,
-    "loop/test_ahead.py::test_off_and_timed_queue_nothing_and_agree[gemma3_text": SLOW,
     "drafters/test_lookup.py::test_long_lookup_drafts_keep_output_identical[qwen3_5": SLOW,
     "core/test_shapes.py::test_a_bucketed_batch_gives_each_row_its_text_alone[qwen3_5": SLOW,
     # Moved 2026-11-27 (the fast tier read 123-129 s; these took 2.0-3.6 s each): bucketed llama and qwen3_5

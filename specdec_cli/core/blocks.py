@@ -31,13 +31,10 @@ class Block:
         syncs: Host syncs the block waited on.
         finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
         times: Phase timings, only when the generator was asked for them.
-        verify_len: Rows of the target forward (carried tokens + last + drafts, and padding), those fed
-            ahead included.
+        verify_len: Rows of the target forward (carried tokens + last + drafts, and padding).
         carry: Carried tokens leading it; the row predicting this block's
             i-th token is ``carry + i``. Both let ``--compare-ar`` recompute a
             position exactly as the verify computed it.
-        ahead: Rows of the verify (0 or 1: ``last``) fed by a forward queued
-            during the block before; the drafts, if any, went in a forward of their own.
         logprobs: With a row's ``logprobs`` on, one entry per emitted token:
             ``(logprob, ((token, logprob), ...))``, the target's (processed)
             log-probability of the token and its best alternatives, from the
@@ -54,7 +51,6 @@ class Block:
     verify_len: int = 1
     carry: int = 0
     logprobs: Optional[tuple] = None
-    ahead: int = 0
 
     @property
     def block_size(self) -> int:

@@ -96,10 +96,7 @@ class Stats:
         self.finish_reason = reason or self.finish_reason
         self.block_log.append((block.drafted, block.accepted))
         self.trace.append(block)
-        # A block whose first row was fed ahead ran it as a one-row forward, its drafts (if any) in another.
-        self.verify_shapes[(1, 1 if block.ahead else block.verify_len)] += 1
-        if block.ahead and block.verify_len > 1:
-            self.verify_shapes[(1, block.verify_len - 1)] += 1
+        self.verify_shapes[(1, block.verify_len)] += 1
         if block.drafted:
             self.drafted += block.drafted
             self.accepted += block.accepted

@@ -252,16 +252,9 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
             return Replay(*found, emitted)  # the record does not add up
         x = carry + [last] + list(tokens[emitted : emitted + min(k, keep - 1)])
         x += [0] * (block.verify_len - len(x))
-        # A row fed ahead went in a forward of its own, before the drafts' (as the run fed them).
-        head = cache.feed(_ids(x[:1]))[:1] if block.ahead else None
         snap = cache.snapshot()
         position = cache.length
-        if head is None:
-            logits = cache.feed(_ids(x), record=record)
-        elif len(x) > 1:
-            logits = mx.concatenate([head, cache.feed(_ids(x[1:]), record=record)])
-        else:
-            logits = head
+        logits = cache.feed(_ids(x), record=record)
         rows = logits[c : c + keep]
         for proc in procs:
             rows = proc.apply(rows, x[c + 1 : c + keep])
@@ -276,19 +269,19 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
             return Replay(*found, emitted + bad)
         for proc in procs:
             proc.commit(picks[:keep])
-        n = c + keep - block.ahead  # rows fed since snap the target keeps: carry, last, the kept drafts
+        n = c + keep  # rows fed since snap the target keeps: carry, last, the kept drafts
         carry = []
         if block.rollback == "trim":
             cache.rollback(snap, n)
         elif block.rollback == "carry":
             cache.restore(snap)
-            carry = x[block.ahead : block.ahead + n]
+            carry = x[:n]
         elif block.rollback in RECORDED:
             cache.rollback_recorded(snap, n)
         elif block.rollback == "reforward":
             if cache.rollback(snap, n):
-                cache.feed(_ids(x[block.ahead : block.ahead + n]))
-        elif n != len(x) - block.ahead:
+                cache.feed(_ids(x[:n]))
+        elif n != len(x):
             return Replay(*found, emitted)
         mx.eval(cache.state_arrays())
         if block.finish_reason:

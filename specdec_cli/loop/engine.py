@@ -8,8 +8,7 @@ the last prompt token) and passes the last prompt token in.
 Invariant after the generator ends for any reason, and whenever a row joins
 or leaves the engine: each cache holds the prompt and every committed token
 except the last one, exactly as plain decoding would leave it. Between blocks
-a single row's cache may lag (tokens carried) or lead by its last token (a
-step queued ahead); ``close`` and ``remove`` settle either.
+a single row's cache may lag (tokens carried); ``close`` and ``remove`` feed them.
 """
 
 from __future__ import annotations
@@ -44,10 +43,6 @@ MAX_CARRY = 8
 # Drafters whose class names a batch group (``batch_group``) draft several rows in one forward
 # while their rows share a batch; False makes every row draft alone (benchmarks compare the two).
 GROUP_DRAFTS = True
-# Queue a single row's next step ahead after a block without drafts (Engine's ``ahead``). Off: on an
-# H200 (bf16, 2026-11-27, each pair in both orders) open prompts ran 0.87-0.94x plain decoding with it
-# and 1.05-1.19x without; copying the same (docs/GPU-CHECK.md).
-QUEUE_AHEAD = False
 # How far the engine restores the target below the start offset of its latest
 # forward: plain decoding's queued step (the speculative loop itself only cuts
 # back to the snapshot taken right before its verify forward).
@@ -80,8 +75,6 @@ class Row:
             row's logits go through them in order, and they see every commit.
         logprobs: None: off; 0: each emitted token's log-probability; n: also
             the n most likely tokens at its position (``Block.logprobs``).
-        ahead: ``last`` already fed (a solo row's step queued after a block without drafts):
-            its lazy logits and the snapshot from before it, to undo it with.
     """
 
     last: int
@@ -100,7 +93,6 @@ class Row:
     blocks: int = 0
     processors: tuple = ()
     logprobs: Optional[int] = None
-    ahead: Optional[tuple] = None
 
     @property
     def room(self) -> int:
@@ -117,7 +109,6 @@ class _Pending:
     x: mx.array  # carry + [last] + drafts
     c: int  # carried tokens leading x
     fed: int = 0  # rows of the forward it was in (x plus padding: a batch's widest row, a bucket)
-    pre: int = 0  # rows of x fed ahead, by the block before (then ``fed`` counts them too)
     n_acc: Any = None
     nxt: Any = None
     hidden: Optional[Hidden] = None
@@ -155,21 +146,16 @@ class Engine:
             of two (see :mod:`specdec_cli.core.shapes`); the padding rows' outputs
             are ignored and their cache entries dropped like a rejected draft's
             (on recurrent layers only where the forward records: capture, tape).
-        ahead: After a single row's block without drafts, queue its next token's
-            forward before reading that token back, as plain decoding does (the
-            device never waits for the host); a next block with drafts verifies
-            them in a second forward. Off under ``timed``, ``tap`` and ``sync``; None: ``QUEUE_AHEAD``.
     """
 
     def __init__(self, model: Any, *, rollback: str = "carry", timed: bool = False,
                  tap: Optional[HiddenTap] = None, sync: Optional[Ranks] = None, planner: Any = None,
-                 shapes: str = "exact", ahead: Optional[bool] = None):
+                 shapes: str = "exact"):
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}")
         if shapes not in ("exact", "bucketed"):
             raise ValueError("shapes must be exact or bucketed (resolve auto first)")
         self.shapes = shapes
-        self.ahead = (QUEUE_AHEAD if ahead is None else ahead) and not timed and tap is None and sync is None
         self.model = model
         self.rollback = rollback
         self.timed = timed
@@ -213,7 +199,6 @@ class Engine:
             self._solo = cache
         else:
             if self._solo is not None:
-                self._undo_ahead(self.rows[0], self._solo)
                 self._flush(self.rows[0], self._solo)
                 self._batch, self._solo = BatchCache(self.model, self._solo), None
                 self._draft_together(self.rows[0])
@@ -255,7 +240,6 @@ class Engine:
         b = self.rows.index(row)
         if self._solo is not None:
             cache, self._solo = self._solo, None
-            self._undo_ahead(row, cache)
             self._flush(row, cache)
         else:
             cache = self._batch.row(b)
@@ -279,17 +263,9 @@ class Engine:
     def close(self) -> None:
         """Leave every row's caches as plain decoding would (carried tokens fed)."""
         if self._solo is not None and self.rows:
-            self._undo_ahead(self.rows[0], self._solo)
             self._flush(self.rows[0], self._solo)
         if self.tap is not None:
             self.tap.clear()
-
-    @staticmethod
-    def _undo_ahead(row: Row, cache: ModelCache) -> None:
-        """Drop a step queued ahead: the cache holds every committed token but the last again."""
-        if row.ahead is not None:
-            cache.restore(row.ahead[1])
-            row.ahead = None
 
     @staticmethod
     def _flush(row: Row, cache: ModelCache) -> None:
@@ -330,7 +306,6 @@ class Engine:
         speculate = not (batch and cache.recurrent and record is None)
         pending: list[_Pending] = []
         snap = None
-        queued = None
         done = False
         extra_syncs = 0
         try:
@@ -386,13 +361,9 @@ class Engine:
                         self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
             else:
                 p = pending[0]
-                if p.row.ahead is not None:
-                    logits = self._verify_after(p, cache, record, pad)
-                else:
-                    logits = cache.feed(_padded(p.x, width), record=record)[p.c : p.c + 1 + p.k]
+                logits = cache.feed(_padded(p.x, width), record=record)[p.c : p.c + 1 + p.k]
                 p.hidden = self.tap.take() if self.tap is not None else None
                 self._accept(p, _processed(p, logits))
-                queued = self._queue_ahead(p, cache)
             tables = [None] * len(pending)
             if self.sync is not None:
                 p = pending[0]
@@ -403,10 +374,6 @@ class Engine:
             syncs += 1
             t2 = time.perf_counter()
             out = self._commit(pending, tables, cache, snap, record, batch)
-            if not batch:
-                pending[0].row.ahead = queued  # the step queued ahead replaces the one this block used
-                if out[0][5] is not None:
-                    self._undo_ahead(pending[0].row, cache)  # the row ends here: nothing follows the step
             if self.timed:
                 mx.eval(cache.state_arrays())
                 syncs += 1
@@ -419,8 +386,6 @@ class Engine:
                     # A row whose group had not drafted yet has nothing to undo (its last snapshot is stale).
                     if p.row.drafter is not None and p.draft is not None:
                         p.row.drafter.cancel()
-                if queued is not None:
-                    cache.restore(queued[1])  # the step queued ahead, then the block's own forward
                 if snap is not None:
                     cache.restore(snap)
                 if self.tap is not None:
@@ -444,38 +409,11 @@ class Engine:
                 proc.commit(committed[:n_keep])
             r.policy.observe(p.k, n, len(tokens), seconds)
             lps = logprob_entries(p.lp, len(tokens)) if p.lp is not None else None
-            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.fed, p.c, lps,
-                                        p.pre)))
+            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.fed, p.c, lps)))
         if batch and self.planner is not None:
             self.planner.observe([(p.row, b.drafted, b.accepted) for p, (_, b) in zip(pending, blocks)],
                                  pending[0].fed, seconds)
         return blocks
-
-    def _verify_after(self, p: _Pending, cache: ModelCache, record: Optional[str], pad: str) -> mx.array:
-        """The verify rows of a block whose ``last`` was fed ahead: that step's logits, then a forward of
-        the drafts alone (none without drafts). ``p.fed`` counts both."""
-        logits, _ = p.row.ahead
-        p.pre = 1
-        p.fed = 1
-        if p.k:
-            width = fed_width(p.k, pad)
-            logits = mx.concatenate([logits, cache.feed(_padded(p.x[1:], width), record=record)[: p.k]])
-            p.fed += width
-        return logits
-
-    def _queue_ahead(self, p: _Pending, cache: ModelCache) -> Optional[tuple]:
-        """After a block without drafts (a full accept whatever the target picks), queue the forward of
-        its next token before that token is read back: the next block's first row, ready when it starts.
-
-        Returns the lazy logits and the snapshot from before the step, or None where nothing was queued.
-        """
-        if not self.ahead or p.k or p.row.room <= 1 or p.fed != p.x.shape[0]:  # padded: not a full accept
-            return None
-        mx.async_eval(p.n_acc, p.nxt)  # the block's own result first, as plain decoding queues
-        snap = cache.snapshot()
-        logits = cache.feed(p.nxt.astype(mx.uint32).reshape(1))
-        mx.async_eval(logits)
-        return logits, snap
 
     @staticmethod
     def _accept(p: _Pending, logits: mx.array) -> None:
@@ -526,8 +464,7 @@ class Engine:
     def _settle_solo(self, p: _Pending, cache: ModelCache, snap, record: Optional[str], n_keep: int,
                      finish: Optional[str]) -> tuple[str, mx.array]:
         """Cut a single row's caches back to ``n_keep`` tokens; returns the rollback kind and the new carry."""
-        # Rows fed ahead (``p.pre``) went in before ``snap``: only the rest is cut back.
-        kept = p.x[p.pre : p.c + n_keep]
+        kept = p.x[: p.c + n_keep]
         none = p.row.carry[:0]
         if p.c + n_keep == p.fed:
             return "none", none
