@@ -60,6 +60,10 @@ def fed(width: int, shapes: str) -> int:
     return bucket(width) if shapes == "bucketed" else width
 
 
+# The row tiles of MLX 0.32.4's CUDA quantized matmul (its kernel cache names them ``qmm_..._m16_...``).
+QUANTIZED_TILES = (16, 32, 64)
+
+
 def ptx_cache_dir() -> Path:
     """Where MLX's CUDA backend keeps the kernels it compiled (``MLX_PTX_CACHE_DIR``, else under the temp dir)."""
     given = os.environ.get("MLX_PTX_CACHE_DIR")
@@ -67,23 +71,29 @@ def ptx_cache_dir() -> Path:
 
 
 def first_compile_note(weights: str, *, cuda: Optional[bool] = None, cache: Optional[Path] = None) -> Optional[str]:
-    """A line for any model on CUDA when no compiled kernel is cached yet on this machine (None otherwise).
+    """A line for a model on CUDA whose kernels are not all compiled yet on this machine (None otherwise).
 
-    Measured on H100s (MLX 0.32.4): a fresh machine's first bfloat16 run waited over 30 s
-    before its first token, in the first forwards (the next process, none); the first quantized
-    matmul of several rows compiled for 46 s, and a 4-bit model's first prompt waited minutes,
-    silently. Later processes read the kernels back from :func:`ptx_cache_dir`.
+    Measured on H100s and an H200 (MLX 0.32.4): a fresh machine's first bfloat16 run waited over
+    30 s before its first token, in the first forwards (the next process, none). Quantized
+    matmuls compile per tile of rows: on the H200 1-4 rows took 15-17 s, 8-16 rows 132 s, 32 and
+    64 rows 81-105 s more, and a 4-bit run stalled on a cache that held the smaller tiles only
+    (its prompt's prefill needed the 64-row one). Later processes read the kernels back from
+    :func:`ptx_cache_dir`; a quantized model is noted until the cache holds all three tiles
+    (the file names are MLX's own, so a rename only makes the note speak more often).
     """
     if cuda is None:
         cuda = compiles_per_shape() and hasattr(mx, "cuda") and mx.cuda.is_available()
     if not cuda:
         return None
     cache = ptx_cache_dir() if cache is None else cache
-    if cache.is_dir() and any(cache.iterdir()):
-        return None
+    names = [p.name for p in cache.iterdir()] if cache.is_dir() else []
     if "quantized" not in weights:
+        if names:
+            return None
         return (f"note: MLX's CUDA backend compiles its kernels the first time they run on this machine "
                 f"(over 30 s before the first token on an H100), then keeps them in {cache}")
+    if all(any(n.startswith("qmm") and f"_m{rows}_" in n for n in names) for rows in QUANTIZED_TILES):
+        return None
     return (f"note: MLX's CUDA backend compiles its quantized kernels the first time they run on this machine "
-            f"(46 s for one on an H100; a few minutes in all), then keeps them in {cache}; "
+            f"(on an H200: 132 s for 8-16 rows, 81-105 s for 32-64; minutes in all), then keeps them in {cache}; "
             "--dtype bfloat16 starts without them")

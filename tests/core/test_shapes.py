@@ -202,11 +202,17 @@ def test_the_json_reports_a_warm_up_of_the_buckets_alone(monkeypatch, tmp_path):
 
 
 def test_the_first_compile_note_speaks_only_on_cuda_before_its_kernels_are_cached(tmp_path):
-    assert "46 s" in shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path)
+    assert "132 s" in shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path)
     plain = shapes.first_compile_note("bfloat16", cuda=True, cache=tmp_path)
     assert "30 s" in plain and "quantized" not in plain
     assert shapes.first_compile_note("4-bit quantized", cuda=False, cache=tmp_path) is None
-    (tmp_path / "kernel.ptx").write_text("")
+    (tmp_path / "gather_bfloat16_uint32_1.ptx").write_text("")
+    assert shapes.first_compile_note("bfloat16", cuda=True, cache=tmp_path) is None
+    # As the H200's cache stood when a 4-bit run stalled: the small tiles compiled, not the 32- and 64-row ones.
+    (tmp_path / "qmm_sm80_tn_float16_m16_b4_g32_affine.ptx").write_text("")
+    assert "132 s" in shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path)
+    for rows in (32, 64):
+        (tmp_path / f"qmm_sm80_tn_float16_m{rows}_b4_g32_affine.ptx").write_text("")
     assert shapes.first_compile_note("4-bit quantized", cuda=True, cache=tmp_path) is None
     assert shapes.first_compile_note("4-bit quantized") is None  # this CPU
 
