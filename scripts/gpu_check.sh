@@ -9,7 +9,7 @@
 #   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
 #
 # STEPS (default "info smoke peer generate exact nocudnn sweep serve tests probe") picks steps of `run` (also: qwarm-bg, qwait,
-# gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,900-token prompt's prefill with
+# gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,962-token prompt's prefill with
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
 # generate configuration N times); GEN_ARGS adds options to
 # every generate run (e.g. "--shapes exact"); BUDGET_S (default 420) bounds the whole run: a step that
