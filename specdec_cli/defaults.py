@@ -65,10 +65,14 @@ DEFAULT_DECODE_CONCURRENCY = 8
 AUTO_ROWS = (1, 2, 4, 8, 16, 32)
 KNEE_GAIN = 0.1
 
+# --prompt-cache-disk-gb's largest value (1 PiB: more than any disk; past about 1.7e299 GB the byte count
+# is no longer a finite float).
+MAX_DISK_GB = 1 << 20
+
 # specdec distill's defaults (the CLI, the command's options and the trainer read them here).
 DISTILL = {"data_tokens": 40_000, "steps": 400, "batch_size": 8, "seq_len": 128, "lr": 1e-3, "depth": 3,
            "draft_vocab": 8192, "seed": 0}
 
 __all__ = ["AUTO_ROWS", "KNEE_GAIN", "DISTILL", "DEFAULT_BLOCK_SIZE", "DEFAULT_DECODE_CONCURRENCY", "DEFAULT_KV_GROUP_SIZE", "DRAFTERS",
-           "DRAFTER_KINDS", "DrafterKind", "HIDDEN_STATE_DRAFTERS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_NGRAM",
+           "DRAFTER_KINDS", "DrafterKind", "HIDDEN_STATE_DRAFTERS", "MAX_ANY_BLOCK_SIZE", "MAX_BLOCK_SIZE", "MAX_DISK_GB", "MAX_NGRAM",
            "NGRAM_MAX", "NGRAM_MIN"]

@@ -24,7 +24,8 @@ from typing_extensions import Annotated
 
 from .. import __version__
 from ..defaults import (AUTO_ROWS, DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL,
-                        DRAFTER_KINDS, KNEE_GAIN, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX, NGRAM_MIN)
+                        DRAFTER_KINDS, KNEE_GAIN, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_DISK_GB, MAX_NGRAM, NGRAM_MAX,
+                        NGRAM_MIN)
 from ..errors import EXIT_INTERRUPTED, SpecdecError
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
@@ -642,7 +643,7 @@ PromptCacheDirOpt = Annotated[Optional[str], _opt(
     "tier keeps caches across runs and restarts (servers may share it).", rich_help_panel=LIMITS,
     **_default("$XDG_CACHE_HOME or ~/.cache, then specdec/prompt-cache"))]
 PromptCacheDiskOpt = Annotated[Optional[float], _opt(
-    "--prompt-cache-disk-gb", metavar="GB", min=0.0, callback=_finite, envvar="SPECDEC_PROMPT_CACHE_DISK_GB",
+    "--prompt-cache-disk-gb", metavar="GB", min=0.0, max=float(MAX_DISK_GB), callback=_finite, envvar="SPECDEC_PROMPT_CACHE_DISK_GB",
     help="Most gigabytes the disk tier may hold (0: no disk tier).", rich_help_panel=LIMITS,
     **_default("min(20, a quarter of the free space)"))]
 QueueOpt = Annotated[int, _opt(

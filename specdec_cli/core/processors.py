@@ -469,7 +469,14 @@ def check_constraint(constraint: Optional[Constraint], tokenizer) -> None:
         ConstraintError: Naming what is wrong.
     """
     if constraint is not None:
-        Grammar(tokenizer, grammar_text(constraint, tokenizer))
+        grammar = Grammar(tokenizer, grammar_text(constraint, tokenizer))
+        # Some schemas compile, then fail at the first token ({"$ref": "#"}: NoExtensionBias): ask for it now.
+        try:
+            grammar._mask_into(np.zeros((1, grammar.words), dtype=np.int32), 0)
+        except RuntimeError:
+            first = (str(grammar.matcher.get_error()).strip().splitlines() or ["no reason given"])[0]
+            raise ConstraintError(f"it cannot be decoded: its grammar fails before the first token "
+                                  f"({_short(first)})") from None
 
 
 # --- log-probabilities -----------------------------------------------------------------------------

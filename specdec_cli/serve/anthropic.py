@@ -376,14 +376,10 @@ class MessageShape:
         return events
 
     def _tool_use(self, call: dict) -> list[dict]:
-        """A call as a ``tool_use`` block (one whose arguments are not an object stays the text written)."""
+        """A call as a ``tool_use`` block (its arguments are an object: the stream made for this API
+        returns any other call as the text the model wrote)."""
         fn = call["function"]
-        try:
-            arguments = json.loads(fn["arguments"])
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):  # never lose model output: shown as text
-            return self._add("text", f"{fn['name']}({fn['arguments']})")
+        arguments = json.loads(fn["arguments"])
         events = self._close()
         self.blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": arguments})
         index = len(self.blocks) - 1

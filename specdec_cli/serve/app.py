@@ -103,6 +103,14 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
+def _has_key(headers: list[tuple[bytes, bytes]], key: bytes) -> bool:
+    """Whether ASGI ``headers`` carry ``key``: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``."""
+    found = dict(headers or [])
+    bearer = found.get(b"authorization", b"")
+    given = bearer[7:] if bearer[:7].lower() == b"bearer " else found.get(b"x-api-key", b"")
+    return hmac.compare_digest(given.strip(), key)
+
+
 class _ApiKey:
     """With a key set, every request but ``GET /health`` needs it: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
 
@@ -116,10 +124,7 @@ class _ApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") != HEALTH_PATH:
-            headers = dict(scope.get("headers") or [])
-            bearer = headers.get(b"authorization", b"")
-            given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
-            if not hmac.compare_digest(given.strip(), self.key):
+            if not _has_key(scope.get("headers"), self.key):
                 refusal = _error(401, "a valid API key is needed: send Authorization: Bearer <key> "
                                  "(or x-api-key: <key>)", code="invalid_api_key")
                 return await refusal(scope, receive, send)
@@ -214,10 +219,14 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     app.add_middleware(_AnthropicErrors)  # outermost: it sees every error answer
 
     @app.get(HEALTH_PATH)
-    async def health():
+    async def health(request: Request):
+        # Anyone may ask whether the server is up; with a key set, only its holders see more (the
+        # cache folder, sizes and load tell whether a prompt was sent before).
+        told = api_key is None or _has_key(request.scope.get("headers"), api_key.encode())
         if service.scheduler.fault is not None:  # nothing would be generated: not healthy
-            return _error(503, service.scheduler.dead, code="generation_stopped")
-        return service.health()
+            why = service.scheduler.dead if told else "the server cannot generate; its log says why"
+            return _error(503, why, code="generation_stopped")
+        return service.health() if told else {"status": "ok"}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -244,7 +253,7 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.post("/v1/messages")
     async def create_message(body: anthropic.MessagesRequest, request: Request):
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.to_thread(service.prepare_chat, anthropic.to_chat(body), loop)
+        prepared = await asyncio.to_thread(service.prepare_chat, anthropic.to_chat(body), loop, False, True)
         shape = anthropic.MessageShape(service.model_id, len(prepared.request.prompt_ids),
                                        lambda reply: service.timings(prepared, reply))
         return await _answer(service, prepared, body.stream, request, shape)
@@ -256,7 +265,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request):
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.to_thread(service.prepare_chat, responses.to_chat(body), loop, True)
+        try:
+            prepared = await asyncio.to_thread(service.prepare_chat, responses.to_chat(body), loop, True)
+        except ApiError as e:
+            raise responses.client_error(e) from None
         shape = responses.ResponseShape(body, service.model_id, lambda reply: service.timings(prepared, reply),
                                         service.chat_logprobs)
         return await _answer(service, prepared, body.stream, request, shape)

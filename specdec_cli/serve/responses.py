@@ -215,10 +215,12 @@ class Route:
 def routes(req: ResponsesRequest) -> dict[str, Route]:
     """The tools offered to the model, by the name it sees; tools the server does not run are left out.
 
-    A namespace's function is offered by its own name where no other offered
-    tool has that name, else as ``namespace.function``; hosted tools
-    (``web_search``, ``file_search``, ``code_interpreter``, ...) run on OpenAI's
-    side and are not offered here: a client that sends them gets answers without them.
+    A plain tool keeps its name. A namespace's function is offered by its own name
+    where no other offered tool has that name, else as ``namespace.function``, and
+    where even that is taken (a plain tool named ``a.f`` beside namespace ``a``'s
+    ``f``) as ``namespace.function_2``, ``_3``, ...: every tool has a name of its own.
+    Hosted tools (``web_search``, ``file_search``, ``code_interpreter``, ...) run on
+    OpenAI's side and are not offered here: a client that sends them gets answers without them.
     """
     flat: list[tuple[str, Route]] = []
     for t in req.tools or []:
@@ -230,12 +232,20 @@ def routes(req: ResponsesRequest) -> dict[str, Route]:
     counts: dict[str, int] = {}
     for name, _ in flat:
         counts[name] = counts.get(name, 0) + 1
-    out: dict[str, Route] = {}
+    out: dict[str, Route] = {name: route for name, route in flat if route.namespace is None}
     for name, route in flat:
-        seen = name if route.namespace is None or counts[name] == 1 else f"{route.namespace}.{name}"
+        if route.namespace is None:
+            continue
+        qualified = f"{route.namespace}.{name}"
+        seen = name if counts[name] == 1 else qualified
+        k = 1
+        while seen in out:
+            k += 1
+            seen = f"{qualified}_{k}"
         out[seen] = route
+    for name, route in flat:  # a model may write the qualified name anyway, where it names no other tool
         if route.namespace is not None:
-            out.setdefault(f"{route.namespace}.{name}", route)  # a model may write the qualified name anyway
+            out.setdefault(f"{route.namespace}.{name}", route)
     return out
 
 
@@ -333,6 +343,22 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
     extra = req.model_extra or {}
     body.update({k: extra[k] for k in EXTENSIONS if k in extra})
     return chat_request(body, origins)
+
+
+# Chat's fields named in errors found past the translation, as the Responses API spells them.
+_CHAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"),
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("max_tokens", "max_output_tokens"))
+
+
+def client_error(e: ApiError) -> ApiError:
+    """``e`` (from checking the chat request :func:`to_chat` made) naming the Responses API's field."""
+    for chat, ours in _CHAT_FIELDS:
+        if e.param and (e.param == chat or e.param.startswith(chat + ".")):
+            e.param = ours + e.param[len(chat):]
+            e.message = e.message.replace(chat, ours)
+            break
+    return e
 
 
 # --- answers ---------------------------------------------------------------------------

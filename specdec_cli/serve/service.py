@@ -204,7 +204,8 @@ class Service:
             kind = spec[0]
             made = (Constraint("json_object") if kind == "json_object" else Constraint.json_schema(spec[1])
                     if kind == "json_schema" else Constraint.tool_call(spec[1], spec[2]))
-            param = "tool_choice" if kind == "tool_call" else "response_format"
+            param = {"tool_call": "tool_choice", "json_schema": "response_format.json_schema.schema"}.get(
+                kind, "response_format")
             try:
                 check_constraint(made, self.tokenizer)
             except ConstraintError as e:
@@ -213,7 +214,8 @@ class Service:
             fields["constraint"] = made
         return fields
 
-    def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop, rest: bool = False) -> Prepared:
+    def prepare_chat(self, req: ChatRequest, loop: asyncio.AbstractEventLoop, rest: bool = False,
+                     object_arguments: bool = False) -> Prepared:
         """Check a chat request and make its job.
 
         Args:
@@ -221,6 +223,8 @@ class Service:
             loop: The HTTP side's event loop.
             rest: Without a limit in the request, generate up to the rest of the context (the Responses
                 API's reading: Codex sets none) instead of the server's ``--max-tokens``.
+            object_arguments: A tool call's arguments must be a JSON object (Anthropic's): a call whose
+                are not is answered as the text the model wrote.
 
         Raises:
             ApiError: A 4xx naming the field at fault.
@@ -228,7 +232,7 @@ class Service:
         rendered, tools = self.render_chat(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages", rest)
-        return self._prepared("chat", req, request, loop, tools, chat=True)
+        return self._prepared("chat", req, request, loop, tools, chat=True, object_arguments=object_arguments)
 
     def render_chat(self, req: ChatRequest) -> tuple[Rendered, Optional[list]]:
         """A checked chat request's prompt, and the tools it offers (None when ``tool_choice`` is none).
@@ -280,13 +284,15 @@ class Service:
         prepared.id = protocol.new_id("cmpl")
         return prepared
 
-    def _prepared(self, kind: str, req, request: Request, loop, tools, chat: bool) -> Prepared:
+    def _prepared(self, kind: str, req, request: Request, loop, tools, chat: bool,
+                  object_arguments: bool = False) -> Prepared:
         stop = req.stop_strings
         tokenizer, session = self.tokenizer, self.session
         job: Job
 
         def make() -> Reply:
-            stream = TextStream(tokenizer, stop, tools, chat=chat, prompt=request.prompt_ids)
+            stream = TextStream(tokenizer, stop, tools, chat=chat, prompt=request.prompt_ids,
+                                object_arguments=object_arguments)
             return Reply(session, request, stream, cancelled=job.cancelled.is_set)
 
         job = Job(make, loop)

@@ -20,6 +20,8 @@ from collections import deque
 from pathlib import Path
 from typing import Sequence
 
+from .private import NotPrivate, check_private_folder, create_private, make_private_folder
+
 log = logging.getLogger(__name__)
 
 # The corpus's default size in tokens (serve's --lookup-corpus).
@@ -64,12 +66,16 @@ class Corpus:
         return self._tokens
 
     def save(self, path: Path) -> None:
-        """Write the outputs to ``path`` (its folder made, a temporary file, then a rename); a failure is one warning."""
+        """Write the outputs to ``path`` (its folder made, a temporary file, then a rename); a failure is one warning.
+
+        The folder and the file are private (0700 / 0600): the ids decode to the answers' text.
+        """
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"corpus": 1, "outputs": [list(o) for o in self.outputs()]}))
+            make_private_folder(path.parent)
+            with create_private(tmp) as out:
+                out.write(json.dumps({"corpus": 1, "outputs": [list(o) for o in self.outputs()]}).encode())
             os.replace(tmp, path)
         except OSError as e:
             log.warning("could not keep the lookup corpus in %s (%s)", path, e.strerror or e)
@@ -82,12 +88,16 @@ class Corpus:
         proposals: a wrong one is rejected by the target)."""
         path = Path(path)
         try:
+            check_private_folder(path.parent)
             data = json.loads(path.read_text())
             outputs = data["outputs"]
             if data.get("corpus") != 1 or not all(
                     isinstance(o, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in o) for o in outputs):
                 raise ValueError("not a lookup corpus of this tokenizer")
         except FileNotFoundError:
+            return 0
+        except NotPrivate as e:
+            log.warning("ignored the lookup corpus in %s (%s)", path, e)
             return 0
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignored the lookup corpus in %s (%s)", path, e)

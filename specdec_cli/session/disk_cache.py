@@ -25,11 +25,19 @@ A lane resumes at ``n`` when blocks ``1 .. n // B`` are there and either ``n`` i
 a block boundary and the lane has no fixed-position layer, or a state record
 for ``H(n)`` is there. Files are written atomically (a temporary file and
 ``os.replace``), checked on reading (a sha256 of the data in the header, the
-key, the lane and the layout): a damaged or foreign file is removed with one
-warning and the load falls back to a shorter length. Writing never raises: a
-full disk or read-only folder costs one warning. The folder is bounded by
-bytes, least recently used first (a load touches the files it read), and may
-be shared by several processes.
+key, the lane, the layout, and the chain hash and index its name stands for, so a
+file renamed or planted under another prompt's name is refused): a damaged or
+foreign file is removed with one warning and the load falls back to a shorter
+length. Writing never raises: a read-only folder costs one warning, a full disk
+shrinks the bound to what fits (said once). Each key's files are bounded by
+bytes, least recently used first (a load touches the files it read), and the
+folder may be shared by several processes: each counts its own key's files
+against its own bound, and any of them removes keys no process has used for
+:data:`ABANDONED_S`.
+
+Key folders are private (0700, files 0600, whatever the umask: they hold
+prompts and answers), and one another user owns or others may write is not
+read.
 
 The format is safetensors, written and read here with numpy (bfloat16 travels
 as its 16 bits with the dtype ``BF16``), so ``mx.load`` reads the files too.
@@ -37,6 +45,7 @@ as its 16 bits with the dtype ``BF16``), so ``mx.load`` reads the files too.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -44,6 +53,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,15 +66,18 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from ..cache.caches import ChunkKVCache, ModelCache, WindowKVCache, WindowQuantizedKVCache, _leaves, fixed_position
 from ..model.taps import Hidden
+from .private import NotPrivate, check_private_folder, create_private, make_private_folder
 from .prompt_cache import Entry
 from .state import SavedCache
 
 log = logging.getLogger(__name__)
 
 #: Version of the files' layout: part of every key, so a new layout never reads an old one's files.
-FORMAT = 1
+FORMAT = 2
 
 _SUFFIX = ".safetensors"
+#: The lookup corpus of a key's recent answers (``session.corpus``), kept in its folder.
+CORPUS_NAME = "lookup-corpus.json"
 # What eviction may remove: a key's folder, and a lane's block or record in it (nothing else, ever).
 _KEY = re.compile(r"[0-9a-f]{64}")
 _OURS = re.compile(r"(t|d|h|d[0-9a-f]{16}|h[0-9a-f]{16})-(b-[0-9a-f]{64}|s-[0-9a-f]{64}-[0-9]+-[0-9a-f]{64})"
@@ -72,6 +85,9 @@ _OURS = re.compile(r"(t|d|h|d[0-9a-f]{16}|h[0-9a-f]{16})-(b-[0-9a-f]{64}|s-[0-9a
 _TMP = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{8}\.tmp")
 # A temporary file older than this was left by a writer that died: eviction removes it.
 _STALE_TMP_S = 3600
+#: A key folder none of whose files was used for this long (an old model, setting or release) is
+#: removed by any store's eviction, whatever its own bound: nothing else would ever free it.
+ABANDONED_S = 30 * 24 * 3600
 
 # safetensors dtype names <-> numpy (bfloat16 travels as its uint16 bits).
 _NP = {
@@ -300,6 +316,8 @@ class DiskStore:
         self._names: set[str] = set()
         self._scheduled: set[str] = set()  # in a save submitted to a Writer, not written yet
         self._write_failed = False
+        self._untrusted_warned = False
+        self._shrunk_warned = False
         self.hits = 0
         self.misses = 0
         self.written = 0
@@ -325,7 +343,14 @@ class DiskStore:
 
     def _refresh(self) -> set[str]:
         try:
+            check_private_folder(self.dir, tighten=True)
             names = {n for n in os.listdir(self.dir) if n.endswith(_SUFFIX) and not n.startswith(".")}
+        except NotPrivate as e:
+            if not self._untrusted_warned:
+                log.warning("disk prompt cache: not reading %s (%s): anyone who can write it can plant a cache",
+                            self.dir, e)
+                self._untrusted_warned = True
+            names = set()
         except OSError:
             names = set()
         with self._lock:
@@ -440,7 +465,7 @@ class DiskStore:
                 tensors = {}
                 for j in trim:
                     tensors.update(_rows(leaves[j], (i - 1) * B, i * B, j))
-                jobs.append((name, tensors, self._meta(lane, "block", sig, index=i)))
+                jobs.append((name, tensors, self._meta(lane, "block", sig, index=i, chain=chain[i].hex())))
                 names.add(name)
         ends = [L] + sorted((n for n in saved.checkpoints if 0 < n < L), reverse=True) if fixed \
             else sorted({p for p in (L, *marks) if 0 < p <= L and p % B}, reverse=True)
@@ -459,7 +484,8 @@ class DiskStore:
                 more, state = _fixed_state(c, j)
                 tensors.update(more)
                 states[str(j)] = state
-            jobs.append((name, tensors, self._meta(lane, "state", sig, length=p, states=states)))
+            jobs.append((name, tensors, self._meta(lane, "state", sig, length=p, states=states,
+                                                   chain=self._at(chain, toks, p))))
             names.add(name)
 
     def _hidden_jobs(self, hidden: Hidden, rows: int, ends, chain, toks, names, jobs, pending) -> None:
@@ -475,14 +501,16 @@ class DiskStore:
             if name in names:
                 pending.touch.append(name)
                 continue
-            jobs.append((name, cut((i - 1) * B, i * B), self._meta(self._h, "block", sig, index=i)))
+            jobs.append((name, cut((i - 1) * B, i * B),
+                         self._meta(self._h, "block", sig, index=i, chain=chain[i].hex())))
             names.add(name)
         for p in sorted({p for p in ends if 0 < p <= rows and p % B}, reverse=True):
             name = self._record_name(self._h, chain, toks, p)
             if name in names:
                 pending.touch.append(name)
                 continue
-            jobs.append((name, cut(p // B * B, p), self._meta(self._h, "state", sig, length=p, states={})))
+            jobs.append((name, cut(p // B * B, p),
+                         self._meta(self._h, "state", sig, length=p, states={}, chain=self._at(chain, toks, p))))
             names.add(name)
 
     def write(self, pending: Pending) -> int:
@@ -495,35 +523,41 @@ class DiskStore:
         """
         total = 0
         tmp = None
+        left = sum(a.nbytes for f in pending.files for a, _ in f.tensors.values())  # not written yet
         try:
             if pending.files:
-                self.dir.mkdir(parents=True, exist_ok=True)
+                make_private_folder(self.dir)
             # Last block first: eviction takes the oldest files first, and a chain without its front is useless.
             for f in reversed(pending.files):
                 path = self.dir / f.name
+                size = sum(a.nbytes for a, _ in f.tensors.values())
                 if path.exists():
+                    left -= size
                     continue  # another process (or an earlier save) wrote it
                 head, arrays = _encode(f.tensors, f.meta)
                 tmp = self.dir / f".{f.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-                with open(tmp, "xb") as out:
+                with create_private(tmp) as out:
                     out.write(head)
                     for a in arrays:
                         out.write(memoryview(a).cast("B"))
                 os.replace(tmp, path)
                 tmp = None
+                left -= size
                 total += len(head) + sum(a.nbytes for a in arrays)
                 with self._lock:
                     self._names.add(f.name)
             self._write_failed = False
         except OSError as e:
-            if not self._write_failed:
-                log.warning("disk prompt cache: cannot write under %s (%s); going on without saving", self.dir, e)
-            self._write_failed = True
             if tmp is not None:
                 try:
                     os.remove(tmp)
                 except OSError:
                     pass
+            if not (e.errno == errno.ENOSPC and self._shrink(left)):
+                if not self._write_failed:
+                    log.warning("disk prompt cache: cannot write under %s (%s); going on without saving",
+                                self.dir, e)
+                self._write_failed = True
         finally:
             with self._lock:
                 self._scheduled -= {f.name for f in pending.files}
@@ -556,34 +590,68 @@ class DiskStore:
             except OSError:
                 pass  # evicted meanwhile: a later load misses there
 
-    def _evict(self) -> None:
-        """Remove the least recently used files under ``root`` (every key) until under ``max_bytes``.
+    def _shrink(self, need: int) -> bool:
+        """The disk is full: bound this key at what fits (its files and the free space, less the ``need``
+        bytes a save could not write), said once, and evict down to it, so the next save finds room.
 
-        Only this tier's own files are ever removed: in a key's folder (64 hex digits), named as a
-        block or a record of a lane; anything else a user keeps there (a model's weights) is left
+        Returns:
+            Whether the bound shrank (not when the free space says the bound fits: a quota, say).
+        """
+        self._measure()
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = 0
+        fits = max(0, self._nbytes + free - need)
+        if fits >= self.max_bytes:
+            return False
+        if not self._shrunk_warned:
+            log.warning("disk prompt cache: the disk under %s is full; its bound is now %.2f GB (what fits), "
+                        "not %.2f GB", self.root, fits / (1 << 30), self.max_bytes / (1 << 30))
+            self._shrunk_warned = True
+        self.max_bytes = fits
+        self._evict()
+        return True
+
+    def _evict(self) -> None:
+        """Remove this key's least recently used files until they are under ``max_bytes``.
+
+        Other keys' files count against their own servers' bounds, not this one's; a key none of whose
+        files was used for :data:`ABANDONED_S` goes whole (nothing else would free it). Only this tier's
+        own files are ever removed: in a key's folder (64 hex digits), named as a block or a record of
+        a lane, or the lookup corpus; anything else a user keeps there (a model's weights) is left
         alone. Temporary files a crashed writer left an hour ago go too.
         """
         files, total = [], 0
-        stale = time.time() - _STALE_TMP_S
+        now = time.time()
         try:
             with os.scandir(self.root) as subs:
                 for sub in subs:
                     if not (_KEY.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
                         continue
+                    mine = sub.name == self.key
+                    theirs, newest = [], 0.0
                     try:
                         with os.scandir(sub.path) as it:
                             for e in it:
                                 try:
-                                    if _OURS.fullmatch(e.name):
+                                    if _OURS.fullmatch(e.name) or e.name == CORPUS_NAME:
                                         st = e.stat(follow_symlinks=False)
-                                        files.append((st.st_mtime_ns, e.name, st.st_size, e.path))
-                                        total += st.st_size
-                                    elif _TMP.fullmatch(e.name) and e.stat(follow_symlinks=False).st_mtime < stale:
+                                        if mine and e.name != CORPUS_NAME:
+                                            files.append((st.st_mtime_ns, e.name, st.st_size, e.path))
+                                            total += st.st_size
+                                        elif not mine:
+                                            theirs.append(e.path)
+                                            newest = max(newest, st.st_mtime)
+                                    elif _TMP.fullmatch(e.name) and \
+                                            e.stat(follow_symlinks=False).st_mtime < now - _STALE_TMP_S:
                                         os.remove(e.path)
                                 except OSError:
                                     continue
                     except OSError:
                         continue
+                    if theirs and newest < now - ABANDONED_S:
+                        self._abandon(sub.path, theirs)
         except OSError:
             return
         if total > self.max_bytes:
@@ -604,10 +672,26 @@ class DiskStore:
                 self._names -= gone
         self._measure()
 
+    @staticmethod
+    def _abandon(folder: str, paths: list[str]) -> None:
+        """Remove an abandoned key's files (and the folder, once nothing else is in it)."""
+        for path in paths:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # a user's own file, a temporary being written, or another user's folder
+
     # -- load --
 
-    def _read(self, name: str, lane: str, sig: Optional[list], kind: str) -> tuple[dict, dict]:
+    def _read(self, name: str, lane: str, sig: Optional[list], kind: str, index: int = 0) -> tuple[dict, dict]:
         """A file's arrays and metadata; a damaged or foreign one is removed with a warning.
+
+        The file must be what its name says: a block's chain hash and ``index``, a record's
+        ``H(p)`` and length (a file copied under another prompt's name would load that prompt).
 
         Raises:
             FileNotFoundError: It vanished (another process evicted it): a miss, no warning.
@@ -623,8 +707,11 @@ class DiskStore:
             return self._damaged(path, f"unreadable ({e})")
         try:
             arrays, meta = _decode(blob)
+            parts = name[: -len(_SUFFIX)].split("-")
+            named = [("chain", parts[2]), ("index", str(index))] if kind == "block" else \
+                [("chain", parts[4]), ("length", parts[3])]
             for field_, want in (("format", str(FORMAT)), ("key", self.key), ("lane", lane), ("kind", kind),
-                                 ("block", str(self.block))):
+                                 ("block", str(self.block)), *named):
                 if meta.get(field_) != want:
                     raise _Damaged(f"its {field_} is {meta.get(field_)!r}, not {want!r}")
             if sig is not None and json.loads(meta["leaves"]) != sig:
@@ -679,7 +766,7 @@ class DiskStore:
         if trim:
             for i in range(1, q + 1):
                 name = self._block_name(lane, chain[i])
-                blocks.append(self._read(name, lane, sig, "block")[0])
+                blocks.append(self._read(name, lane, sig, "block", i)[0])
                 read.append(name)
         record = None
         if fixed or n % B:
@@ -743,7 +830,7 @@ class DiskStore:
             names.append(self._record_name(self._h, chain, toks, n))
         sig, pieces = None, []
         for i, name in enumerate(names):
-            arrays, meta = self._read(name, self._h, sig, "block" if i < q else "state")
+            arrays, meta = self._read(name, self._h, sig, "block" if i < q else "state", i + 1)
             sig = json.loads(meta["leaves"])  # the first file's layout: the others must have it too
             pieces.append(arrays)
         try:

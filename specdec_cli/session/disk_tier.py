@@ -18,8 +18,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..defaults import MAX_DISK_GB
 from ..model.fingerprint import content_fingerprint
-from .disk_cache import DiskHit, DiskStore, Writer
+from .disk_cache import CORPUS_NAME, DiskHit, DiskStore, Writer
+from .private import make_private_folder
 from .prompt_cache import Entry
 from .setup import Setup
 
@@ -127,7 +129,7 @@ class DiskTier:
     @property
     def corpus_path(self) -> Path:
         """Where the lookup corpus of recent answers is kept for the next process of this key."""
-        return self.store.dir / "lookup-corpus.json"
+        return self.store.dir / CORPUS_NAME
 
     def close(self, timeout: float = FLUSH_S) -> None:
         """Write what is queued (up to ``timeout`` s), then stop the writer."""
@@ -153,9 +155,15 @@ def open_disk_tier(setup: Setup, folder: Optional[str], gb: Optional[float], tap
         return None, "the disk prompt cache is off for a sharded target"
     path = Path(folder).expanduser() if folder else default_dir()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            make_private_folder(path)  # a folder of the user's own keeps its mode: the key folders are private
     except OSError as e:
-        return None, f"the disk prompt cache is off: cannot make {path} ({e.strerror}); pass --prompt-cache-dir"
+        fix = ("pass a folder you can write as --prompt-cache-dir" if folder else "pass --prompt-cache-dir")
+        return None, (f"the disk prompt cache is off: cannot make {path} ({e.strerror or e}); {fix}, or "
+                      "--prompt-cache-disk-gb 0 to go without it")
+    if gb is not None and gb > MAX_DISK_GB:
+        log.warning("--prompt-cache-disk-gb %g is more than any disk: using %d", gb, MAX_DISK_GB)
+        gb = MAX_DISK_GB
     max_bytes = int(gb * (1 << 30)) if gb is not None else default_max_bytes(path)
     if max_bytes <= 0:
         return None, f"the disk prompt cache is off: no free space in {path}"

@@ -91,15 +91,18 @@ class TextStream:
         tools: The request's tools (passed to the tool parser).
         chat: Split reasoning and tool calls out (chat replies); completions get the raw text.
         prompt: The prompt's ids (a prompt ending inside a thinking block starts in reasoning).
+        object_arguments: A call's arguments must be a JSON object (Anthropic's ``tool_use.input``): a
+            call block holding one whose arguments are not is the text the model wrote.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), tools: Optional[list] = None, chat: bool = True,
-                 prompt: Sequence[int] = ()):
+                 prompt: Sequence[int] = (), object_arguments: bool = False):
         self.tokenizer = tokenizer
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.stops = [s for s in stop if s]
         self.tools = tools
+        self.object_arguments = object_arguments
         self.stopped = False
         self.stop_string: Optional[str] = None  # the stop string that ended the reply
         self.text = ""  # everything emitted, raw (before the split)
@@ -204,6 +207,10 @@ class TextStream:
                         type(parsed).__name__)
             piece.add("content", written)
             return
+        if self.object_arguments and not all(_object(c["function"]["arguments"]) for c in calls):
+            log.warning("a tool call's arguments are not a JSON object; it is returned as text")
+            piece.add("content", written)
+            return
         for call in calls:
             piece.add("call", call)
         self._calls += len(calls)
@@ -241,6 +248,13 @@ def token_bytes(tokenizer, token: int) -> bytes:
 def _is_special(hf, token: int) -> bool:
     return token in set(getattr(hf, "all_special_ids", ()) or ()) or \
         token in getattr(hf, "added_tokens_decoder", {})
+
+
+def _object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 def _tool_call(call) -> Optional[dict]:

@@ -132,6 +132,24 @@ def test_each_bad_value_names_the_range(models, args, message):
     assert result.exit_code == 2 and message in one_line(result)
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "chat"])
+def test_a_disk_bound_past_any_disk_names_the_option_from_the_command_line_or_the_environment(models, command,
+                                                                                              monkeypatch):
+    # 1e300 GB is finite, but its byte count is not: it crashed start-up with "cannot convert float infinity".
+    runner = CliRunner()
+    for args, env in ((["--prompt-cache-disk-gb", "1e300"], {}), ([], {"SPECDEC_PROMPT_CACHE_DISK_GB": "1e300"})):
+        result = runner.invoke(app, [command, "--model", str(models["llama"]), *args], input="Hi", env=env)
+        assert result.exit_code == 2 and "--prompt-cache-disk-gb" in one_line(result), result.output
+        assert "0.0<=x<=1048576" in one_line(result)
+
+
+def test_a_schema_that_cannot_be_decoded_is_refused_before_the_first_token(models, tmp_path):
+    schema = tmp_path / "loop.json"
+    schema.write_text('{"$ref": "#"}')
+    result = generate("--model", models["llama"], "Hi", "--json-schema", schema)
+    assert result.exit_code == 2 and "cannot be decoded: its grammar fails before the first token" in one_line(result)
+
+
 def test_block_size_maximum_is_a_named_constant():
     assert commands.MAX_ANY_BLOCK_SIZE == max(commands.MAX_BLOCK_SIZE.values()) == 64
     result = CliRunner().invoke(app, ["sweep", "--model", "x", "Hi", "--block-sizes", "2,65"])

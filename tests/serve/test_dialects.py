@@ -694,6 +694,29 @@ def test_codex_tools_are_served_namespaced_and_hosted_ones_left_out():
     assert [t["function"]["name"] for t in responses_api.to_chat(twice).tools] == ["a.close", "b.close"]
 
 
+CLASH = [{"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "f", "parameters": {}}]},
+         {"type": "function", "name": "f", "parameters": {}}, {"type": "function", "name": "a.f", "parameters": {}}]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 0, 2)])
+def test_a_namespaced_name_that_another_tool_has_is_made_unique(order):
+    # Namespace a's f, a plain f and a plain a.f: the qualified name is taken too (it was a KeyError: a 500).
+    tools = [CLASH[i] for i in order]
+    req = responses_api.ResponsesRequest.model_validate({"model": "m", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "namespace": "a", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "a.f", "arguments": "{}"}], "tools": tools})
+    chat_req = responses_api.to_chat(req)
+    names = [t["function"]["name"] for t in chat_req.tools]
+    assert sorted(names) == ["a.f", "a.f_2", "f"] and len(set(names)) == 3
+    routes = responses_api.routes(req)
+    assert routes["a.f_2"] == responses_api.Route("function", "f", "a")
+    assert routes["a.f"] == responses_api.Route("function", "a.f") and routes["f"] == responses_api.Route("function", "f")
+    # The calls sent back name what the model was shown for each.
+    (calls,) = [m.tool_calls for m in chat_req.messages if m.tool_calls]
+    assert [c.function.name for c in calls] == ["a.f_2", "a.f"]
+
+
 def test_a_namespaced_call_goes_back_with_its_namespace(tools_server):
     # Offered by its own name (no other tool has it), called so: the answer names the namespace Codex routes by.
     client = tools_server.client()
@@ -707,6 +730,9 @@ def test_a_namespaced_call_goes_back_with_its_namespace(tools_server):
                               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
     after = client.responses.create(model="default_model", input=follow, tools=CODEX_TOOLS[1:], max_output_tokens=1)
     assert after.usage.input_tokens > out.usage.input_tokens
+    # A namespaced name every other spelling of which another tool holds is served too (it was a 500).
+    clash = client.responses.create(model="default_model", input="hi", tools=CLASH, max_output_tokens=1)
+    assert clash.usage.input_tokens > 0
 
 
 def test_a_custom_tool_call_is_answered_as_custom_tool_call():

@@ -282,7 +282,7 @@ BAD = [
      "response_format.json_schema.schema"),
     ("a schema the grammar cannot compile", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
-         "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, 400, "response_format"),
+         "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, 400, "response_format.json_schema.schema"),
     ("tool_choice required without tools", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
     ("a grammar with ignore_eos", "/v1/chat/completions",

@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 
 from server import TOOL_ANSWER, TOOL_QUESTION, WEATHER_TOOL, Server, said_model_dir, tool_model_dir, tools_tokenizer
-from specdec_cli.core.processors import Constraint, ConstraintError, Grammar, grammar_text
+from specdec_cli.core.processors import Constraint, ConstraintError, Grammar, check_constraint, grammar_text
 from specdec_cli.serve import protocol
 from specdec_cli.serve.scheduler import Busy, Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
@@ -121,6 +121,54 @@ def test_a_model_that_calls_with_a_number_is_answered_and_the_server_serves_on(b
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == BAD_CALL
     assert health(bad_server).json()["status"] == "ok"
     assert client.chat.completions.create(model="default_model", messages=HELLO, max_tokens=5).choices
+
+
+# --- 1a. a call whose arguments are not an object, on the Messages API ---------------------------------
+
+# A call mlx-lm parses, with a string for arguments: OpenAI's arguments are a string anyway, Anthropic's
+# input must be an object (it came back as the text "get_weather(Paris)", which the model never wrote).
+STRING_CALL = '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+                     "input_schema": WEATHER_TOOL["function"]["parameters"]}
+
+
+def test_a_call_whose_arguments_are_not_an_object_is_the_models_text_where_they_must_be_one(tok):
+    text = f"Sure. {STRING_CALL} Done."
+    ids = tok.encode(text, add_special_tokens=False)
+    for objects in (True, False):
+        stream = TextStream(tok, tools=[WEATHER_TOOL], object_arguments=objects)
+        pieces = [stream.add(ids), stream.finish()]
+        content = "".join(p.content for p in pieces)
+        calls = [c for p in pieces for c in p.tool_calls]
+        if objects:
+            assert content == text and not calls and not stream.made_tool_calls
+        else:  # chat completions: a call whose arguments string is the model's
+            assert content == "Sure.  Done." and [c["function"]["arguments"] for c in calls] == ["Paris"]
+
+
+@pytest.fixture(scope="module")
+def string_call_server(root):
+    s = Server("--model", said_model_dir(root / "string-call", STRING_CALL, steps=400))
+    yield s
+    s.stop()
+
+
+def test_the_messages_api_gives_back_the_models_own_text_for_a_call_it_cannot_use(string_call_server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=string_call_server.url, api_key="none", max_retries=0, timeout=ANSWER_S)
+    out = client.messages.create(model="default_model", max_tokens=120, messages=TOOL_QUESTION,
+                                 tools=[ANTHROPIC_WEATHER])
+    assert [(b.type, b.text) for b in out.content] == [("text", STRING_CALL)] and out.stop_reason == "end_turn"
+    with client.messages.stream(model="default_model", max_tokens=120, messages=TOOL_QUESTION,
+                                tools=[ANTHROPIC_WEATHER]) as s:
+        final = s.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", STRING_CALL)]
+    # Chat completions still answers it as a call (its arguments are a string there).
+    chat = string_call_server.client().chat.completions.create(model="default_model", messages=TOOL_QUESTION,
+                                                              tools=[WEATHER_TOOL], max_tokens=120)
+    (call,) = chat.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == "Paris"
 
 
 # --- 1b. the generation thread: one row's fault fails that row, nothing ends the thread ------------------
@@ -320,6 +368,29 @@ def test_a_schema_of_true_is_any_json_value_and_false_is_refused(tok):
         grammar_text(Constraint.json_schema(False), tok)
 
 
+def test_a_schema_that_compiles_but_cannot_be_decoded_is_refused_before_it_is_queued(tok):
+    # {"$ref": "#"} compiles to a grammar, then fails at its first token (NoExtensionBias): a 500 mid-answer.
+    with pytest.raises(ConstraintError, match="cannot be decoded.*NoExtensionBias"):
+        check_constraint(Constraint.json_schema({"$ref": "#"}), tok)
+    check_constraint(Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+                                             "$defs": {"x": {"type": "integer"}}}), tok)  # a $ref that resolves
+
+
+def test_an_undecodable_schema_is_a_400_naming_it_in_chat_and_in_the_responses_api(tools_server):
+    r = post(tools_server, "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema" and "cannot be decoded" in error["message"]
+    r = post(tools_server, "/v1/responses", {"model": "default_model", "input": "hi", "max_output_tokens": 5,
+                                             "text": {"format": {"type": "json_schema", "name": "x",
+                                                                 "schema": {"$ref": "#"}}}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "text.format.schema" and "cannot be decoded" in error["message"]
+    assert post(tools_server, "/v1/chat/completions", CHAT).status_code == 200  # and the server serves on
+
+
 def test_a_schema_of_true_answers_and_false_is_a_400_naming_the_schema(tools_server):
     def ask(schema):
         return post(tools_server, "/v1/chat/completions", {**CHAT, "max_tokens": 30, "response_format": {
@@ -442,7 +513,18 @@ def test_health_reports_the_prompt_cache_bytes_and_its_bound(tools_server, keyed
         h = health(tools_server).json()
         assert h["prompt_cache_max_bytes"] == 300 * 2**10
         assert 0 < h["prompt_cache_bytes"] <= h["prompt_cache_max_bytes"]
-    assert health(keyed).json()["prompt_cache_max_bytes"] == prompt_cache_module.default_max_bytes()
+    told = httpx.get(f"{keyed.url}/health", headers={"authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert told["prompt_cache_max_bytes"] == prompt_cache_module.default_max_bytes()
+
+
+def test_with_a_key_health_tells_others_only_that_the_server_is_up(keyed):
+    # The cache folder, its sizes and the load tell whether a prompt prefix was sent before: key holders only.
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+        r = httpx.get(f"{keyed.url}/health", headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+    for headers in ({"authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+        told = httpx.get(f"{keyed.url}/health", headers=headers, timeout=30).json()
+        assert {"prompt_cache_dir", "prompt_cache_disk_bytes", "prompt_cache_bytes", "running"} <= set(told)
 
 
 # --- 6a. pydantic's "Value error, " never reaches a client ------------------------------------------------

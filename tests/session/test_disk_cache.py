@@ -490,3 +490,135 @@ def test_two_processes_saving_into_one_folder_leave_only_files_that_load_exactly
         direct, _ = prefill(model, list(q[:n]), stops=[len(q) // 2] if n == len(q) else [])
         assert max_cache_diff(hit.target, direct) == 0
     assert hits
+
+
+# --- issue 55: the folder is private, a file is what its name says, each key has its own bound ----------
+
+
+def modes(folder: Path) -> set[int]:
+    return {p.stat().st_mode & 0o777 for p in folder.iterdir()}
+
+
+def test_the_key_folder_and_its_files_are_private_whatever_the_umask(tmp_path):
+    model = target("llama", "float32")
+    _, saved = prefill(model, TOKENS[:70])
+    old = os.umask(0)  # the loosest umask: a plain open() or mkdir() would leave 0666 / 0777
+    try:
+        disk = store(tmp_path / "cache")
+        assert disk.save(TOKENS, saved) > 0
+    finally:
+        os.umask(old)
+    assert disk.dir.stat().st_mode & 0o777 == 0o700
+    assert len(list(disk.dir.iterdir())) > 2 and modes(disk.dir) == {0o600}
+
+
+def test_a_key_folder_an_older_release_left_readable_is_made_private(tmp_path):
+    model = target("llama", "float32")
+    _, saved = prefill(model, TOKENS[:70])
+    disk = store(tmp_path)
+    disk.dir.mkdir(mode=0o755)
+    os.chmod(disk.dir, 0o755)
+    disk.save(TOKENS, saved)
+    assert disk.dir.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("how", ["another user's", "writable by others"])
+def test_a_key_folder_others_could_have_written_is_never_read(tmp_path, caplog, how):
+    if how == "another user's" and os.geteuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    model = target("llama", "float32")
+    _, saved = prefill(model, TOKENS[:70])
+    disk = store(tmp_path)
+    disk.save(TOKENS, saved)
+    assert store(tmp_path).load(TOKENS[:90], model).cached == 70  # sound as it is
+    if how == "another user's":
+        os.chown(disk.dir, 54321, 54321)
+    else:
+        os.chmod(disk.dir, 0o777)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        again = store(tmp_path)
+        assert again.load(TOKENS[:90], model) is None
+        assert again.save(OTHER, saved) == 0  # nor written into, and not made private under someone's feet
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings and "plant" in warnings[0] and len([w for w in warnings if "plant" in w]) == 1
+
+
+def _swap(a: Path, b: Path) -> None:
+    tmp = a.with_name("swap")
+    os.rename(a, tmp)
+    os.rename(b, a)
+    os.rename(tmp, b)
+
+
+@pytest.mark.parametrize("kind", ["block", "record"])
+def test_a_file_under_another_prompts_name_is_refused_and_the_load_is_exact(tmp_path, caplog, kind):
+    # Two prompts' files at the same position, swapped (or copied in by anyone who can write the folder):
+    # each is sound, so only its own chain hash and index tell that it is not what its name says.
+    model = target("qwen3_5" if kind == "record" else "llama", "float32")
+    (_, a), (_, b) = prefill(model, TOKENS[:70]), prefill(model, OTHER[:70])
+    disk = store(tmp_path)
+    disk.save(TOKENS[:70], a)
+    disk.save(OTHER[:70], b)
+    chains = [disk._chain(np.asarray(t[:70], dtype=np.int64), 4) for t in (TOKENS, OTHER)]
+    if kind == "block":
+        x, y = (disk.dir / disk._block_name("t", c[1]) for c in chains)
+    else:
+        x, y = (disk.dir / disk._record_name("t", c, np.asarray(t[:70], dtype=np.int64), 70)
+                for c, t in zip(chains, (TOKENS, OTHER)))
+    assert x.exists() and y.exists()
+    _swap(x, y)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        hit = store(tmp_path).load(TOKENS[:90], model)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and x.name in warnings[0] and "chain" in warnings[0]
+    # Refused and removed: a block was the chain's first, and a recurrent state resumes only at a
+    # record, so either way the prompt is prefilled instead of resuming the other prompt's state.
+    assert not x.exists() and hit is None
+    assert store(tmp_path).load(OTHER[:90], model) is None and not y.exists()  # the other file likewise
+
+
+def test_a_full_disk_shrinks_the_bound_to_what_fits_once_and_frees_room(tmp_path, caplog, monkeypatch):
+    import shutil
+
+    from specdec_cli.session import disk_cache
+
+    model = target("llama", "float32")
+    _, big = prefill(model, TOKENS[:120])
+    _, small = prefill(model, OTHER[:40])
+    disk = store(tmp_path)
+    held = disk.save(TOKENS, big)
+    real = os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    monkeypatch.setattr(disk_cache.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert disk.save(OTHER, small) == 0
+        assert disk.save(OTHER, small) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "full" in warnings[0] and "bound is now" in warnings[0]
+    assert 0 < disk.max_bytes < held and disk.nbytes <= disk.max_bytes  # evicted below what it held
+    monkeypatch.setattr(os, "replace", real)
+    assert disk.save(OTHER, small) > 0 and disk.nbytes <= disk.max_bytes
+    assert store(tmp_path).load(OTHER[:60], model).cached == 40
+
+
+def test_each_key_counts_against_its_own_bound_and_abandoned_keys_go(tmp_path):
+    model = target("llama", "float32")
+    _, saved = prefill(model, TOKENS[:70])
+    probe = store(tmp_path / "probe").save(TOKENS, saved)
+    big = store(tmp_path / "shared", {**PARTS, "model": "big"})
+    big.save(TOKENS, saved)
+    theirs = sorted(os.listdir(big.dir))
+    old = store(tmp_path / "shared", {**PARTS, "model": "old"})
+    old.save(TOKENS, saved)
+    month = time.time() - 31 * 24 * 3600
+    for f in old.dir.iterdir():
+        os.utime(f, (month, month))
+    small = store(tmp_path / "shared", max_bytes=probe // 2)
+    small.save(OTHER, saved)
+    assert sorted(os.listdir(big.dir)) == theirs  # another server's bound, not this one's
+    assert small.nbytes <= probe // 2
+    assert not old.dir.exists()  # nobody used it for a month: removed whole

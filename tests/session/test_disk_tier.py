@@ -171,13 +171,48 @@ def test_kv_bits_resumes_its_own_files_exactly_and_never_the_others(tmp_path):
     assert pre.disk > 0 and out == gen(Session(quant, 8), second)[0]
 
 
-def test_a_folder_that_cannot_be_made_is_a_warning_and_the_run_goes_on(setups, tmp_path):
+def test_a_folder_that_cannot_be_made_is_a_warning_and_the_run_goes_on(setups, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     session = Session(setups["llama"], 8)
     warning = session.use_disk(str(blocker / "cache"), 1.0)
-    assert session.disk is None and "--prompt-cache-dir" in warning
+    # The user passed --prompt-cache-dir: the fix is another folder (or none), not the option itself.
+    assert session.disk is None and "pass a folder you can write as --prompt-cache-dir" in warning
+    assert "--prompt-cache-disk-gb 0" in warning
     assert gen(session, LONG)[0]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the default folder cannot be made
+    warning = Session(setups["llama"], 8).use_disk(None, 1.0)
+    assert "; pass --prompt-cache-dir" in warning and "you can write" not in warning
+
+
+def test_a_disk_bound_past_any_disk_is_capped_with_one_warning(setups, tmp_path, caplog):
+    session = Session(setups["llama"], 8)
+    with caplog.at_level(logging.WARNING):
+        assert session.use_disk(str(tmp_path), 1e300) is None
+    assert session.disk.store.max_bytes == (1 << 20) << 30
+    assert [r.getMessage() for r in caplog.records] == ["--prompt-cache-disk-gb 1e+300 is more than any disk: "
+                                                         "using 1048576"]
+    session.shutdown()
+
+
+def test_the_disk_tier_keeps_prompts_and_answers_private_whatever_the_umask(setups, tmp_path):
+    from specdec_cli.session.corpus import Corpus
+
+    root = tmp_path / "new" / "cache"
+    old = os.umask(0)  # the loosest: a plain mkdir() or open() would leave the answers readable to all
+    try:
+        session = Session(setups["llama"], 8, corpus=Corpus(256))
+        assert session.use_disk(str(root), 1.0) is None
+        gen(session, LONG, n=24)
+        session.shutdown()
+    finally:
+        os.umask(old)
+    assert root.stat().st_mode & 0o777 == 0o700
+    (key,) = root.iterdir()
+    files = list(key.iterdir())
+    assert key.stat().st_mode & 0o777 == 0o700
+    assert "lookup-corpus.json" in {f.name for f in files} and any(f.name.startswith("t-b-") for f in files)
+    assert {f.stat().st_mode & 0o777 for f in files} == {0o600}
 
 
 def test_the_default_folder_is_under_the_users_cache(monkeypatch, tmp_path):
