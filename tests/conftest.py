@@ -43,6 +43,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "cli/test_batch_cli.py": FAST,
     "drafters/test_bench.py": FAST,
     "cache/test_caches.py": FAST,
+    "cache/test_batch_check.py": FAST,  # the batch check on this CPU and on the GPU-like backend
     "cli/test_cli.py": FAST,
     "drafters/test_dflash.py": FAST,
     "drafters/test_dflash_batch.py": FAST,
@@ -76,6 +77,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "core/test_seeded_sampling.py": FAST,
     "serve/test_serve.py": SERVER,
     "serve/test_serve_defects.py": SERVER,
+    "serve/test_serve_gpu_like.py": SERVER,  # a server on the GPU-like backend (tests/gpu_like.py)
     "serve/test_serve_faults.py": SERVER,
     "serve/test_serve_processors.py": SERVER,
     "session/test_session.py": FAST,
@@ -393,3 +395,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{file}: not in tests/conftest.py's FILES")
         for mark in tier(file, item.nodeid.split("::", 1)[-1]):
             item.add_marker(mark)
+
+
+# --- the GPU-like backend (tests/gpu_like.py) -------------------------------------------------------------
+
+@pytest.fixture
+def gpu_like():
+    """Forwards round like a GPU's for this test (and the processes it starts with gpu_like.environment())."""
+    import gpu_like as backend
+
+    with backend.installed():
+        yield backend
+
+
+@pytest.fixture(params=["cpu", "gpu-like"])
+def backend(request):
+    """The test runs twice: on MLX's own CPU arithmetic (bit-identical rows) and on the GPU-like backend."""
+    import gpu_like as module
+
+    if request.param == "cpu":
+        yield request.param
+        return
+    with module.installed():
+        yield request.param

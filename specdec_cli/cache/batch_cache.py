@@ -26,7 +26,7 @@ batch), and a row that leaves gets its window-sized cache back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -384,7 +384,8 @@ def prefill_rows(model: nn.Module, caches: Sequence[ModelCache], tokens: Sequenc
 
     Rows are padded at the end and keep only their own tokens (attention layers trim in O(1)), so a
     row's caches hold what feeding it alone would, bit for bit where the backend's kernels compute a
-    row alike in any batch (what :func:`batch_problem` checks before rows decode together).
+    row alike in any batch (within rounding elsewhere: what :mod:`.batch_check` checks before rows
+    decode together).
 
     Args:
         model: The model the caches belong to (no recurrent layers: their states would need recording).
@@ -406,39 +407,3 @@ def prefill_rows(model: nn.Module, caches: Sequence[ModelCache], tokens: Sequenc
     mx.eval([row.state_arrays() for row in rows])
     mx.clear_cache()  # the batch's buffers, before the rows decode
     return rows
-
-
-def batch_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional[str]:
-    """Why ``model`` cannot decode several rows together here (None: it can), found before any request.
-
-    Its caches must have a batch layout, and its own forward must honour
-    per-row positions and masks (a model that reads ``cache.offset`` as an
-    int would not): two rows of different lengths are verified together and
-    each held against its forward alone. Rounding may differ (batched
-    kernels); a wrong position or mask would not be close.
-
-    Args:
-        model: The target.
-        fresh: Empty target caches in the engine's layout (``--kv-bits`` applied).
-    """
-    try:
-        rows = []
-        for n in (5, 2):
-            cache = fresh()
-            cache.prefill([(3 * i) % 11 + 1 for i in range(n)])
-            rows.append(cache)
-        batch = BatchCache(model, rows[0])
-        batch.add(rows[1])
-        x = mx.array([[1, 2, 3], [4, 5, 0]], dtype=mx.uint32)
-        together = batch.feed(x, record="capture" if batch.recurrent and batch.can_record else None)
-        for b, (cache, t) in enumerate(zip(rows, (3, 2))):
-            alone = cache.feed(x[b, :t])
-            want, got = alone.astype(mx.float32), together[b, :t].astype(mx.float32)
-            scale = mx.abs(want).max().item() + 1e-6
-            if mx.abs(got - want).max().item() > 1e-2 * scale:
-                return "its forward gives a row in a batch other numbers than the same row alone"
-    except UnsupportedModelError as e:
-        return str(e)
-    except Exception as e:  # the model's own code, meeting per-row positions or masks
-        return f"its forward fails on rows of different lengths ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
-    return None

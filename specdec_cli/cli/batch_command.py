@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import closing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
 
-from ..loop.compare import Comparison, compare_with_plain, comparison_dict
+from ..loop.compare import Comparison, comparison_dict
 from ..defaults import DEFAULT_DECODE_CONCURRENCY
 from .display import (
     batch_lines,
@@ -30,7 +30,7 @@ from .display import (
     sweep_progress,
 )
 from ..errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError, SpecdecError
-from ..core.processors import ConstraintError, check_constraint, make_processors
+from ..core.processors import ConstraintError, check_constraint
 from ..model.prompts import FilePrompt, clean, encode_messages, encode_prompt, read_prompts_file
 from ..loop.runner import Finished, Prefilled, Step
 from ..session import (
@@ -44,6 +44,7 @@ from ..session import (
     resolve_block_size,
     sampling_params,
 )
+from ..session.alone import compare_alone
 from ..session.batch import BatchEnd, ConcurrencyResult, batch_refusal, concurrency_sweep, run_batch
 from ..core.stats import BatchStats, Stats
 
@@ -183,7 +184,7 @@ def generate_batch(opts) -> int:
     if opts.compare_ar and not interrupted:
         try:
             for row in rows:
-                row.comparison = _compare(setup, opts, row, sampling)
+                row.comparison = _compare(session, row, max_rows > 1)
                 batch.verdicts[row.comparison.verdict] += 1
                 batch.plain_generated += row.comparison.plain.generated
                 batch.plain_decode_s += row.comparison.plain.decode_s
@@ -290,15 +291,10 @@ def _plain_batch(setup: Setup, rows: list[_Row], max_rows: int) -> tuple[int, fl
     return tokens, decode_s
 
 
-def _compare(setup: Setup, opts, row: _Row, sampling) -> Comparison:
-    """Plain decoding of the row's prompt alone, and the verdict on the row's tokens."""
-    request = row.request
-    return compare_with_plain(
-        setup.target.model, row.ids, row.tokens, row.stats.trace, max_tokens=request.max_tokens,
-        eos_ids=setup.eos_ids, prefill_step_size=opts.prefill_step_size, prefill_chunks=row.stats.prefill_chunks,
-        sampling=replace(sampling, seed=request.seed), kv_bits=opts.kv_bits, kv_group_size=opts.kv_group,
-        processors=lambda: make_processors(request, setup.tokenizer, row.ids),
-    )
+def _compare(session: Session, row: _Row, batched: bool) -> Comparison:
+    """Plain decoding of the row's prompt alone, and the verdict on the row's tokens (``batched``: the row
+    shared its forwards with others)."""
+    return compare_alone(session, row.request, row.tokens, row.stats, batched=batched)
 
 
 # -- specdec sweep --concurrency ---------------------------------------------------------------------
@@ -315,13 +311,16 @@ def parse_concurrency(text: str) -> list[int]:
 def sweep_concurrency(opts, setup: Setup, ids: list[int], sizes: list[int], levels: list[int],
                       max_tokens: int) -> int:
     """The ``sweep --concurrency`` run and report, once the sweep's options are checked and the models loaded."""
+    rounding = None
     if max(levels) > 1:
-        problem = batch_refusal(Session(setup, max(sizes), adaptive=False))
+        checked = Session(setup, max(sizes), adaptive=False)
+        problem = batch_refusal(checked)
+        rounding = checked.rounding
         if problem is not None:
             raise OptionError(f"this model cannot decode several rows together ({problem}): --concurrency 1 only")
     setup.check_memory(max(levels) * (len(ids) + max_tokens))
     events = concurrency_sweep(setup, ids, sizes, levels, max_tokens=max_tokens, repeats=opts.repeats,
-                               warmup=opts.warmup)
+                               warmup=opts.warmup, rounding=rounding)
     result: Optional[ConcurrencyResult] = None
     with sweep_progress() as advance, closing(events):
         for event in events:

@@ -453,11 +453,19 @@ def comparison_lines(cmp: Comparison, specdec: Stats, decode) -> list[str]:
         def show(tok: Optional[int]) -> str:
             return "end of output" if tok is None else f"{tok} {decode(tok)!r}"
 
-        where = (f"at token {d.index}: specdec {show(d.specdec_token)}, plain {show(d.plain_token)}; "
-                 f"recomputed at that position, the one-token and the {d.rows}-row verify path "
-                 f"(row {d.row}) differ by {d.difference:.3g}")
+        tokens = f"at token {d.index}: specdec {show(d.specdec_token)}, plain {show(d.plain_token)}"
+        difference = "nothing" if d.difference is None else f"{d.difference:.3g}"
+        where = (f"{tokens}; recomputed at that position, the one-token and the {d.rows}-row verify path "
+                 f"(row {d.row}) differ by {difference}")
         margin = "unknown" if d.margin is None else f"{d.margin:.3g}"
-        if d.verdict == "rounding tie":
+        if d.bound is not None:  # decoded in a batch: held to the backend's rounding
+            within = "within" if d.verdict == "rounding tie" else "past"
+            lines.append(
+                f"Compare: {'rounding tie' if within == 'within' else 'DIVERGED'} {tokens}; decoded in a batch, "
+                f"plain decoding's token leads by {margin}, {within} what this backend's rounding moves a logit by "
+                f"({d.bound:.3g})" + (": not a bug" if within == "within" else ": a bug")
+            )
+        elif d.verdict == "rounding tie":
             lines.append(
                 f"Compare: rounding tie {where}, at least the margin between the two tokens ({margin}; "
                 f"top-2 logit margin {d.top2_margin:.3g}): plain decoding would itself flip with the "

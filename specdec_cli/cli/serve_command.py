@@ -134,11 +134,15 @@ def serve_command(opts: ServeOptions) -> int:
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache, corpus=corpus)
     disk_warning = session.use_disk(opts.prompt_cache_dir, opts.prompt_cache_disk_gb)
     batching = None
+    rounding_note = None
     if opts.decode_concurrency is None or opts.decode_concurrency > 1:
         problem = batch_refusal(session)
         if problem:
             batching = f"note: requests are decoded one at a time: {problem}"
             opts.decode_concurrency = 1
+        elif session.rounding.batched > 0:
+            rounding_note = (f"note: {session.rounding.line()}: a batched answer is its request's text alone, or "
+                             "parts from it where the two likeliest tokens are within that (docs/EXACTNESS.md)")
     if opts.decode_concurrency is None:
         # As many rows as still pay: measured here, before the first request (docs/SERVER.md).
         opts.decode_concurrency, steps = auto_concurrency(session)
@@ -156,7 +160,7 @@ def serve_command(opts: ServeOptions) -> int:
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     print_stderr(setup.start_lines() + [f"warning: {w}" for w in (warning, disk_warning) if w]
-                 + ([batching] if batching else [])
+                 + ([batching] if batching else []) + ([rounding_note] if rounding_note else [])
                  + ([costs_line] if costs_line else []))
     cached = f"prompt cache {cache.max_entries} entries, up to {gb(cache.max_bytes)}" if cache is not None \
         else "no prompt cache"

@@ -20,7 +20,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from ..cache.batch_cache import BatchCache, BatchSnapshot, batch_problem
+from ..cache.batch_cache import BatchCache, BatchSnapshot
+from ..cache.batch_check import batch_problem
 from ..cache.caches import ModelCache
 from ..core.sampling import SamplingParams, draw
 from .base import Draft, above_p_min, as_tokens, no_draft

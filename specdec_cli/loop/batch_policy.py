@@ -209,6 +209,7 @@ class BatchPlanner:
         # Per row: drafts its estimates expected accepted in the blocks it drafted, and drafts that were.
         self._record: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._width: Optional[int] = None  # the last block's
 
     def prepare(self) -> None:
         """Measure the forward costs if that is still to do (before a block is timed: it takes seconds)."""
@@ -224,11 +225,19 @@ class BatchPlanner:
         trust = [self._trust(p.row) for p in pending]
         curves = [[1.0 + t * (e - 1.0) for e in c] for c, t in zip(raw, trust)]
         curves = [[e / c[-1] for e in c] for c in curves]  # the share of the row's best progress
-        best_w, best = 1, (1.0 + MARGIN) * sum(c[0] for c in curves) / self.costs.cost(rows, 1)
+        values = {w: sum(c[min(k, w - 1)] for c, k in zip(curves, ks)) / self.costs.cost(rows, w)
+                  for w in range(1, max(ks, default=0) + 2)}
+        best_w, best = 1, (1.0 + MARGIN) * values[1]
         for w in range(2, max(ks, default=0) + 2):
-            value = sum(c[min(k, w - 1)] for c, k in zip(curves, ks)) / self.costs.cost(rows, w)
-            if value > best:
-                best_w, best = w, value
+            if values[w] > best:
+                best_w, best = w, values[w]
+        # The last block's width stays while it is within the margin of the best: a row count that sits at a
+        # threshold (a request joining and leaving) would otherwise flip it every block, and on a GPU each new
+        # width is a new shape to compile.
+        last = self._width
+        if last is not None and last != best_w and last in values and values[last] * (1.0 + MARGIN) >= best:
+            best_w = last
+        self._width = best_w
         for p, k, c in zip(pending, ks, raw):
             if k > best_w - 1:
                 p.draft = _cut(p.draft, best_w - 1)

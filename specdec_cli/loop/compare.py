@@ -14,7 +14,12 @@ rollback each block reports; the engine itself is not used). Verdicts:
 - ``rounding tie``: each path reproduces its own run's token, so the two
   computations of the same numbers disagree about the two tokens by at least
   the margin between them: plain decoding would itself flip with the other
-  kernel, not a bug;
+  kernel, not a bug. A row decoded in a batch cannot be replayed alone with
+  its batch's kernels; where the backend rounds a batched row otherwise than
+  the row alone (a GPU), its divergence is a rounding tie when plain decoding's
+  own path reproduces its token and that token leads the row's by at most
+  what the backend's rounding moves a logit by (:class:`~specdec_cli.cache.batch_check.Rounding`,
+  measured by the batch check);
 - ``diverged``: anything else (a path does not reproduce its run): a bug.
 
 The quantities are the ones selection compares: log-probabilities in the
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache.batch_check import Rounding
 from ..cache.caches import ModelCache, make_cache
 from ..core.blocks import Block
 from .runner import collect, run
@@ -55,12 +61,14 @@ class Recomputed:
         one_row: Scores from the one-token path (plain decoding's), float32: log-probabilities
             (plus the position's noise with a seed, see the module docstring).
         verify: Scores from the replayed speculative path, float32.
+        logits: The one-token path's (processed) logits there, as the model computed them.
     """
 
     rows: int
     row: int
     one_row: mx.array
     verify: mx.array
+    logits: Optional[mx.array] = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ class Divergence:
             replay found every speculative token where its forwards put it.
         mismatch: First position where the speculative run's own forwards,
             replayed, pick another token than it emitted (a bug), or None.
+        bound: For a row decoded in a batch, what the backend's rounding may move a logit by
+            there (a tie's margin is at most this); None otherwise.
     """
 
     index: int
@@ -99,6 +109,7 @@ class Divergence:
     verify_token: Optional[int] = None
     reproduced: bool = False
     mismatch: Optional[int] = None
+    bound: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -299,6 +310,17 @@ def one_token(
     processors: Optional[Callable[[], tuple]] = None,
 ) -> mx.array:
     """Plain decoding's prediction of generated token ``index``, computed again (one token per forward)."""
+    return _score(one_token_logits(model, prompt_ids, tokens, index, prefill_step_size=prefill_step_size,
+                                   prefill_chunks=prefill_chunks, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                   sync=sync, processors=processors), sampling, index)
+
+
+def one_token_logits(
+    model: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], index: int, *, prefill_step_size: int = 2048,
+    prefill_chunks: Optional[Sequence[int]] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+    sync: Optional[Ranks] = None, processors: Optional[Callable[[], tuple]] = None,
+) -> mx.array:
+    """The (processed) logits plain decoding computes for generated token ``index`` (one token per forward)."""
     with _watch(sync):
         cache = _fresh(model, prompt_ids, prefill_step_size, prefill_chunks, kv_bits, kv_group_size, sync)
         for t in [prompt_ids[-1], *tokens[:index]]:
@@ -310,7 +332,7 @@ def one_token(
     for proc in procs:
         proc.commit(list(tokens[:index]))
         logits = proc.apply(logits[None], ())[0]
-    return _score(logits, sampling, index)
+    return logits
 
 
 def recompute(
@@ -333,9 +355,11 @@ def recompute(
         when the speculative run's every token is what its forwards pick).
     """
     again = replay(model, prompt_ids, tokens, trace, index, eos_ids=eos_ids, **run_options)
-    one = one_token(model, prompt_ids, tokens, index, **run_options)
+    sampling = run_options.pop("sampling", GREEDY)
+    logits = one_token_logits(model, prompt_ids, tokens, index, **run_options)
+    one = _score(logits, sampling, index)
     verify = again.logprobs if again.logprobs is not None else mx.full(one.shape, float("nan"))
-    return Recomputed(again.rows, again.row, one, verify), again.mismatch
+    return Recomputed(again.rows, again.row, one, verify, logits), again.mismatch
 
 
 def explain(
@@ -346,6 +370,7 @@ def explain(
     trace: Sequence[Block],
     *,
     eos_ids: Sequence[int] = (),
+    rounding: Optional[Rounding] = None,
     **run_options,
 ) -> Optional[Divergence]:
     """The first divergence between the two outputs and its verdict (None when identical).
@@ -357,6 +382,8 @@ def explain(
         plain_tokens: Plain decoding's output.
         trace: The speculative run's blocks, in order.
         eos_ids: Ids that ended the runs.
+        rounding: The speculative run decoded (or prefilled) its row in a batch: the backend's rounding,
+            which a tie the replay cannot prove (its forwards were the batch's) is held to.
         run_options: ``prefill_step_size``, ``prefill_chunks``, ``kv_bits``,
             ``kv_group_size`` and ``sampling`` as the runs used them.
     """
@@ -373,6 +400,8 @@ def explain(
     # A run that ended there picked an EOS.
     plain_pick = plain_tok if plain_tok is not None else (one_pick if one_pick in eos_ids else None)
     spec_pick = spec_tok if spec_tok is not None else (ver_pick if ver_pick in eos_ids else None)
+    if spec_pick is None and rounding is not None and eos_ids:
+        spec_pick = max(eos_ids, key=lambda e: one[e].item())  # the batched row ended: with its likeliest EOS
     reproduced = (plain_pick is not None and one_pick == plain_pick and spec_pick is not None
                   and ver_pick == spec_pick and mismatch is None)
     margin = difference = None
@@ -381,12 +410,18 @@ def explain(
         gap = (ver[plain_pick] - ver[spec_pick]).item()
         difference = abs(margin - gap) if gap == gap else None  # NaN: nothing recomputed
     tie = reproduced and difference is not None and 0 < difference and margin <= difference
+    bound = None
+    if rounding is not None and margin is not None and one_pick == plain_pick:
+        # The batch's kernels are not replayed: plain decoding's token leads by no more than rounding moves a logit.
+        sampling = run_options.get("sampling", GREEDY)
+        bound = rounding.bound(rec.logits) / (sampling.temp if sampling.keyed else 1.0)  # scores are logits / temp
+        tie = tie or margin <= bound
     sync = run_options.get("sync")
     if sync is not None:
         # Margins are each rank's own arithmetic: rank 0's verdict is every rank's (and its exit code).
         tie = bool(sync.share_one(int(tie)))
     return Divergence(index, spec_tok, plain_tok, top2, TIE if tie else DIVERGED, margin, difference,
-                      rec.rows, rec.row, ver_pick, reproduced, mismatch)
+                      rec.rows, rec.row, ver_pick, reproduced, mismatch, bound)
 
 
 def compare_with_plain(
@@ -404,6 +439,7 @@ def compare_with_plain(
     sync: Optional[Ranks] = None,
     sampling: SamplingParams = GREEDY,
     processors: Optional[Callable[[], tuple]] = None,
+    rounding: Optional[Rounding] = None,
 ) -> Comparison:
     """Run plain decoding with fresh caches, compare token by token, explain a difference.
 
@@ -416,6 +452,7 @@ def compare_with_plain(
     unseeded draws differ from run to run and are refused.
     ``processors``: makes the speculative run's logits processors afresh;
     plain decoding runs with its own set, and a difference is explained with them.
+    ``rounding``: the row was decoded in a batch (see :func:`explain`).
     """
     if not sampling.greedy and not sampling.keyed:
         raise ValueError("only greedy or seeded sampled runs can be compared with plain decoding")
@@ -425,7 +462,7 @@ def compare_with_plain(
                                processors=processors() if processors else (), **kv))
     divergence = explain(model, prompt_ids, specdec_tokens, plain, trace, eos_ids=eos_ids, sampling=sampling,
                          prefill_step_size=prefill_step_size, prefill_chunks=prefill_chunks, sync=sync,
-                         processors=processors, **kv)
+                         processors=processors, rounding=rounding, **kv)
     return Comparison(divergence is None, len(plain), divergence, stats)
 
 
@@ -448,6 +485,7 @@ def comparison_dict(cmp: "Comparison", stats: Stats, tokenizer) -> dict:
             "verify_token": token(d.verify_token),
             "reproduced": d.reproduced,
             "replay_mismatch": d.mismatch,
+            "rounding_bound": d.bound,
         }
     ar_tps = cmp.plain.decode_tps
     # null where the text line says "no speedup measurable": a side generated nothing or took no time.

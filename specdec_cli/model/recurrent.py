@@ -642,17 +642,27 @@ class RecurrentSteps:
                 and mx.array_equal(tape.state(3), final[1]).item()
                 and mx.array_equal(tape.state(2), cap.state(2)).item()
             )
-            # After one token: the stock one-token forward (a different row
-            # count in the projections, so close rather than equal in float32).
-            close = all(
-                mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-2, atol=1e-3).item()
-                for a, b in ((cap.conv_state(1), first[0]), (cap.state(1), first[1]))
-            )
+            # After one token: the stock one-token forward (a different row count in the projections, so
+            # close rather than equal: within what rounding moves the largest value, a GPU's bfloat16
+            # rounding included; a state one token off differs by the values themselves).
+            close = all(_within(a, b, _STATE_ROUNDING)
+                        for a, b in ((cap.conv_state(1), first[0]), (cap.state(1), first[1])))
             if not (exact and close):
                 raise _RecordingOnly(f"{name}: the recorded per-token states do not reproduce what mlx-lm stores "
                                      "(this mlx-lm release changed the layer)")
             self.bytes_per_step["capture"] += cap.states[0].nbytes
             self.bytes_per_step["tape"] += tape.tape_bytes() // 3
+
+
+# How far a state computed by other kernels may be from another's, as a share of its largest value
+# (the test suite's GPU-like backend moved them by up to 1%).
+_STATE_ROUNDING = 2.0**-4
+
+
+def _within(a: mx.array, b: mx.array, share: float) -> bool:
+    """``a`` differs from ``b`` by at most ``share`` of ``b``'s largest value (and 1e-3)."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return mx.abs(a - b).max().item() <= share * mx.abs(b).max().item() + 1e-3
 
 
 class _Unsupported(Exception):

@@ -40,7 +40,7 @@ BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTIL
 # Fields of ours (not Anthropic's) a request may add, passed on to the chat request as they are.
 EXTENSIONS = ("seed", "min_p", "num_draft_tokens", "chat_template_kwargs", "logit_bias", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "repetition_context_size", "presence_context_size",
-              "frequency_context_size", "repeat_penalty", "repeat_last_n")
+              "frequency_context_size", "repeat_penalty", "repeat_last_n", "compare_alone")
 
 
 def error_body(status: int, message: str) -> dict:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..core.stats import Stats
+from ..loop.compare import Comparison
 
 
 class ApiError(Exception):
@@ -164,6 +165,9 @@ class _Common(StrictModel):
     num_draft_tokens: Optional[int] = Field(default=None, ge=0)
     # llama.cpp's and vLLM's extension: generate past end-of-sequence tokens (benchmarks).
     ignore_eos: bool = False
+    # Ours: after the answer, decode the request alone (plain decoding, fresh caches) and say in
+    # timings.compare whether the answer is its text (docs/EXACTNESS.md). It costs that decoding.
+    compare_alone: bool = False
     # Accepted where it changes nothing (1); refused otherwise (see unsupported).
     n: Optional[int] = Field(default=None, ge=1)
     # Chat: a boolean (top_logprobs says how many alternatives); completions: the number of alternatives.
@@ -448,6 +452,20 @@ def usage(stats: Stats) -> dict:
         "total_tokens": stats.prompt_tokens + stats.generated,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens, "disk_tokens": stats.disk_tokens},
     }
+
+
+def compare_alone(comparison: Optional[Comparison], error: Optional[str] = None) -> dict:
+    """``timings.compare``: the answer against its request decoded alone (plain decoding, fresh caches).
+
+    ``verdict`` is ``identical``, ``rounding tie`` (it parts from the request's text where the target's two
+    likeliest tokens are within rounding: ``margin`` <= ``bound``, in log-probability units) or ``diverged``
+    (a bug); null with ``error`` where it could not be checked. ``tokens``: plain decoding's length.
+    """
+    if comparison is None:
+        return {"verdict": None, "error": error or "not checked"}
+    d = comparison.divergence
+    return {"verdict": comparison.verdict, "tokens": comparison.tokens, "index": d.index if d else None,
+            "margin": d.margin if d else None, "bound": d.bound if d else None}
 
 
 def timings(stats: Stats, drafter: str, block_size: int) -> dict:

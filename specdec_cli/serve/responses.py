@@ -30,7 +30,8 @@ from .protocol import ApiError, ChatRequest, StrictModel
 # sampling extensions and the chat API's logits processors.
 EXTENSIONS = ("seed", "top_k", "min_p", "num_draft_tokens", "chat_template_kwargs", "logit_bias",
               "presence_penalty", "frequency_penalty", "repetition_penalty", "repetition_context_size",
-              "presence_context_size", "frequency_context_size", "repeat_penalty", "repeat_last_n")
+              "presence_context_size", "frequency_context_size", "repeat_penalty", "repeat_last_n",
+              "compare_alone")
 # include item that asks for the output text's log-probabilities.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")

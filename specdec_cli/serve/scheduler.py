@@ -30,6 +30,7 @@ from ..loop.batch_policy import BatchPlanner, CostTable
 from ..loop.engine import Engine
 from ..loop.runner import Step
 from ..session import Session
+from ..session.alone import compare_alone
 from ..session.batch import measure_costs
 from ..session.flights import Flight, Flights, State
 from ..session.setup import MemoryLimitError
@@ -398,8 +399,23 @@ class Scheduler:
         piece = ask.reply.end()
         if piece:
             ask.job.send(piece)
+        if ask.reply.compare:
+            self._compare(ask.reply)
         ask.job.send(Done(ask.reply))
         log.info(_line(ask.reply))
+
+    def _compare(self, reply: Reply) -> None:
+        """The answer against its request decoded alone (``compare_alone``): here, on this thread, while the
+        other rows wait (a check asked for, not a way to serve)."""
+        start = time.perf_counter()
+        try:
+            reply.comparison = compare_alone(self.session, reply.request, reply.tokens, reply.stats,
+                                             batched=self.max_rows > 1, cut=reply.stop_string is not None)
+        except ValueError as e:
+            reply.compare_error = str(e)
+            return
+        log.info("compare_alone: %s (%d tokens, %.1f s)", reply.comparison.verdict, len(reply.tokens),
+                 time.perf_counter() - start)
 
     def _fail(self, flights: list[Flight], error: Exception) -> None:
         for flight in flights:

@@ -185,10 +185,14 @@ class Service:
     def _request(self, req, ids: list[int], boundaries: tuple[int, ...], max_tokens: Optional[int],
                  param: str, rest: bool = False) -> Request:
         most = self._limits(ids, max_tokens, param, rest)
+        sampling = self._sampling(req)
+        if req.compare_alone and not sampling.greedy and req.seed is None:
+            raise ApiError(400, "compare_alone with sampling needs a seed (the answer's draws are drawn again): "
+                           "send seed, or temperature 0", "compare_alone", "invalid_value")
         block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
         # Streamed, the first token comes from a one-row forward: a long first verify would hold it back.
         first = FIRST_DRAFT_STREAMED if req.stream else None
-        return Request(ids, most, self._sampling(req), req.seed, block, boundaries, ignore_eos=req.ignore_eos,
+        return Request(ids, most, sampling, req.seed, block, boundaries, ignore_eos=req.ignore_eos,
                        first_draft=first, **self._controls(req))
 
     def _controls(self, req) -> dict:
@@ -293,7 +297,9 @@ class Service:
         def make() -> Reply:
             stream = TextStream(tokenizer, stop, tools, chat=chat, prompt=request.prompt_ids,
                                 object_arguments=object_arguments)
-            return Reply(session, request, stream, cancelled=job.cancelled.is_set)
+            reply = Reply(session, request, stream, cancelled=job.cancelled.is_set)
+            reply.compare = req.compare_alone
+            return reply
 
         job = Job(make, loop)
         include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -306,7 +312,10 @@ class Service:
 
     def timings(self, prepared: Prepared, reply: Reply) -> dict:
         name = "plain" if self.session.plain else self.session.setup.drafter_name
-        return protocol.timings(reply.stats, name, self.block_size(prepared.request))
+        out = protocol.timings(reply.stats, name, self.block_size(prepared.request))
+        if reply.compare:
+            out["compare"] = protocol.compare_alone(reply.comparison, reply.compare_error)
+        return out
 
     def response(self, prepared: Prepared, pieces: list[Piece], reply: Reply) -> dict:
         """The whole answer of a request that was not streamed."""

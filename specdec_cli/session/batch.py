@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
-from ..cache.batch_cache import batch_problem
+from ..cache.batch_check import Rounding, check_batch
 from ..defaults import AUTO_ROWS
 from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable, knee
 from ..loop.compare import IDENTICAL, explain
@@ -79,8 +79,10 @@ class BatchEnd:
 
 
 def batch_refusal(session: Session) -> Optional[str]:
-    """Why this model's rows cannot share a batch (a layer cache with no row form: ``--kv-bits``), or None."""
-    return batch_problem(session.model, session.fresh_cache)
+    """Why this model's rows cannot share a batch (a layer cache with no row form, a forward past rounding of
+    the row alone), or None; the backend's rounding it measured is kept as ``session.rounding``."""
+    problem, session.rounding = check_batch(session.model, session.fresh_cache)
+    return problem
 
 
 def auto_concurrency(session: Session, rows: Sequence[int] = AUTO_ROWS) -> tuple[int, dict[int, float]]:
@@ -245,7 +247,8 @@ _WORSE = {IDENTICAL: 0, "rounding tie": 1, "diverged": 2}
 
 def concurrency_sweep(setup: Setup, prompt_ids: Sequence[int], block_sizes: Sequence[int],
                       levels: Sequence[int], *, max_tokens: int, repeats: int = 1,
-                      warmup: int = 1) -> Iterator[Union[Progress, ConcurrencyResult]]:
+                      warmup: int = 1, rounding: Optional[Rounding] = None
+                      ) -> Iterator[Union[Progress, ConcurrencyResult]]:
     """Aggregate decode speed of each block size at each concurrency: ``level`` copies of the prompt together.
 
     Every cell runs through :func:`run_batch` (level 1 too, so the columns
@@ -262,6 +265,7 @@ def concurrency_sweep(setup: Setup, prompt_ids: Sequence[int], block_sizes: Sequ
         max_tokens: Tokens per row.
         repeats: Timed runs per cell (median).
         warmup: Untimed runs of plain and the first block size at each level first.
+        rounding: The backend's rounding (the batch check's): a batched row's tie is held to it.
     """
     opts = setup.options
     kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group)
@@ -298,7 +302,8 @@ def concurrency_sweep(setup: Setup, prompt_ids: Sequence[int], block_sizes: Sequ
         for i, toks in out.items():
             if toks != reference and _WORSE[verdict.get(key, IDENTICAL)] < 2:
                 d = explain(setup.target.model, prompt_ids, toks, reference, trace[i], eos_ids=setup.eos_ids,
-                            prefill_step_size=opts.prefill_step_size, prefill_chunks=chunks[i], **kv)
+                            prefill_step_size=opts.prefill_step_size, prefill_chunks=chunks[i],
+                            rounding=rounding if level > 1 else None, **kv)
                 if d is not None and _WORSE[d.verdict] > _WORSE[verdict.get(key, IDENTICAL)]:
                     verdict[key] = d.verdict
         tps = tokens / end.decode_s if end.decode_s > 0 else 0.0

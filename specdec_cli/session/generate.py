@@ -15,6 +15,7 @@ import random
 from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence
 
+from ..cache.batch_check import Rounding
 from ..cache.caches import ModelCache, _leaves, fixed_position, make_cache
 from ..cache.rollback import RollbackChoice
 from ..core.adaptive import FirstBlock
@@ -99,6 +100,9 @@ class Session:
         self._unsaved: list[Entry] = []
         # auto's measured rollback choice, per block size: measured once per session.
         self._choices: dict[int, RollbackChoice] = {}
+        # The backend's rounding, as the batch check measured it (None until rows were checked for a batch):
+        # what a batched row's verdict against its request alone holds a rounding tie to.
+        self.rounding: Optional[Rounding] = None
 
     @property
     def model(self):

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from ..model.prompts import byte_level_bytes
 from ..loop.runner import Step
 from ..core.stats import Stats
+from ..loop.compare import Comparison
 from .generate import Session
 from .request import Request
 
@@ -287,6 +288,8 @@ class Reply:
         finish_reason: ``stop`` (EOS or a stop string), ``length`` or
             ``tool_calls`` once it has run to its end; None if it was cancelled.
         tokens: The generated tokens.
+        compare: Hold the answer against the request alone when it ends (the face that finishes it
+            fills ``comparison``, or ``compare_error`` where it could not).
     """
 
     def __init__(self, session: Session, request: Request, stream: TextStream,
@@ -298,6 +301,10 @@ class Reply:
         self.stats = Stats(prompt_tokens=len(request.prompt_ids))
         self.tokens: list[int] = []
         self.finish_reason: Optional[str] = None
+        # Asked for: the answer held against the request alone once it ended (see session.alone).
+        self.compare = False
+        self.comparison: Optional[Comparison] = None
+        self.compare_error: Optional[str] = None
 
     def __iter__(self) -> Iterator[Piece]:
         events = self.session.generate(self.request, cancelled=self.cancelled)

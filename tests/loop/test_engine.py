@@ -17,6 +17,7 @@ import pytest
 from helpers import (
     DTYPES,
     assert_exact,
+    cache_rel_diff,
     kernels_agree,
     FAMILIES,
     fed,
@@ -119,6 +120,25 @@ def test_rolled_back_cache_equals_cache_built_directly(family, dtype):
     blocks, _, _ = speculative(model, draft, 4)
     assert {b.rollback for b in blocks} <= {"none", expected}
     assert expected in {b.rollback for b in blocks}
+
+
+# Where kernels round by shape (tests/gpu_like.py): a dense, a sliding-window and a hybrid family.
+GPU_LIKE = [(f, d) for f in ("llama", "gemma3_text", "qwen3_5") for d in DTYPES]
+
+
+@pytest.mark.parametrize("rollback", ["reforward", "capture"])
+@pytest.mark.parametrize("family,dtype", GPU_LIKE)
+def test_on_a_gpu_like_backend_speculation_is_plain_or_a_proven_tie_and_its_cache_the_direct_one(
+        family, dtype, rollback, gpu_like):
+    model, draft = target(family, dtype), noisy_drafter(family, dtype)
+    ref, _ = plain(model)
+    for k in (2, 5):
+        blocks, cache, _ = speculative(model, draft, k, rollback=rollback)
+        assert_exact(model, dtype, blocks, ref)  # the replay proves a tie: one row's own verify shapes
+        out = tokens(blocks)
+        # Its cache is the one its own tokens build directly, within rounding (they were fed in other shapes).
+        direct = fed(model, PROMPT + out[:-1])
+        assert cache_rel_diff(cache, direct) <= 2.0**-3
 
 
 @pytest.mark.parametrize("family", FAMILIES)

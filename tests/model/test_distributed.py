@@ -253,6 +253,46 @@ def test_sharded_speculation_equals_sharded_plain_decoding(launched, name):
     assert len(run["committed"]) == 2 and run["committed"][0] == run["committed"][1]
 
 
+@pytest.fixture(scope="module")
+def launched_gpu_like(tmp_path_factory):
+    """Sharded runs on the GPU-like backend (tests/gpu_like.py), every rank: rank 0's results by name."""
+    import gpu_like
+
+    tmp = tmp_path_factory.mktemp("distributed-gpu-like")
+    llama = make_model_dir(tmp / "llama", "llama")
+    llama_draft = make_model_dir(tmp / "llama-draft", "llama", noise=0.05)
+    qwen = make_model_dir(tmp / "qwen35", _tied_qwen35())
+    qwen_draft = make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3)
+    runs = [("tp_llama_draft", _gen(llama, "--draft-model", str(llama_draft), "--compare-ar", "--json")),
+            ("tp_qwen35_capture", _gen(qwen, "--draft-model", str(qwen_draft), "--rollback", "capture",
+                                       "--compare-ar", "--json")),
+            ("pp_qwen35_draft", _gen(qwen, "--pipeline", "--draft-model", str(qwen_draft), "--compare-ar",
+                                     "--json"))]
+    spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = {**gpu_like.environment(), "SPECDEC_NO_REEXEC": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).resolve().parents[2])])
+    done = subprocess.run(
+        [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
+         sys.executable, str(DRIVER), str(tmp / "spec.json")],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp,
+    )
+    out = {}
+    for rank in (0, 1):
+        file = tmp / f"rank{rank}.json"
+        assert file.exists(), f"rank {rank} wrote no results:\n{done.stdout}\n{done.stderr}"
+        out[rank] = {r["name"]: r for r in json.loads(file.read_text())}
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp_llama_draft", "tp_qwen35_capture", "pp_qwen35_draft"])
+def test_on_a_gpu_like_backend_sharded_speculation_is_plain_decoding_or_a_proven_tie(launched_gpu_like, name):
+    run = launched_gpu_like[0][name]
+    assert run["code"] == 0, run["stderr"]
+    assert _report(run)["compare"]["verdict"] in ("identical", "rounding tie")
+    assert launched_gpu_like[1][name]["committed"] == run["committed"]  # every rank committed the same
+
+
 @pytest.mark.parametrize("name,strategy", [("tp_qwen35_capture", "capture"), ("tp_qwen35_tape", "tape"),
                                            ("tp_qwen35_carry", "carry")])
 def test_the_hybrids_recurrent_state_is_cut_back_on_each_ranks_shard(launched, name, strategy):

@@ -169,3 +169,56 @@ def test_a_request_waits_until_the_batch_it_would_join_fits_in_memory(setup, mon
     # The second request produced nothing before the first was done.
     first_done = events.index((0, "Done"))
     assert all(i == 0 for i, _ in events[:first_done])
+
+
+def test_on_a_gpu_like_backend_rows_decode_together_and_each_is_its_request_alone_or_a_tie(setup, gpu_like,
+                                                                                          monkeypatch):
+    # Where a batched row rounds otherwise than the row alone, the batch check still lets rows share a batch
+    # (it measures the backend's own rounding), and each answer, held against its request decoded alone, is
+    # the same text or parts from it at a rounding tie.
+    from specdec_cli.loop.compare import IDENTICAL, TIE
+    from specdec_cli.session.batch import batch_refusal
+
+    session = Session(setup, 8)
+    assert batch_refusal(session) is None and session.rounding.batched > 0
+    scheduler = Scheduler(session, max_rows=4)
+    from specdec_cli.loop.engine import Engine
+
+    widths, real_step = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: widths.append(len(self.rows)) or real_step(self))
+    loop = asyncio.new_event_loop()
+    prompts = PROMPTS + [list(b"one two three four five six; one two three")]
+
+    async def run() -> list:
+        jobs = []
+        for prompt in prompts:
+            def make(prompt=prompt):
+                reply = Reply(session, Request(prompt, N), TextStream(session.setup.tokenizer, chat=False))
+                reply.compare = True
+                return reply
+
+            jobs.append(Job(make, loop))
+            scheduler.submit(jobs[-1])
+
+        async def done(job: Job) -> Reply:
+            while True:
+                item = await asyncio.wait_for(job.out.get(), 120)
+                if isinstance(item, Failed):
+                    raise item.error
+                if isinstance(item, Done):
+                    return item.reply
+
+        return await asyncio.gather(*(done(j) for j in jobs))
+
+    scheduler.start()
+    try:
+        replies = loop.run_until_complete(run())
+    finally:
+        scheduler.stop()
+        loop.close()
+    assert max(widths) == len(prompts)  # decoded together
+    verdicts = [r.comparison.verdict for r in replies]
+    assert set(verdicts) <= {IDENTICAL, TIE}, [r.comparison.divergence for r in replies]
+    for r in replies:
+        d = r.comparison.divergence
+        assert d is None or (d.bound is not None and d.margin <= d.bound)

@@ -342,3 +342,28 @@ def test_a_dflash_drafter_resumes_from_the_hidden_states_on_disk(tmp_path):
     ref, warm_pre, warm_blocks = gen(warm, second)
     assert pre.disk == warm_pre.cached > len(LONG)
     assert out == ref and blocks == warm_blocks
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+def test_on_a_gpu_like_backend_a_resumed_prompt_answers_as_its_request_alone_or_a_tie(setups, family, tier,
+                                                                                      tmp_path, gpu_like):
+    # A prefix resumed from the prompt cache was computed in other shapes (its turn's prefill and blocks), so
+    # where kernels round by shape its answer is held to the request's text alone within rounding.
+    from specdec_cli.loop.compare import IDENTICAL, TIE
+    from specdec_cli.session.alone import compare_alone
+    from specdec_cli.session.reply import Reply, TextStream
+
+    setup = setups[family]
+    first, _, _ = turn(setup, tmp_path, LONG) if tier == "disk" else (None, None, None)
+    session = on_disk(setup, tmp_path) if tier == "disk" else Session(setup, 8, prompt_cache=PromptCache())
+    if tier == "memory":
+        first, _, _ = gen(session, LONG)
+    request = Request(LONG + first + MORE, 24)
+    reply = Reply(session, request, TextStream(setup.tokenizer, chat=False))
+    list(reply)
+    assert reply.stats.cached_tokens > 0 and (tier == "memory" or reply.stats.disk_tokens > 0)
+    verdict = compare_alone(session, request, reply.tokens, reply.stats, batched=False)
+    assert verdict.verdict in (IDENTICAL, TIE), verdict.divergence
+    if session.disk is not None:
+        session.disk.close()

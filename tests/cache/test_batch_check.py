@@ -1,0 +1,82 @@
+"""The batch check (issue 56): rows may share a batch when a batched row is within the backend's own rounding
+of the row alone, and never when a mask, position or cache row is wrong, on this CPU and on the GPU-like
+backend (tests/gpu_like.py).
+
+On this CPU a batched row is bit for bit the row alone, so the check passes with nothing to spare and a
+planted fault shows by factors of 10^5; on the GPU-like backend the rounding is a GPU's (0.5-3% of the
+largest logit), the same check passes, and a planted fault still shows past it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from helpers import DTYPES, FAMILIES, target
+from specdec_cli.cache import batch_cache
+from specdec_cli.cache.batch_check import FACTOR, Rounding, batch_problem, check_batch, measure_rounding
+from specdec_cli.cache.caches import ModelCache
+
+CASES = [(f, d) for f in FAMILIES for d in DTYPES]
+
+
+def fresh(model):
+    return lambda: ModelCache(model)
+
+
+@pytest.mark.parametrize("family,dtype", CASES)
+def test_a_correct_batch_passes_within_the_backends_own_rounding(family, dtype, backend):
+    model = target(family, dtype)
+    rounding = measure_rounding(model, fresh(model))
+    assert rounding.ok and batch_problem(model, fresh(model)) is None
+    assert rounding.dtype == dtype
+    if backend == "cpu":  # bit for bit: the check has nothing to allow for
+        assert rounding.batched == 0.0 == rounding.yardstick
+    else:  # a GPU's amounts: what the fixed 1e-2 tolerance refused on the H200
+        assert 0.003 < rounding.batched <= rounding.tolerance == pytest.approx(FACTOR * rounding.yardstick)
+
+
+def _peek_ahead(real):
+    def make_mask(self, N, return_array=False, window_size=None):
+        mask = real(self, N, return_array, window_size)
+        return mask | mx.concatenate([mx.zeros_like(mask[..., :1]), mask[..., :-1]], axis=-1)  # one key too far
+    return make_mask
+
+
+@pytest.mark.parametrize("fault", ["mask", "position", "row"])
+@pytest.mark.parametrize("family,dtype", CASES)
+def test_a_wrong_mask_position_or_row_is_refused(family, dtype, fault, backend, monkeypatch):
+    model = target(family, dtype)
+    cls = batch_cache.RowsKVCache
+    if fault == "mask":
+        monkeypatch.setattr(cls, "make_mask", _peek_ahead(cls.make_mask))
+    elif fault == "position":  # RoPE one position on
+        monkeypatch.setattr(cls, "offset", property(lambda self: mx.array([n + 1 for n in self.lengths], mx.int32)))
+    else:  # each row reads the other's keys and values
+        real = cls.update_and_fetch
+
+        def swapped(self, keys, values):
+            k, v = real(self, keys, values)
+            return k[::-1], v[::-1]
+
+        monkeypatch.setattr(cls, "update_and_fetch", swapped)
+    problem, rounding = check_batch(model, fresh(model))
+    assert rounding is not None and not rounding.ok, rounding
+    assert "past rounding" in problem and f"{rounding.batched:.2g}" in problem
+
+
+def test_the_bound_is_the_tolerance_of_the_largest_logit():
+    r = Rounding("bfloat16", yardstick=0.01, batched=0.02, tolerance=0.04)
+    assert r.ok and r.bound(mx.array([1.0, -5.0, 2.0])) == pytest.approx(0.2)
+    assert not Rounding("float32", 0.0, 1e-3, 4.8e-7).ok
+
+
+def test_a_forward_that_fails_on_rows_is_a_reason_not_a_crash(monkeypatch):
+    model = target("llama", "float32")
+
+    def broken(self, N, return_array=False, window_size=None):
+        raise TypeError("offset must be an int")
+
+    monkeypatch.setattr(batch_cache.RowsKVCache, "make_mask", broken)
+    problem, rounding = check_batch(model, fresh(model))
+    assert rounding is None and "fails on rows of different lengths (TypeError: offset must be an int)" in problem

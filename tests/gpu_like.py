@@ -1,0 +1,196 @@
+"""A CPU that rounds like a GPU (issue 56): a forward's numbers depend on its shape, by a GPU's amounts.
+
+MLX's CPU backend gives a row in a batch the bits of the same row alone, so a
+promise proven there ("a batched row is its request alone") can be false on a
+GPU, where the kernel a matmul or an attention runs is chosen by its shape
+(GEMV for one row, GEMM tiles of several sizes, attention split by key length)
+and each rounds its own way. Here every matmul (``nn.Linear``, quantized
+linears, a tied embedding read as the LM head) and every attention computes
+in float32 and rounds its output by a rule picked by its shape:
+
+- a matmul (tensor parallelism's sharded linears too) by the rows it computes, ``M`` (batch x positions), in classes
+  1, 2-3, 4-7, 8-15, ...;
+- an attention by its queries (batch x positions) and its key length (a new
+  class each 64 keys, as a split-K kernel's split count grows);
+
+each class rounding to bfloat16 to nearest, truncating to bfloat16, or (float32
+models only) keeping float32. The amounts are a GPU's (a bfloat16 ulp per op,
+the few percent of the largest logit the issue measured on an H200 once they
+add up); only rounding changes, so a wrong mask, position or cache row still
+gives a wrong answer.
+
+In a test process, :func:`installed` (the ``gpu_like`` fixture in
+``tests/conftest.py``) turns it on and off. Processes a test starts (servers,
+ranks, the CLI as a subprocess) get it from :func:`environment`:
+``SPECDEC_TEST_BACKEND=gpu-like`` and ``tests/gpu_like_site`` on ``PYTHONPATH``,
+whose ``sitecustomize`` installs it at start-up. Nothing of it is in the package.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.nn.layers.distributed as _sharded
+
+ENV = "SPECDEC_TEST_BACKEND"
+NAME = "gpu-like"
+SITE = Path(__file__).resolve().parent / "gpu_like_site"
+
+_ORIGINAL: dict = {}
+
+
+def active() -> bool:
+    """Whether this process's forwards round like a GPU now."""
+    return bool(_ORIGINAL)
+
+
+def environment(env: dict | None = None) -> dict:
+    """``env`` (default: this process's) with the backend turned on for a child process."""
+    out = dict(os.environ if env is None else env)
+    out[ENV] = NAME
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), out.get("PYTHONPATH", "")) if p)
+    return out
+
+
+# --- rounding --------------------------------------------------------------------------------------
+
+
+def _truncate_to_bf16(y: mx.array) -> mx.array:
+    """float32 ``y`` with its low 16 bits cleared: bfloat16's grid, rounded toward zero."""
+    return (y.view(mx.uint32) & mx.array(0xFFFF0000, dtype=mx.uint32)).view(mx.float32)
+
+
+def _round(y: mx.array, out: mx.Dtype, cls: int) -> mx.array:
+    """float32 ``y`` in ``out``, rounded by the rule of shape class ``cls``."""
+    if out == mx.float32:
+        rule = cls % 3
+        if rule == 0:
+            return y.astype(mx.bfloat16).astype(mx.float32)
+        if rule == 1:
+            return _truncate_to_bf16(y)
+        return y
+    if cls % 2 and out == mx.bfloat16:
+        return _truncate_to_bf16(y).astype(out)  # exactly representable: no second rounding
+    if cls % 2 and out == mx.float16:
+        # float16 keeps 10 of float32's 23 fraction bits: clear the other 13 (toward zero).
+        return (y.view(mx.uint32) & mx.array(0xFFFFE000, dtype=mx.uint32)).view(mx.float32).astype(out)
+    return y.astype(out)
+
+
+def _rows_class(m: int) -> int:
+    return max(int(m), 1).bit_length() - 1
+
+
+def _out_dtype(*dtypes) -> mx.Dtype:
+    floats = [d for d in dtypes if d in (mx.float32, mx.bfloat16, mx.float16)]
+    return mx.float32 if mx.float32 in floats or not floats else floats[0]
+
+
+def _matmul(x: mx.array, w: mx.array, bias=None) -> mx.array:
+    out = _out_dtype(x.dtype, w.dtype)
+    y = x.astype(mx.float32) @ w.astype(mx.float32).T
+    if bias is not None:
+        y = y + bias.astype(mx.float32)
+    m = 1
+    for n in x.shape[:-1]:
+        m *= n
+    return _round(y, out, _rows_class(m))
+
+
+def _linear(self, x):
+    return _matmul(x, self["weight"], self["bias"] if "bias" in self else None)
+
+
+def _quantized_linear(self, x):
+    out = _out_dtype(x.dtype, self["scales"].dtype)
+    y = _ORIGINAL["QuantizedLinear"](self, x.astype(mx.float32)).astype(mx.float32)
+    m = 1
+    for n in x.shape[:-1]:
+        m *= n
+    return _round(y, out, _rows_class(m))
+
+
+def _to_sharded(self, x):  # mlx.nn.layers.distributed.AllToShardedLinear (tensor parallelism's first half)
+    return _matmul(x, self["weight"], self["bias"] if "bias" in self else None)
+
+
+def _from_sharded(self, x):  # ShardedToAllLinear: this rank's share, summed over the ranks, then the bias
+    y = mx.distributed.all_sum(_matmul(x, self["weight"]), group=self.group)
+    return y + self["bias"] if "bias" in self else y
+
+
+def _as_linear(self, x):
+    return _matmul(x, self.weight)
+
+
+def _quantized_as_linear(self, x):
+    out = _out_dtype(x.dtype, self["scales"].dtype)
+    y = _ORIGINAL["QuantizedEmbedding"](self, x.astype(mx.float32)).astype(mx.float32)
+    m = 1
+    for n in x.shape[:-1]:
+        m *= n
+    return _round(y, out, _rows_class(m))
+
+
+def _attention(q, k, v, *args, **kwargs):
+    out = q.dtype
+    mask = kwargs.get("mask")
+    if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_,):
+        kwargs["mask"] = mask.astype(mx.float32)
+    sinks = kwargs.get("sinks")
+    if isinstance(sinks, mx.array):
+        kwargs["sinks"] = sinks.astype(mx.float32)
+    y = _ORIGINAL["sdpa"](q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), *args, **kwargs)
+    queries = q.shape[0] * q.shape[-2]
+    return _round(y, out, _rows_class(queries) + k.shape[-2] // 64)
+
+
+# --- switching it on and off -------------------------------------------------------------------------
+
+
+def install() -> None:
+    """Round like a GPU in this process from now on (idempotent)."""
+    if _ORIGINAL:
+        return
+    _ORIGINAL.update(Linear=nn.Linear.__call__, QuantizedLinear=nn.QuantizedLinear.__call__,
+                     as_linear=nn.Embedding.as_linear, QuantizedEmbedding=nn.QuantizedEmbedding.as_linear,
+                     sdpa=mx.fast.scaled_dot_product_attention, to_sharded=_sharded.AllToShardedLinear.__call__,
+                     from_sharded=_sharded.ShardedToAllLinear.__call__)
+    _sharded.AllToShardedLinear.__call__ = _to_sharded
+    _sharded.ShardedToAllLinear.__call__ = _from_sharded
+    nn.Linear.__call__ = _linear
+    nn.QuantizedLinear.__call__ = _quantized_linear
+    nn.Embedding.as_linear = _as_linear
+    nn.QuantizedEmbedding.as_linear = _quantized_as_linear
+    mx.fast.scaled_dot_product_attention = _attention
+
+
+def uninstall() -> None:
+    """Back to MLX's own CPU arithmetic."""
+    if not _ORIGINAL:
+        return
+    nn.Linear.__call__ = _ORIGINAL["Linear"]
+    nn.QuantizedLinear.__call__ = _ORIGINAL["QuantizedLinear"]
+    nn.Embedding.as_linear = _ORIGINAL["as_linear"]
+    nn.QuantizedEmbedding.as_linear = _ORIGINAL["QuantizedEmbedding"]
+    mx.fast.scaled_dot_product_attention = _ORIGINAL["sdpa"]
+    _sharded.AllToShardedLinear.__call__ = _ORIGINAL["to_sharded"]
+    _sharded.ShardedToAllLinear.__call__ = _ORIGINAL["from_sharded"]
+    _ORIGINAL.clear()
+
+
+@contextmanager
+def installed() -> Iterator[None]:
+    """The backend on for the ``with`` block (off again after, unless it was on before)."""
+    was = active()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
