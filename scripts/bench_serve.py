@@ -121,6 +121,8 @@ def prepare(work: Path, dtype: str = "float32") -> tuple[Path, dict, dict, Optio
     peer_env = dict(env)
     if library:
         peer_env["LD_PRELOAD"] = str(library)
+    if dtype == "4bit":  # the bundled files as shipped (4-bit, group size 64)
+        return bundled.model_dir(), env, peer_env, library
     folder = work / f"smollm2-{dtype}"
     subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(bundled.model_dir()), "-d",
                     "--dtype", dtype, "--mlx-path", str(folder)], check=True, env=peer_env,
@@ -263,7 +265,8 @@ def main() -> None:
     ap.add_argument("--dialects", action="store_true",
                     help="the edit request through chat completions, /v1/messages and /v1/responses (specdec only)")
     ap.add_argument("--dtype", default="float32",
-                    help="The dtype both servers' copy of the bundled model is written in (bfloat16 on a GPU)")
+                    help="The dtype both servers' copy of the bundled model is written in (bfloat16 on a GPU), "
+                         "or 4bit: the bundled files as shipped")
     ap.add_argument("--decode-concurrency", default="8",
                     help="Both servers' --decode-concurrency in the --concurrency runs, or 'default': each server's "
                          "own (specdec's measured at start-up; mlx_lm.server's default "

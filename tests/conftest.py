@@ -408,12 +408,13 @@ def gpu_like():
         yield backend
 
 
-@pytest.fixture(params=["cpu", "gpu-like"])
+@pytest.fixture(params=["own", "gpu-like"])
 def backend(request):
-    """The test runs twice: on MLX's own CPU arithmetic (bit-identical rows) and on the GPU-like backend."""
+    """The test runs twice: on the device's own arithmetic (this CPU's: bit-identical rows) and on the GPU-like
+    backend."""
     import gpu_like as module
 
-    if request.param == "cpu":
+    if request.param == "own":
         yield request.param
         return
     with module.installed():

@@ -12,10 +12,10 @@ two computations that differ in nothing but their shape. The batched difference
 is held to :data:`FACTOR` times that (or times the dtype's own precision, where
 the two agree bit for bit).
 
-Measured (issue 56): on the H200 the batched difference was 1.7-2.7 times the
-yardstick (bfloat16, float32 with and without TF32); on the test suite's GPU-like
-CPU 0.7-1.4 times. A planted wrong mask or position moved the tiny test models'
-logits by 7-100% of the largest, 5.4-120 times their yardstick.
+Measured (issue 56): on an H200 the batched difference was up to 1.5 times the
+yardstick (row by row up to 2.7: bfloat16, float32 with and without TF32); on the test suite's GPU-like
+CPU 0.6-1.1 times. A planted wrong mask, position or cache row moved the tiny test
+models' logits by 7-100% of the largest, 5.2-119 times their yardstick.
 """
 
 from __future__ import annotations
