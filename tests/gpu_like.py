@@ -106,13 +106,16 @@ def _linear(self, x):
     return _matmul(x, self["weight"], self["bias"] if "bias" in self else None)
 
 
-def _quantized_linear(self, x):
-    out = _out_dtype(x.dtype, self["scales"].dtype)
-    y = _ORIGINAL["QuantizedLinear"](self, x.astype(mx.float32)).astype(mx.float32)
-    m = 1
-    for n in x.shape[:-1]:
-        m *= n
-    return _round(y, out, _rows_class(m))
+def _quantized(original: str):
+    """A quantized layer's call, computed on float32 input and rounded by its row count."""
+    def call(self, x):
+        out = _out_dtype(x.dtype, self["scales"].dtype)
+        y = _ORIGINAL[original](self, x.astype(mx.float32)).astype(mx.float32)
+        m = 1
+        for n in x.shape[:-1]:
+            m *= n
+        return _round(y, out, _rows_class(m))
+    return call
 
 
 def _to_sharded(self, x):  # mlx.nn.layers.distributed.AllToShardedLinear (tensor parallelism's first half)
@@ -126,15 +129,6 @@ def _from_sharded(self, x):  # ShardedToAllLinear: this rank's share, summed ove
 
 def _as_linear(self, x):
     return _matmul(x, self.weight)
-
-
-def _quantized_as_linear(self, x):
-    out = _out_dtype(x.dtype, self["scales"].dtype)
-    y = _ORIGINAL["QuantizedEmbedding"](self, x.astype(mx.float32)).astype(mx.float32)
-    m = 1
-    for n in x.shape[:-1]:
-        m *= n
-    return _round(y, out, _rows_class(m))
 
 
 def _attention(q, k, v, *args, **kwargs):
@@ -164,9 +158,9 @@ def install() -> None:
     _sharded.AllToShardedLinear.__call__ = _to_sharded
     _sharded.ShardedToAllLinear.__call__ = _from_sharded
     nn.Linear.__call__ = _linear
-    nn.QuantizedLinear.__call__ = _quantized_linear
+    nn.QuantizedLinear.__call__ = _quantized("QuantizedLinear")
     nn.Embedding.as_linear = _as_linear
-    nn.QuantizedEmbedding.as_linear = _quantized_as_linear
+    nn.QuantizedEmbedding.as_linear = _quantized("QuantizedEmbedding")
     mx.fast.scaled_dot_product_attention = _attention
 
 

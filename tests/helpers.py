@@ -112,34 +112,28 @@ def cache_arrays(cache: ModelCache) -> list[mx.array]:
     return out
 
 
-def max_cache_diff(a: ModelCache, b: ModelCache) -> float:
-    """Largest absolute difference between two caches (offsets must match)."""
+def _cache_pairs(a: ModelCache, b: ModelCache):
+    """The two caches' arrays side by side, in float32 (offsets must match, and are checked here)."""
     xs, ys = cache_arrays(a), cache_arrays(b)
     assert len(xs) == len(ys)
     assert a.length == b.length
-    worst = 0.0
     for x, y in zip(xs, ys):
         assert x.shape == y.shape, (x.shape, y.shape)
         if x.ndim == 0:
             assert x.item() == y.item(), "offsets differ"
             continue
-        worst = max(worst, mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max().item())
-    return worst
+        yield x.astype(mx.float32), y.astype(mx.float32)
+
+
+def max_cache_diff(a: ModelCache, b: ModelCache) -> float:
+    """Largest absolute difference between two caches (offsets must match)."""
+    return max((mx.abs(x - y).max().item() for x, y in _cache_pairs(a, b)), default=0.0)
 
 
 def cache_rel_diff(a: ModelCache, b: ModelCache) -> float:
     """Largest over the caches' arrays of their largest absolute difference over ``b``'s largest value."""
-    xs, ys = cache_arrays(a), cache_arrays(b)
-    assert len(xs) == len(ys) and a.length == b.length
-    worst = 0.0
-    for x, y in zip(xs, ys):
-        assert x.shape == y.shape, (x.shape, y.shape)
-        if x.ndim == 0:
-            assert x.item() == y.item(), "offsets differ"
-            continue
-        x, y = x.astype(mx.float32), y.astype(mx.float32)
-        worst = max(worst, mx.abs(x - y).max().item() / max(mx.abs(y).max().item(), 1e-6))
-    return worst
+    return max((mx.abs(x - y).max().item() / max(mx.abs(y).max().item(), 1e-6) for x, y in _cache_pairs(a, b)),
+               default=0.0)
 
 
 class TwoPathModel:

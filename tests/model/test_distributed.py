@@ -214,8 +214,12 @@ def launched(tmp_path_factory):
     ]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
     spec["runs"].append({"name": "disagree", "args": _gen(llama, m=5), "rank_args": {"1": _gen(llama, m=6)}})
+    return _launch(tmp, spec, {**os.environ, "SPECDEC_NO_REEXEC": "1"})
+
+
+def _launch(tmp: Path, spec: dict, env: dict) -> dict:
+    """Runs ``spec``'s commands under ``mlx.launch --backend ring -n 2``: each rank's results by run name."""
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "SPECDEC_NO_REEXEC": "1"}
     done = subprocess.run(
         [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
          sys.executable, str(DRIVER), str(tmp / "spec.json")],
@@ -269,20 +273,9 @@ def launched_gpu_like(tmp_path_factory):
             ("pp_qwen35_draft", _gen(qwen, "--pipeline", "--draft-model", str(qwen_draft), "--compare-ar",
                                      "--json"))]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
-    (tmp / "spec.json").write_text(json.dumps(spec))
     env = {**gpu_like.environment(), "SPECDEC_NO_REEXEC": "1"}
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).resolve().parents[2])])
-    done = subprocess.run(
-        [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
-         sys.executable, str(DRIVER), str(tmp / "spec.json")],
-        capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp,
-    )
-    out = {}
-    for rank in (0, 1):
-        file = tmp / f"rank{rank}.json"
-        assert file.exists(), f"rank {rank} wrote no results:\n{done.stdout}\n{done.stderr}"
-        out[rank] = {r["name"]: r for r in json.loads(file.read_text())}
-    return out
+    return _launch(tmp, spec, env)
 
 
 @pytest.mark.parametrize("name", ["tp_llama_draft", "tp_qwen35_capture", "pp_qwen35_draft"])
