@@ -82,7 +82,8 @@ from specdec_cli.model.files import read_config
 from specdec_cli.loop.engine import MAX_CARRY
 from specdec_cli.session.loading import load
 from specdec_cli.session.measure import measure_plain
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.core.sampling import GREEDY, SamplingParams
 from specdec_cli.session.synthetic import build_model
 from specdec_cli.model.taps import Hidden, HiddenTap, target_parts

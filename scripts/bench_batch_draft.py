@@ -89,7 +89,7 @@ def run(target, draft, prompts, k: int, max_tokens: int, together: bool,
 def run_session(session, prompts, max_tokens: int, together: bool) -> tuple[float, list[list[int]], float]:
     """The same through the session layer (``generate --prompts-file``'s path): an MTP head, a DFlash drafter."""
     from specdec_cli.loop import engine
-    from specdec_cli.loop.runner import Step
+    from specdec_cli.loop.events import Step
     from specdec_cli.session import Request
     from specdec_cli.session.batch import BatchEnd, run_batch
 

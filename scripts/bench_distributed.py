@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench  # noqa: E402  (this script's folder is first on sys.path)
 
 from specdec_cli.model import distributed  # noqa: E402
-from specdec_cli.loop.runner import Finished, Step, Warmed  # noqa: E402
+from specdec_cli.loop.events import Finished, Step, Warmed  # noqa: E402
 from specdec_cli.session import ModelOptions, Request, Session, load_setup  # noqa: E402
 from specdec_cli.core.stats import Stats  # noqa: E402
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir  # noqa: E402

@@ -52,7 +52,8 @@ from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters.base import Draft
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_head import MTPConfig, random_head
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.core.sampling import GREEDY
 from specdec_cli.session.synthetic import build_model
 from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, target_parts

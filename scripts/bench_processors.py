@@ -169,7 +169,7 @@ def main() -> None:
                      "block_size": block, "repeats": args.repeats, "cases": {}}
 
     def once(session: Session, request: Request) -> tuple[float, list[int], float, int]:
-        from specdec_cli.loop.runner import Step
+        from specdec_cli.loop.events import Step
         from specdec_cli.core.stats import Stats
 
         stats, out = Stats(prompt_tokens=len(request.prompt_ids)), []

@@ -43,7 +43,8 @@ import mlx.core as mx
 
 from specdec_cli.core.adaptive import FixedLength
 from specdec_cli.cache.caches import ModelCache
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import build_model
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent / "bench.py")

@@ -45,7 +45,8 @@ from specdec_cli.drafters.mtp_head import MTPHead
 from specdec_cli.drafters.mtp_io import load_head
 from specdec_cli.model.files import read_config
 from specdec_cli.session.loading import load
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.model.taps import target_parts
 
 import bench  # noqa: E402  (this script's folder is first on sys.path)

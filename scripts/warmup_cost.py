@@ -31,7 +31,8 @@ if __name__ == "__main__":
 from specdec_cli.cache import caches  # noqa: E402
 from specdec_cli.cli.commands import GenerateOptions, prompt_ids  # noqa: E402
 from specdec_cli.session import check_model_options, load_setup, make_policy, resolve_block_size  # noqa: E402
-from specdec_cli.loop.runner import collect, run  # noqa: E402
+from specdec_cli.loop.events import collect  # noqa: E402
+from specdec_cli.loop.runner import run  # noqa: E402
 
 PROMPTS = {
     "summarize": "Summarize in two sentences: The city council met on Tuesday to discuss the new park. The park "

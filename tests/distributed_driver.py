@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from specdec_cli.loop import compare, runner
+from specdec_cli.loop import compare, events, runner
 from specdec_cli.session import measure
 from specdec_cli.cli.app import app
 from specdec_cli.session.generate import Session
@@ -34,7 +34,7 @@ def main() -> None:
             tokens: list[int] = []
             committed.append(tokens)
             for event in real(*args, **kwargs):
-                if isinstance(event, runner.Step):
+                if isinstance(event, events.Step):
                     tokens.extend(event.block.tokens)
                 yield event
         return spied

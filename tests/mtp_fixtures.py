@@ -23,7 +23,8 @@ from mlx.utils import tree_flatten
 
 from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters.mtp_head import MTPConfig, MTPHead, random_head
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, VOCAB_SIZE, build_model, write_tokenizer
 from specdec_cli.model.taps import HiddenTap, TapSpec, target_parts
 

@@ -32,7 +32,7 @@ from .display import (
 from ..errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError, SpecdecError
 from ..core.processors import ConstraintError, check_constraint
 from ..model.prompts import FilePrompt, clean, encode_messages, encode_prompt, read_prompts_file
-from ..loop.runner import Finished, Prefilled, Step
+from ..loop.events import Finished, Prefilled, Step
 from ..session import (
     Request,
     Session,
@@ -45,6 +45,7 @@ from ..session import (
     sampling_params,
 )
 from ..session.alone import compare_alone
+from ..session.fit import fit_request
 from ..session.batch import BatchEnd, ConcurrencyResult, batch_refusal, concurrency_sweep, run_batch
 from ..core.stats import BatchStats, Stats
 
@@ -116,14 +117,14 @@ def generate_batch(opts) -> int:
     prefill = clean(opts.prefill_response, "--prefill-response")
     for prompt in prompts:
         ids = _encode(setup, prompt, name, system, prefill)
-        asked = prompt.max_tokens or opts.max_tokens
+        seed = prompt.seed if prompt.seed is not None else opts.seed
         try:
-            max_tokens, _ = setup.fit_context(len(ids), asked)
+            # The batch's memory is checked below, for its rows together.
+            fitted = fit_request(setup, ids, prompt.max_tokens or opts.max_tokens, memory=False, sampling=sampling,
+                                 seed=seed, **controls)
         except SpecdecError as e:
             raise type(e)(f"--prompts-file {name} line {prompt.line}: {e}") from None
-        seed = prompt.seed if prompt.seed is not None else opts.seed
-        request = Request(ids, max_tokens, sampling, seed, **controls)
-        rows.append(_Row(prompt, ids, request, max_tokens < asked, Stats(prompt_tokens=len(ids))))
+        rows.append(_Row(prompt, ids, fitted.request, fitted.capped, Stats(prompt_tokens=len(ids))))
     print_stderr(setup.start_lines())
     block_size = setup.run_block_size(block_size)
     # A batch's caches are as long as its longest row, for every row decoding together.

@@ -18,9 +18,9 @@ from .display import print_loading, print_stderr, stderr_width, text_view
 from ..errors import OptionError
 from ..model.prompts import clean, render_messages
 from ..session import (
+    MemoryLimitError,
     PromptCache,
     PromptTooLongError,
-    Request,
     Session,
     check_model_options,
     load_setup,
@@ -29,6 +29,7 @@ from ..session import (
     sampling_params,
     single_process,
 )
+from ..session.fit import fit_request
 from ..session.options import RunOptions
 from ..session.reply import Reply, TextStream
 from ..core.stats import Stats
@@ -156,12 +157,12 @@ def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict,
         messages.append({"role": "user", "content": clean(line, "the message")})
         try:
             rendered = render_messages(setup.tokenizer, messages, template_kwargs=setup.template_kwargs)
-            max_tokens, _ = setup.fit_context(len(rendered.ids), opts.max_tokens)
-        except (OptionError, PromptTooLongError) as e:
+            request = fit_request(setup, rendered.ids, opts.max_tokens, sampling=sampling, seed=opts.seed,
+                                  boundaries=rendered.boundaries, **controls).request
+        except (OptionError, PromptTooLongError, MemoryLimitError) as e:
             messages.pop()
-            print_stderr([f"error: {e}" + ("; /reset starts over" if isinstance(e, PromptTooLongError) else "")])
+            print_stderr([f"error: {e}" + ("" if isinstance(e, OptionError) else "; /reset starts over")])
             continue
-        request = Request(rendered.ids, max_tokens, sampling, opts.seed, boundaries=rendered.boundaries, **controls)
         reply = Reply(session, request, TextStream(setup.tokenizer, chat=False))
         answer, interrupted = _stream(reply, opts.live, setup.drafter_name)
         messages.append({"role": "assistant", "content": answer})

@@ -46,14 +46,14 @@ from .display import (
 from ..model.distributed import peer_errors
 from ..errors import EXIT_DIVERGED, EXIT_INTERRUPTED, OptionError
 from ..cache.limits import gb
+from ..session.fit import fit_request
 from ..session.measure import SweepResult, sweep
 from ..core.processors import ConstraintError, check_constraint, make_processors
 from ..model.prompts import clean, encode_prompt, read_prompt
-from ..loop.runner import Step
+from ..loop.events import Step
 from ..session import (
     PREFILL_CHUNK_S,
     ModelOptions,
-    Request,
     RunOptions,
     Session,
     Setup,
@@ -141,8 +141,10 @@ def _generate(opts: GenerateOptions) -> int:
     kind, block_size = setup.kind, setup.run_block_size(block_size)
     target, tokenizer = setup.target, setup.tokenizer
     drafter_name = setup.drafter_name
-    max_tokens, context = setup.fit_context(len(ids), opts.max_tokens)
-    estimate = setup.check_memory(len(ids) + max_tokens)
+    fitted = fit_request(setup, ids, opts.max_tokens, sampling=sampling, seed=opts.seed, timed=opts.verbose,
+                         **controls)
+    request, context, estimate = fitted.request, fitted.context, fitted.estimate
+    max_tokens = request.max_tokens
     kv = dict(kv_bits=opts.kv_bits, kv_group_size=opts.kv_group)
     session = Session(setup, block_size, adaptive=opts.adaptive)
     if not opts.compare_ar:  # the comparison prefills the whole prompt again, in the run's own chunks
@@ -164,7 +166,6 @@ def _generate(opts: GenerateOptions) -> int:
                           f"{gb(estimate.cache)}, prefill scratch {gb(estimate.scratch)})"])
         mx.reset_peak_memory()
         view = text_view(opts.live, drafter_name, opts.json_output)
-        request = Request(ids, max_tokens, sampling, opts.seed, timed=opts.verbose, **controls)
         events = session.generate(request, policy=policy)
         # closing(): whatever stops the loop, the run's own cleanup happens now.
         with closing(events):

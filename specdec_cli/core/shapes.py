@@ -33,15 +33,6 @@ def compiles_per_shape() -> bool:
     return mx.default_device() != mx.cpu
 
 
-def resolve(requested: str, *, compiles: Optional[bool] = None) -> str:
-    """``auto``: ``bucketed`` where the device compiles per shape, else ``exact``."""
-    if requested not in SHAPES:
-        raise ValueError(f"shapes must be one of {SHAPES}")
-    if requested != "auto":
-        return requested
-    return "bucketed" if (compiles_per_shape() if compiles is None else compiles) else "exact"
-
-
 def bucket(width: int) -> int:
     """The smallest power of two >= ``width`` (>= 1)."""
     return 1 << max(0, int(width) - 1).bit_length()

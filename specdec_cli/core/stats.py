@@ -81,7 +81,7 @@ class Stats:
             self.cache_bytes = dict(event.cache_bytes)
 
     def warm(self, event) -> None:
-        """Record a :class:`~specdec_cli.loop.runner.Warmed` event."""
+        """Record a :class:`~specdec_cli.loop.events.Warmed` event."""
         self.warmup_s += event.seconds
         self.warmup_rows = (event.what.target_rows, event.what.drafter_rows)
         self.warmup_free = event.what.free

@@ -29,7 +29,8 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_head import MTPHead
 from ..drafters.mtp_io import embedding_probe, save_head
-from ..loop.runner import collect, run
+from ..loop.events import collect
+from ..loop.runner import run
 from ..model.taps import TargetParts
 from .data import Generated, answer_prompts, prompt_ids, read_source, teacher_states, text_ids
 from .train import Step, TrainConfig, Trainer, frequent_tokens, head_config, windows

@@ -40,7 +40,8 @@ import mlx.nn as nn
 from ..cache.batch_check import Rounding
 from ..cache.caches import ModelCache, make_cache
 from ..core.blocks import Block
-from .runner import collect, run
+from .events import collect
+from .runner import run
 from ..core.sampling import GREEDY, SamplingParams, greedy, keyed_pick, log_probs, position_noise
 from ..core.stats import Stats
 

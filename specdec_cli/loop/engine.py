@@ -26,9 +26,8 @@ from ..cache.caches import ModelCache
 from ..drafters import Draft, Drafter, no_draft
 from ..errors import UnsupportedModelError
 from ..core.processors import logprob_arrays, logprob_entries
+from ..core.numerics import Numerics
 from ..core.shapes import bucket
-from ..core.shapes import fed as fed_width
-from ..core.shapes import widths as shape_widths
 from ..core.sampling import GREEDY, SamplingParams, accept_greedy, accept_keyed, accept_sampled, greedy, kept
 from ..model.taps import Hidden, HiddenTap
 
@@ -142,20 +141,20 @@ class Engine:
         sync: The ranks of a sharded target (one row only).
         planner: Weighs each row's expected tokens against what its drafts
             add to a batch's forward (see :mod:`specdec_cli.loop.batch_policy`).
-        shapes: ``exact`` or ``bucketed``: verify widths rounded up to a power
-            of two (see :mod:`specdec_cli.core.shapes`); the padding rows' outputs
-            are ignored and their cache entries dropped like a rejected draft's
-            (on recurrent layers only where the forward records: capture, tape).
+        numerics: The run's numerics (:mod:`specdec_cli.core.numerics`): under ``bucketed`` shapes
+            verify widths are rounded up to a power of two; the padding rows' outputs are ignored
+            and their cache entries dropped like a rejected draft's (on recurrent layers only where
+            the forward records: capture, tape).
     """
 
     def __init__(self, model: Any, *, rollback: str = "carry", timed: bool = False,
                  tap: Optional[HiddenTap] = None, sync: Optional[Ranks] = None, planner: Any = None,
-                 shapes: str = "exact"):
+                 numerics: Numerics = Numerics()):
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}")
-        if shapes not in ("exact", "bucketed"):
+        if numerics.shapes not in ("exact", "bucketed"):
             raise ValueError("shapes must be exact or bucketed (resolve auto first)")
-        self.shapes = shapes
+        self.numerics = numerics
         self.model = model
         self.rollback = rollback
         self.timed = timed
@@ -186,7 +185,7 @@ class Engine:
         k_max = getattr(row.policy, "k_max", getattr(row.policy, "k", 0))
         strategy = row.rollback or self.rollback
         # Before the row's first token: every verify row count it can use computes as one-token decoding.
-        cache.check_verify(max(verify_rows(k_max, cache.recurrent, strategy, self.shapes)))
+        cache.check_verify(max(verify_rows(k_max, cache.recurrent, strategy, self.numerics)))
         if self._record_for(row, cache) and not cache.can_record:
             raise ValueError(f"--rollback {strategy} cannot run on this model ({cache.record_problem})")
         drafter = _inner(row.drafter)
@@ -276,7 +275,7 @@ class Engine:
     def _pads(self, cache, record: Optional[str]) -> bool:
         """Whether verifies run padded to their bucket: padding rows run through recurrent layers too,
         so only a forward that records (capture, tape) cuts them back exactly."""
-        return self.shapes == "bucketed" and (not cache.recurrent or record is not None)
+        return self.numerics.bucketed and (not cache.recurrent or record is not None)
 
     def _record_for(self, row: Row, cache) -> Optional[str]:
         """What a single row's verify records for its rollback (None: nothing)."""
@@ -343,8 +342,8 @@ class Engine:
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
             position = None if batch else cache.length
-            pad = "bucketed" if speculate and self._pads(cache, record) else "exact"
-            width = fed_width(max(p.x.shape[0] for p in pending), pad)
+            widest = max(p.x.shape[0] for p in pending)
+            width = self.numerics.fed(widest) if speculate and self._pads(cache, record) else widest
             for p in pending:
                 p.fed = width
             if batch:
@@ -566,7 +565,7 @@ def speculative_generate_step(
     sync: Optional[Ranks] = None,
     processors: tuple = (),
     logprobs: Optional[int] = None,
-    shapes: str = "exact",
+    numerics: Numerics = Numerics(),
 ) -> Iterator[Block]:
     """Speculative decoding of one sequence: greedy, or lossless sampling at temp > 0.
 
@@ -611,7 +610,7 @@ def speculative_generate_step(
             fresh for this run: built with the prompt, they follow its commits.
         logprobs: None, or how many alternatives each emitted token's
             log-probability comes with (``Block.logprobs``).
-        shapes: ``exact`` or ``bucketed`` verify widths (see :class:`Engine`).
+        numerics: The run's numerics (see :class:`Engine`).
 
     Yields:
         One :class:`Block` per target forward.
@@ -620,7 +619,7 @@ def speculative_generate_step(
         if num_draft_tokens is None or num_draft_tokens < 0:
             raise ValueError("give num_draft_tokens >= 0 or a policy")
         policy = FixedLength(num_draft_tokens)
-    engine = Engine(cache.model, rollback=rollback, timed=timed, tap=tap, sync=sync, shapes=shapes)
+    engine = Engine(cache.model, rollback=rollback, timed=timed, tap=tap, sync=sync, numerics=numerics)
     row = engine.admit(Row(last, drafter, policy, sampling, frozenset(eos_ids), max_tokens,
                            processors=tuple(processors), logprobs=logprobs), cache)
     try:
@@ -632,9 +631,10 @@ def speculative_generate_step(
         engine.close()
 
 
-def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry", shapes: str = "exact") -> list[int]:
+def verify_rows(max_draft: int, recurrent: bool, rollback: str = "carry",
+                numerics: Numerics = Numerics()) -> list[int]:
     """Every row count a verify forward can have: 1 .. k+1, plus carried tokens on recurrent targets;
     under ``bucketed`` shapes, the powers of two up to the one that holds them."""
     # Without drafts every block is a full accept: nothing is ever carried.
     extra = MAX_CARRY if recurrent and rollback == "carry" and max_draft > 0 else 0
-    return shape_widths(max_draft + 1 + extra, shapes)
+    return numerics.widths(max_draft + 1 + extra)

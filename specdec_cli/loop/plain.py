@@ -18,6 +18,7 @@ from ..drafters import Drafter
 from .engine import verify_rows
 from ..core.processors import logprob_arrays, logprob_entries
 from ..core.sampling import GREEDY, SamplingParams, choose, greedy, log_probs
+from ..core.numerics import Numerics
 from ..core.shapes import compiles_per_shape
 from ..model.taps import HiddenTap
 
@@ -49,7 +50,7 @@ def warm_up(
     rollback: str = "carry",
     tap: Optional[HiddenTap] = None,
     force: bool = False,
-    shapes: str = "exact",
+    numerics: Numerics = Numerics(),
 ) -> Warmup:
     """Run every shape the coming generation can use once, leaving all state as it was.
 
@@ -68,13 +69,13 @@ def warm_up(
         rollback: Recurrent rollback strategy (carry lengthens verifies).
         tap: The target's hidden-state tap; cleared after.
         force: Run the shapes on any backend (tests).
-        shapes: ``exact`` (every width 1 .. k+1) or ``bucketed`` (its powers of two).
+        numerics: The run's: ``exact`` shapes warm every width 1 .. k+1, ``bucketed`` its powers of two.
     """
     if not (force or compiles_per_shape()):
         return Warmup(free=True)
     head = greedy if sampling.greedy else (lambda logits: log_probs(logits, sampling))
     try:
-        rows = cache.warm(verify_rows(max_draft, cache.recurrent, rollback, shapes), head)
+        rows = cache.warm(verify_rows(max_draft, cache.recurrent, rollback, numerics), head)
     finally:
         if tap is not None:
             tap.clear()

@@ -1,90 +1,38 @@
-"""One generation from prompt ids: prefill, warm-up, then the engine loop, timed.
+"""One generation from prompt ids outside a session: plain decoding (the oracle), or a drafter's run.
 
-Yields :class:`Prefilled` once, :class:`Warmed` once, then one :class:`Step`
-per block, then :class:`Finished` when generation ends. Each step carries the
-seconds spent inside the engine for that block, so the time the consumer
-spends displaying is never counted as decode time.
+Yields the events of :mod:`.events`: :class:`Prefilled` once, :class:`Warmed`
+once, then one :class:`Step` per block, then :class:`Finished`. Plain decoding
+is the exactness oracle and baseline (``--compare-ar``'s other side, ``sweep``'s
+reference): one token per forward, as ``mlx_lm.generate`` decodes. With a
+drafter the run takes the same road as every session's request: its row opened
+by :class:`~.opening.Opening` and decoded as the only row of :class:`~.flights.Flights`.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 
-from ..core.adaptive import DraftPolicy
-from ..cache.caches import Checkpoint, ModelCache, make_cache
-from ..drafters import Drafter
-from ..core.blocks import Block
-from .engine import speculative_generate_step, verify_rows
-from .plain import Warmup, plain_generate_step, warm_up
-from ..errors import OptionError
-from ..cache.rollback import RollbackChoice, choose
+from ..cache.caches import ModelCache, make_cache
+from ..cache.rollback import RollbackChoice
+from ..core.adaptive import DraftPolicy, FixedLength
+from ..core.numerics import Numerics
+from ..core.request import Request
 from ..core.sampling import GREEDY, SamplingParams
-from ..core.shapes import resolve as resolve_shapes
-from ..core.stats import Stats
+from ..drafters import Drafter
+from ..errors import OptionError
 from ..model.taps import Hidden, HiddenTap
+from .events import Finished, Prefilled, Step, Warmed, cache_bytes
+from .flights import Flights
+from .opening import OpenSettings, Opening, RowPlan
+from .plain import plain_generate_step, warm_up
 
 if TYPE_CHECKING:
     from ..model.distributed import Ranks
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """The prompt is in the caches (target and drafter).
-
-    Attributes:
-        rollback: The recurrent rollback strategy chosen (speculative runs).
-    """
-
-    prompt_tokens: int
-    seconds: float
-    rollback: Optional[RollbackChoice] = None
-    # The target's prefill chunk sizes: pass them back to reproduce its caches bit for bit.
-    chunks: tuple[int, ...] = ()
-    # Prompt tokens the target's caches already held (a prompt cache hit): not prefilled.
-    cached: int = 0
-    # The target's checkpoints at the ``marks`` run() was given, in order.
-    marks: tuple[Checkpoint, ...] = ()
-    # The verify shapes decoding runs with: exact or bucketed (see specdec_cli.core.shapes).
-    shapes: str = "exact"
-    # Of ``cached``, the tokens read from the prompt cache's disk tier (the rest were in memory).
-    disk: int = 0
-
-
-@dataclass(frozen=True)
-class Finished:
-    """Generation ended; what the caches hold then.
-
-    Attributes:
-        cache_bytes: Bytes held by the layer caches, ``target`` and (model drafters) ``drafter``.
-    """
-
-    cache_bytes: dict
-
-
-@dataclass(frozen=True)
-class Warmed:
-    """Every shape the run can use has run once (kernels compiled), caches unchanged.
-
-    Attributes:
-        seconds: Wall time of the warm-up (not part of prefill or decode time).
-        what: The row counts run, target and drafter.
-    """
-
-    seconds: float
-    what: Warmup
-
-
-@dataclass(frozen=True)
-class Step:
-    """One engine block and the seconds the engine spent on it."""
-
-    block: Block
-    seconds: float
 
 
 def run(
@@ -115,7 +63,7 @@ def run(
     sync: Optional[Ranks] = None,
     processors: tuple = (),
     logprobs: Optional[int] = None,
-    shapes: str = "auto",
+    numerics: Optional[Numerics] = None,
 ) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
     """Prefill the caches with ``prompt_ids`` and generate.
 
@@ -164,10 +112,9 @@ def run(
             (:func:`specdec_cli.core.processors.make_processors`), used by this run only.
         logprobs: None, or how many alternatives each emitted token's
             log-probability comes with (``Block.logprobs``).
-        shapes: ``auto``, ``exact`` or ``bucketed`` (see :mod:`specdec_cli.core.shapes`):
-            bucketed rounds verify widths up to powers of two; auto buckets on
-            devices that compile per shape (on a recurrent target only with a
-            recording rollback).
+        numerics: The run's numerics (default: :meth:`Numerics.resolve`'s ``auto``: bucketed verify
+            widths on devices that compile per shape, on a recurrent target only with a recording
+            rollback).
 
     Raises:
         OptionError: ``bucketed`` on a recurrent target whose rollback records nothing.
@@ -178,106 +125,82 @@ def run(
         raise OptionError("the prompt is empty: give some text")
     if cache is None:
         cache = ModelCache(model, make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None)
+    if drafter is None:
+        yield from _plain(cache, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
+                          prefill_step_size=prefill_step_size, prefill_seconds=prefill_seconds,
+                          prefill_chunks=prefill_chunks, warmup=warmup, marks=marks, cancelled=cancelled, sync=sync,
+                          processors=processors, logprobs=logprobs)
+        return
+    settings = OpenSettings(numerics or Numerics.resolve("auto"), prefill_step_size, prefill_seconds, prefill_chunks,
+                            rollback, rollback_memory_cap, kv_bits is not None,
+                            None if sync is None else sync.share_one)
+    plan = RowPlan(policy if policy is not None else FixedLength(num_draft_tokens), None, drafter, sampling,
+                   tuple(processors), frozenset(eos_ids))
+    flights = Flights(_One(model, sync, plan, cache, settings, hidden_prefix, marks, choice), timed=timed)
+    try:
+        yield from flights.alone(Request(list(prompt_ids), max_tokens, logprobs=logprobs), cancelled=cancelled,
+                                 warmup=warmup)
+    finally:
+        flights.close()
+
+
+class _One:
+    """The opener (:class:`~.flights.Opener`) of one sequence outside a session: what :func:`run` was given."""
+
+    def __init__(self, model, ranks, plan: RowPlan, cache: ModelCache, settings: OpenSettings,
+                 hidden: Optional[Hidden], marks: Sequence[int], choice: Optional[RollbackChoice]):
+        self.model, self.ranks, self.numerics = model, ranks, settings.numerics
+        self._plan, self._cache, self._settings = plan, cache, settings
+        self._hidden, self._marks, self._choice = hidden, marks, choice
+
+    def tap_spec(self):
+        return getattr(self._plan.drafter, "taps", None)
+
+    def open(self, request: Request, tap: Optional[HiddenTap], policy=None) -> Opening:
+        return Opening(request, self._plan, self._cache, self._settings, hidden=self._hidden, marks=self._marks,
+                       tap=tap, choice=self._choice)
+
+    def keep(self, opening: Opening, cache: Optional[ModelCache], tokens: Sequence[int]) -> None:
+        pass  # the caller holds the caches (``cache=``)
+
+
+def _plain(cache: ModelCache, prompt_ids: Sequence[int], *, max_tokens: int, eos_ids: Sequence[int],
+           sampling: SamplingParams, prefill_step_size: int, prefill_seconds: Optional[float],
+           prefill_chunks: Optional[Sequence[int]], warmup: bool, marks: Sequence[int],
+           cancelled: Optional[Callable[[], bool]], sync: Optional[Ranks], processors: tuple,
+           logprobs: Optional[int]) -> Iterator[Union[Prefilled, Warmed, Step, Finished]]:
+    """Plain decoding, the oracle: prefill, warm-up, then one token per block (mlx-lm's ``generate_step``'s way)."""
     cached = cache.length
     if not 0 <= cached < len(prompt_ids):
         raise ValueError(f"the caches hold {cached} tokens of a {len(prompt_ids)}-token prompt")
-    mode = resolve_shapes(shapes)
-    if drafter is not None:
-        # Refused here, before the prefill, if verify forwards cannot compute as one-token decoding does.
-        cache.check_verify(max(verify_rows(_max_draft(policy, num_draft_tokens), cache.recurrent, "carry", mode)))
-    # A drafter that reads the target's hidden states gets them from the
-    # target's own forwards; the tap comes off the model when the run ends.
-    specs = getattr(drafter, "taps", None)
-    if specs is not None and cached and (hidden_prefix is None or hidden_prefix.length != cached):
-        raise ValueError("a drafter that reads hidden states needs them for the cached prompt tokens")
-    tap = HiddenTap(model, specs) if specs is not None else None
     gen = None
-    agree = None if sync is None else sync.share_one
     watch = ExitStack()
     if sync is not None:
         watch.enter_context(sync.watching())
     try:
         start = time.perf_counter()
-        parts = cache.prefill(prompt_ids[cached:-1], prefill_step_size, tap, seconds=prefill_seconds,
-                              sizes=prefill_chunks, stops=[m - cached for m in marks], agree=agree,
-                              cancelled=cancelled)
-        # The drafter is smaller than the target: the target's largest timed
-        # chunk bounds how long one of its chunks takes.
-        step = min(prefill_step_size, max(cache.chunks, default=prefill_step_size))
-        if tap is not None:
-            drafter.prefill(prompt_ids[:-1], step, Hidden.concat([hidden_prefix or Hidden(), *parts]))
-        elif drafter is not None:
-            drafter.prefill(prompt_ids[:-1], step)
-        prefill_s = time.perf_counter() - start
-        last = prompt_ids[-1]
-        if drafter is not None and choice is None:
-            k_max = num_draft_tokens if policy is None else getattr(policy, "k_max", getattr(policy, "k", None))
-            choice = choose(rollback, cache, (k_max or num_draft_tokens) + 1, rollback_memory_cap, agree=agree)
-        elif drafter is None:
-            choice = None
-        strategy = None if choice is None else (choice.strategy if choice.strategy != "trim" else "carry")
-        if mode == "bucketed" and cache.recurrent and drafter is not None and strategy not in ("capture", "tape"):
-            if shapes == "bucketed":
-                raise OptionError(f"--shapes bucketed on this recurrent model needs --rollback capture or tape "
-                                  f"(it would {strategy}: {choice.reason}); or use --shapes exact")
-            mode = "exact"  # auto: padding rows cannot be cut out of a recurrence that records nothing
-        yield Prefilled(len(prompt_ids), prefill_s, choice, tuple(cache.chunks), cached, tuple(cache.marks), mode)
+        cache.prefill(prompt_ids[cached:-1], prefill_step_size, None, seconds=prefill_seconds, sizes=prefill_chunks,
+                      stops=[m - cached for m in marks], agree=None if sync is None else sync.share_one,
+                      cancelled=cancelled)
+        yield Prefilled(len(prompt_ids), time.perf_counter() - start, None, tuple(cache.chunks), cached,
+                        tuple(cache.marks), "exact")
         if warmup:
             start = time.perf_counter()
-            max_draft = 0 if drafter is None else _max_draft(policy, num_draft_tokens)
-            what = warm_up(cache, drafter, max_draft=max_draft, sampling=sampling, rollback=strategy or "carry",
-                           tap=tap, shapes=mode)
+            what = warm_up(cache, None, sampling=sampling)
             yield Warmed(time.perf_counter() - start, what)
-        if drafter is None:
-            gen = plain_generate_step(last, cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
-                                      sync=sync, processors=processors, logprobs=logprobs)
-        else:
-            gen = speculative_generate_step(
-                last, cache, drafter, num_draft_tokens=num_draft_tokens, policy=policy,
-                max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling, rollback=strategy, timed=timed,
-                tap=tap, sync=sync, processors=processors, logprobs=logprobs, shapes=mode,
-            )
+        gen = plain_generate_step(prompt_ids[-1], cache, max_tokens=max_tokens, eos_ids=eos_ids, sampling=sampling,
+                                  sync=sync, processors=processors, logprobs=logprobs)
         while True:
             start = time.perf_counter()
             block = next(gen, None)
             if block is None:
                 break
             yield Step(block, time.perf_counter() - start)
-        gen.close()  # the engine's exit (a carry flushed) happens before the caches are measured
-        yield Finished(cache_bytes(cache, drafter))
+        gen.close()
+        yield Finished(cache_bytes(cache, None))
     finally:
         if gen is not None:
             gen.close()
-        if tap is not None:
-            tap.close()
         watch.close()
 
 
-def cache_bytes(cache: ModelCache, drafter: Optional[Drafter]) -> dict:
-    """Bytes held by the layer caches: ``target``, and ``drafter`` for drafters that hold caches."""
-    sizes = {"target": cache.nbytes}
-    held = getattr(drafter, "cache", None)
-    if isinstance(held, ModelCache):
-        sizes["drafter"] = held.nbytes
-    elif isinstance(held, list) and held and all(hasattr(c, "nbytes") for c in held):
-        sizes["drafter"] = sum(c.nbytes for c in held)  # a head's own KV caches (MTP)
-    return sizes
-
-
-def _max_draft(policy: Optional[DraftPolicy], num_draft_tokens: int) -> int:
-    """The most drafts a block can have under ``policy``."""
-    if policy is None:
-        return num_draft_tokens
-    return getattr(policy, "k_max", getattr(policy, "k", num_draft_tokens))
-
-
-def collect(events) -> tuple[Stats, list[int]]:
-    """Consume a :func:`run` stream into its statistics and generated tokens."""
-    stats, tokens = Stats(), []
-    for event in events:
-        if isinstance(event, Step):
-            stats.add(event.block, event.seconds)
-            tokens += event.block.tokens
-        else:
-            stats.note(event)
-    return stats, tokens

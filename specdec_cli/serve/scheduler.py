@@ -28,11 +28,11 @@ from typing import Any, Callable, Optional
 
 from ..loop.batch_policy import BatchPlanner, CostTable
 from ..loop.engine import Engine
-from ..loop.runner import Step
+from ..loop.events import Step
 from ..session import Session
 from ..session.alone import compare_alone
 from ..session.batch import measure_costs
-from ..session.flights import Flight, Flights, State
+from ..loop.flights import Flight, Flights, State
 from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
 
@@ -348,23 +348,12 @@ class Scheduler:
         Requests that arrived together with short prompts are prefilled in one forward of them all
         (``Flights.together``): a burst's first tokens come after one forward, not one per request.
         """
-        waiting = [f for f in self._flights if f.state is State.PREFILLING]
-        if not waiting:
-            return
-        group = self._rows.together(waiting)
-        if group:
-            try:
-                for flight in self._rows.prefill_together(group):
-                    flight.tag.reply.take(flight.opening.prefilled)
-            except Exception as e:
-                self._fail([f for f in group if f.state is not State.FINISHED], e)
-            return
-        flight = waiting[0]
+        group = self._rows.next_prefill()
         try:
-            if self._rows.prefill(flight) is not None:
+            for flight in self._rows.prefill_step(group):
                 flight.tag.reply.take(flight.opening.prefilled)
         except Exception as e:
-            self._fail([flight], e)
+            self._fail([f for f in group if f.state is not State.FINISHED], e)
 
     def _step(self) -> None:
         try:

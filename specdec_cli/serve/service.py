@@ -11,7 +11,7 @@ queues it and streams or collects what comes back.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from ..errors import OptionError
@@ -20,6 +20,7 @@ from ..model.prompts import Rendered, encode_text, render_messages
 from ..core.sampling import SamplingParams
 from ..session import Request, RunOptions, Session
 from ..session.reply import Piece, Reply, TextStream, token_bytes
+from ..session.fit import fit_request
 from ..session.setup import MemoryLimitError, PromptTooLongError
 from . import protocol
 from .protocol import ApiError, ChatRequest, CompletionRequest
@@ -29,7 +30,6 @@ from .scheduler import Job, Scheduler
 # Drafts in a streamed reply's first block (see Request.first_draft).
 FIRST_DRAFT_STREAMED = 0
 # A request's "no limit": the context caps it.
-NO_LIMIT = 2**62
 
 
 @dataclass
@@ -140,38 +140,6 @@ class Service:
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param, "context_length_exceeded") from None
 
-    def _limits(self, ids: list[int], max_tokens: Optional[int], param: str, rest: bool = False) -> int:
-        """The most tokens to generate; a prompt over the context or the device's memory is a 400.
-
-        ``rest``: a request that sets no limit may use the rest of the context (as
-        much of it as memory holds); otherwise it gets the server's ``--max-tokens``.
-        """
-        setup = self.session.setup
-        unbounded = max_tokens is None and rest and setup.context() is not None
-        asked = max_tokens if max_tokens is not None else NO_LIMIT if unbounded else self.defaults.max_tokens
-        try:
-            most, _ = setup.fit_context(len(ids), asked)
-            if unbounded:
-                most = self._memory_holds(len(ids), most)
-            setup.check_memory(len(ids) + most)
-        except PromptTooLongError as e:
-            raise ApiError(400, str(e), param, "context_length_exceeded") from None
-        except MemoryLimitError as e:
-            raise ApiError(400, str(e), "max_tokens") from None
-        return most
-
-    def _memory_holds(self, prompt: int, most: int) -> int:
-        """The most of ``most`` tokens that fit the device's memory after the prompt (at least 1)."""
-        check = self.session.setup.check_memory
-        low, high = 1, most
-        while low < high:  # the estimate grows with the tokens: bisect for the largest that fits
-            mid = (low + high + 1) // 2
-            try:
-                check(prompt + mid)
-                low = mid
-            except MemoryLimitError:
-                high = mid - 1
-        return low
 
     def _sampling(self, req) -> SamplingParams:
         d = self.defaults
@@ -184,7 +152,18 @@ class Service:
 
     def _request(self, req, ids: list[int], boundaries: tuple[int, ...], max_tokens: Optional[int],
                  param: str, rest: bool = False) -> Request:
-        most = self._limits(ids, max_tokens, param, rest)
+        """The request's :class:`Request`, fitted to the model (a prompt over the context or the device's memory
+        is a 400). ``rest``: a request that sets no limit may use the rest of the context (as much of it as memory
+        holds); otherwise it gets the server's ``--max-tokens``."""
+        setup = self.session.setup
+        unbounded = max_tokens is None and rest and setup.context() is not None
+        try:
+            fitted = fit_request(setup, ids, None if unbounded else
+                                 max_tokens if max_tokens is not None else self.defaults.max_tokens)
+        except PromptTooLongError as e:
+            raise ApiError(400, str(e), param, "context_length_exceeded") from None
+        except MemoryLimitError as e:
+            raise ApiError(400, str(e), "max_tokens") from None
         sampling = self._sampling(req)
         if req.compare_alone and not sampling.greedy and req.seed is None:
             raise ApiError(400, "compare_alone with sampling needs a seed (the answer's draws are drawn again): "
@@ -192,8 +171,8 @@ class Service:
         block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
         # Streamed, the first token comes from a one-row forward: a long first verify would hold it back.
         first = FIRST_DRAFT_STREAMED if req.stream else None
-        return Request(ids, most, sampling, req.seed, block, boundaries, ignore_eos=req.ignore_eos,
-                       first_draft=first, **self._controls(req))
+        return replace(fitted.request, sampling=sampling, seed=req.seed, block_size=block, boundaries=boundaries,
+                       ignore_eos=req.ignore_eos, first_draft=first, **self._controls(req))
 
     def _controls(self, req) -> dict:
         """The request's logits processors and log-probabilities, checked against the model (a 400 otherwise)."""

@@ -18,7 +18,7 @@ from ..core.processors import make_processors
 from ..core.stats import Stats
 from ..loop.compare import Comparison, compare_with_plain
 from .generate import Session
-from .request import Request
+from ..core.request import Request
 
 
 def rounding(session: Session) -> Rounding:

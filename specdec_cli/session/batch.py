@@ -31,10 +31,12 @@ from ..defaults import AUTO_ROWS
 from ..loop.batch_policy import WIDTHS, BatchPlanner, CostTable, knee
 from ..loop.compare import IDENTICAL, explain
 from .measure import Progress
-from ..loop.runner import Finished, Prefilled, Step, cache_bytes, collect, run
-from .flights import PREFILL_TOGETHER, Flights
+from ..loop.events import Finished, Prefilled, Step, cache_bytes
+from ..loop.events import collect
+from ..loop.runner import run
+from ..loop.flights import PREFILL_TOGETHER, Flights
 from .generate import Session
-from .request import Request
+from ..core.request import Request
 from .setup import Setup
 
 RowEventKind = Union[Prefilled, Step, Finished]
@@ -169,21 +171,15 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
 
 
 def _admit(flights: Flights, waiting: deque, max_rows: int) -> list:
-    """Open waiting requests while fewer than ``max_rows`` are in flight and prefill each whole: the short
-    prompts that fit one forward together (``Flights.together``, at its budget with no row decoding, since
-    here no row's next token is waited for), the others alone. Returns them, in the requests' order."""
-    opened = []
+    """Open waiting requests while fewer than ``max_rows`` are in flight and prefill each whole, as the loop
+    decides (:meth:`Flights.next_prefill`, at its budget with no row decoding, since here no row's next token
+    is waited for). Returns them, in the requests' order."""
     while waiting and len(flights.flights) < max_rows:
         index, request = waiting.popleft()
-        opened.append(flights.open(request, index))
+        flights.open(request, index)
     joined = []
-    while opened:
-        group = flights.together(opened, budget=PREFILL_TOGETHER["idle"])
-        if group:
-            joined += flights.prefill_together(group)
-            opened = [f for f in opened if f not in group]
-        else:
-            joined.append(flights.prefill(opened.pop(0), whole=True))
+    while group := flights.next_prefill(budget=PREFILL_TOGETHER["idle"]):
+        joined += flights.prefill_step(group, whole=True)
     return sorted(joined, key=lambda f: f.tag)
 
 

@@ -12,23 +12,24 @@ asked.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence
 
 from ..cache.batch_check import Rounding
 from ..cache.caches import ModelCache, _leaves, fixed_position, make_cache
-from ..cache.rollback import RollbackChoice
 from ..core.adaptive import FirstBlock
 from ..core.processors import make_processors
 from ..defaults import HIDDEN_STATE_DRAFTERS
 from ..model.taps import Hidden
 from .corpus import Corpus
+from .disk_cache import DiskHit
 from .disk_tier import DiskTier, open_disk_tier
-from .flights import Event, Flights
-from .opening import Opening
+from ..loop.flights import Event, Flights
+from ..loop.opening import Opening, OpenSettings, RowPlan
 from .options import make_policy
 from .prompt_cache import Entry, PromptCache
-from .request import Request, RowPlan
+from ..core.request import Request
 from .setup import Setup
 from .state import SavedCache
 
@@ -98,8 +99,12 @@ class Session:
         self.disk = disk
         # Entries kept since the last save_to_disk: copied to the disk once their answer is out.
         self._unsaved: list[Entry] = []
-        # auto's measured rollback choice, per block size: measured once per session.
-        self._choices: dict[int, RollbackChoice] = {}
+        opts = setup.options
+        # What every request opens with (auto's rollback choice among them: measured once per block size).
+        self.settings = OpenSettings(
+            numerics=setup.numerics, prefill_step_size=opts.prefill_step_size, prefill_seconds=prefill_seconds,
+            prefill_chunks=prefill_chunks, rollback=opts.rollback, rollback_memory_cap=opts.rollback_memory_cap_bytes,
+            quantized_kv=opts.kv_bits is not None, agree=None if setup.ranks is None else setup.ranks.share_one)
         # The backend's rounding, as the batch check measured it (None until rows were checked for a batch):
         # what a batched row's verdict against its request alone holds a rounding tie to.
         self.rounding: Optional[Rounding] = None
@@ -107,6 +112,16 @@ class Session:
     @property
     def model(self):
         return self.setup.target.model
+
+    @property
+    def ranks(self):
+        """The ranks of a sharded target (None: one process)."""
+        return self.setup.ranks
+
+    @property
+    def numerics(self):
+        """The run's numerics (:class:`~specdec_cli.core.numerics.Numerics`), resolved once at load."""
+        return self.setup.numerics
 
     def fresh_cache(self) -> ModelCache:
         """Empty target caches in the engine's layout (``--kv-bits`` applied)."""
@@ -173,7 +188,24 @@ class Session:
             return None
         return self.setup.make_drafter(make_policy(self.adaptive, self.block_size, self.setup.kind)).taps
 
-    def close(self, opening: Opening, cache: Optional[ModelCache], emitted: Sequence[int]) -> None:
+    def open(self, request: Request, tap=None, policy=None) -> Opening:
+        """``request``'s way into the engine: its prompt-cache hit, its row plan, its prefill ready to run.
+
+        Args:
+            request: What to generate.
+            tap: The hidden-state tap on the target, when the drafter reads hidden states.
+            policy: The draft-length policy (default: a fresh one of the session's kind).
+        """
+        ids = list(request.prompt_ids)
+        start = time.perf_counter()
+        hit = self._fetch(ids) if ids else None
+        fetch_s = time.perf_counter() - start
+        cache = hit.target if hit else self.fresh_cache()
+        return Opening(request, self.plan(request, hit, policy), cache, self.settings, hit=hit,
+                       hidden=hit.hidden if hit else None, disk=hit.cached if isinstance(hit, DiskHit) else 0,
+                       marks=self._marks(cache, request, len(ids)), tap=tap, fetch_s=fetch_s)
+
+    def keep(self, opening: Opening, cache: Optional[ModelCache], emitted: Sequence[int]) -> None:
         """A row left the engine (or its prefill stopped): keep its caches in the prompt cache.
 
         Args:

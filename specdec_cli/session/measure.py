@@ -22,9 +22,10 @@ import mlx.nn as nn
 
 from ..core.stats import Stats
 from ..loop.compare import IDENTICAL, explain
-from ..loop.runner import collect, run
+from ..loop.events import collect
+from ..loop.runner import run
 from .generate import Session
-from .request import Request
+from ..core.request import Request
 from .setup import Setup
 
 

@@ -20,11 +20,11 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from ..model.prompts import byte_level_bytes
-from ..loop.runner import Step
+from ..loop.events import Step
 from ..core.stats import Stats
 from ..loop.compare import Comparison
 from .generate import Session
-from .request import Request
+from ..core.request import Request
 
 log = logging.getLogger("specdec")
 

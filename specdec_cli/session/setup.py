@@ -28,6 +28,7 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp_io import LoadedHead
 from ..errors import OptionError, SpecdecError
 from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
+from ..core.numerics import Numerics
 from ..core.shapes import first_compile_note
 from ..drafters.dflash_io import is_dflash, load_dflash
 from ..drafters.mtp_io import is_mtp_sidecar, load_mtp
@@ -70,6 +71,11 @@ class Setup:
     @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    @functools.cached_property
+    def numerics(self) -> Numerics:
+        """The run's numerics (``--shapes`` and the device's attention kernels), resolved once for every request."""
+        return Numerics.resolve(self.options.shapes)
 
     @property
     def eos_ids(self) -> list[int]:

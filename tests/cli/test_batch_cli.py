@@ -58,7 +58,7 @@ def write(tmp_path: Path, name: str, lines: list) -> Path:
 
 @pytest.mark.parametrize("target, draft", [("llama", None), ("qwen3_5", "qwen3_5-draft")])
 def test_each_row_is_its_prompt_alone_and_compare_ar_proves_it(models, tmp_path, target, draft, monkeypatch):
-    from specdec_cli.session.flights import Flights
+    from specdec_cli.loop.flights import Flights
 
     together = rows_per_call(monkeypatch, Flights, "prefill_together")  # rows of each forward of several prompts
     model_args = ["--model", models[target], "-m", GEN] + (["--draft-model", models[draft]] if draft else [])

@@ -505,7 +505,7 @@ def test_sweep_bad_block_sizes(models, sizes, message):
 
 
 def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
-    from specdec_cli.session.flights import Flights
+    from specdec_cli.loop.flights import Flights
 
     real = Flights.alone  # the loop a sweep's speculative runs go through (plain decoding does not)
 
@@ -513,7 +513,7 @@ def test_sweep_flags_a_run_that_is_not_identical(models, monkeypatch):
 
     def corrupt(self, request, **kw):
         for event in real(self, request, **kw):
-            if hasattr(event, "block") and event.block.tokens and (self.session.adaptive or not only_default):
+            if hasattr(event, "block") and event.block.tokens and (self.opener.adaptive or not only_default):
                 b = event.block
                 event = type(event)(type(b)((b.tokens[0] ^ 1, *b.tokens[1:]), *list(b.__dict__.values())[1:]),
                                     event.seconds)

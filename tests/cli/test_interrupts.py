@@ -15,7 +15,8 @@ import pytest
 
 from cli_fixtures import REPO, models  # noqa: F401 (models: a fixture)
 from specdec_cli.session.loading import load
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 
 # A sitecustomize for the Ctrl-C children (test-only: nothing in specdec knows about it). Every forward
 # of specdec's caches takes at least FORWARD_S longer, so whatever the machine's speed a run has far more
@@ -61,7 +62,7 @@ def _flights(module):
 
 
 class _Patch(importlib.abc.MetaPathFinder):
-    patches = {{"specdec_cli.cache.caches": _caches, "specdec_cli.session.flights": _flights}}
+    patches = {{"specdec_cli.cache.caches": _caches, "specdec_cli.loop.flights": _flights}}
 
     def find_spec(self, name, path, target=None):
         if name not in self.patches:

@@ -13,7 +13,8 @@ from mlx.utils import tree_flatten
 from cli_fixtures import KV_LLAMA, generate, models, one_line  # noqa: F401 (models: a fixture)
 from specdec_cli.cache.caches import ModelCache, make_cache
 from specdec_cli.session.loading import load
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, build_model, perturb
 
 def _cli_json(*args):

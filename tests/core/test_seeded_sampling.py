@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from specdec_cli.core.adaptive import AdaptiveLength, FixedLength, MatchLength
 from specdec_cli.cli.app import app
 from specdec_cli.drafters import ModelDrafter, SuffixDrafter
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.core.sampling import SamplingParams
 from specdec_cli.session.synthetic import make_model_dir
 

@@ -19,17 +19,21 @@ from typer.testing import CliRunner
 from specdec_cli.loop import plain as plain_module
 from specdec_cli.core import shapes
 from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.core.numerics import Numerics
 from specdec_cli.cli.app import app
 from specdec_cli.loop.compare import replay
 from specdec_cli.drafters import ModelDrafter, SuffixDrafter
 from specdec_cli.loop.engine import Engine, Row, speculative_generate_step, verify_rows
 from specdec_cli.errors import OptionError
 from specdec_cli.loop.plain import warm_up
-from specdec_cli.loop.runner import Prefilled, collect, run
+from specdec_cli.loop.events import Prefilled
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.core.sampling import SamplingParams
 
 FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in DTYPES]
 RECURRENT = ("qwen3_5", "nemotron_h")
+BUCKETED = Numerics.resolve("bucketed")
 GEN = 32
 
 
@@ -42,21 +46,30 @@ def test_buckets_are_powers_of_two():
 
 
 def test_auto_buckets_only_where_the_device_compiles_per_shape():
-    assert shapes.resolve("auto", compiles=True) == "bucketed"
-    assert shapes.resolve("auto", compiles=False) == "exact"
-    assert shapes.resolve("exact", compiles=True) == "exact"
-    assert shapes.resolve("bucketed", compiles=False) == "bucketed"
-    assert shapes.resolve("auto") == "exact"  # this CPU
+    assert Numerics.resolve("auto", compiles=True).shapes == "bucketed"
+    assert Numerics.resolve("auto", compiles=False).shapes == "exact"
+    assert Numerics.resolve("exact", compiles=True).shapes == "exact"
+    assert Numerics.resolve("bucketed", compiles=False).shapes == "bucketed"
+    assert Numerics.resolve("auto").shapes == "exact"  # this CPU
+    assert Numerics.resolve("auto").requested == "auto"
     with pytest.raises(ValueError):
-        shapes.resolve("round")
+        Numerics.resolve("round")
+
+
+def test_bucketed_narrows_to_exact_for_a_recurrence_that_records_nothing_unless_asked_for():
+    auto = Numerics.resolve("auto", compiles=True)
+    assert auto.for_rollback(True, "carry").shapes == "exact"
+    assert auto.for_rollback(True, "capture") is auto and auto.for_rollback(False, "carry") is auto
+    with pytest.raises(OptionError, match="--rollback capture or tape"):
+        Numerics.resolve("bucketed").for_rollback(True, "reforward", "measured")
 
 
 def test_the_default_block_size_verifies_with_at_most_seven_widths():
     # lookup's default block size is 64: 63 drafts
-    assert verify_rows(63, recurrent=False, shapes="bucketed") == [1, 2, 4, 8, 16, 32, 64]
-    assert verify_rows(63, recurrent=True, rollback="capture", shapes="bucketed") == [1, 2, 4, 8, 16, 32, 64]
+    assert verify_rows(63, recurrent=False, numerics=BUCKETED) == [1, 2, 4, 8, 16, 32, 64]
+    assert verify_rows(63, recurrent=True, rollback="capture", numerics=BUCKETED) == [1, 2, 4, 8, 16, 32, 64]
     assert len(verify_rows(63, recurrent=False)) == 64
-    assert verify_rows(0, recurrent=False, shapes="bucketed") == [1]
+    assert verify_rows(0, recurrent=False, numerics=BUCKETED) == [1]
 
 
 def speculate(model, family, dtype, mode, k=5, sampling=SamplingParams(), rollback="capture"):
@@ -64,7 +77,8 @@ def speculate(model, family, dtype, mode, k=5, sampling=SamplingParams(), rollba
     drafter = ModelDrafter(noisy_drafter(family, dtype))
     drafter.prefill(PROMPT[:-1])
     blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=k, max_tokens=GEN,
-                                            sampling=sampling, rollback=rollback, shapes=mode))
+                                            sampling=sampling, rollback=rollback,
+                                            numerics=Numerics.resolve(mode)))
     return [t for b in blocks for t in b.tokens], blocks, cache
 
 
@@ -107,7 +121,7 @@ def test_a_bucketed_batch_gives_each_row_its_text_alone(family):
     widths = []
     outs = {}
     for mode in ("exact", "bucketed"):
-        engine = Engine(model, rollback="capture", shapes=mode)
+        engine = Engine(model, rollback="capture", numerics=Numerics.resolve(mode))
         for i, p in enumerate(prompts):
             d = SuffixDrafter() if i % 2 else ModelDrafter(noisy_drafter(family, "float32"))
             d.prefill(p[:-1])
@@ -129,7 +143,7 @@ def test_the_warm_up_runs_the_buckets_alone():
     model = target("llama", "float32")
     cache = prefilled(model)
     before = cache.length
-    done = warm_up(cache, max_draft=63, force=True, shapes="bucketed")
+    done = warm_up(cache, max_draft=63, force=True, numerics=BUCKETED)
     assert set(done.target_rows) <= {1, 2, 4, 8, 16, 32, 64} and len(done.target_rows) <= 7
     assert cache.length == before
 
@@ -146,7 +160,7 @@ def test_bucketed_on_a_recurrent_model_without_a_recording_rollback_is_refused_b
     drafter = ModelDrafter(noisy_drafter("qwen3_5", "float32"))
     with pytest.raises(OptionError, match="--rollback capture or tape"):
         collect(run(model, PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=8, rollback="carry",
-                    shapes="bucketed"))
+                    numerics=BUCKETED))
 
 
 def test_auto_keeps_exact_shapes_where_padding_could_not_be_cut_back(monkeypatch):
@@ -155,7 +169,7 @@ def test_auto_keeps_exact_shapes_where_padding_could_not_be_cut_back(monkeypatch
     for rollback, mode in (("carry", "exact"), ("capture", "bucketed")):
         drafter = ModelDrafter(noisy_drafter("qwen3_5", "float32"))
         events = list(run(model, PROMPT, drafter=drafter, num_draft_tokens=3, max_tokens=8, rollback=rollback,
-                          shapes="auto", warmup=False))
+                          numerics=Numerics.resolve("auto"), warmup=False))
         assert next(e for e in events if isinstance(e, Prefilled)).shapes == mode
 
 

@@ -29,7 +29,8 @@ from specdec_cli.drafters.mtp_head import MTPHead, random_head
 from specdec_cli.drafters.mtp_io import build_head, embedding_probe, load_head
 from specdec_cli.errors import OptionError, UnsupportedModelError
 from specdec_cli.model.files import read_config
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import build_model, make_model_dir, TINY_CONFIGS
 from specdec_cli.model.taps import target_parts
 

@@ -21,7 +21,8 @@ from helpers import PROMPT
 from specdec_cli.drafters.dflash import DFlashConfig, DFlashDrafter, check_target, default_target_layer_ids
 from specdec_cli.errors import ModelLoadError, UnsupportedModelError
 from specdec_cli.drafters.dflash_io import load_dflash
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, dflash_config, save_dflash_dir
 from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, _backbone, target_parts
 

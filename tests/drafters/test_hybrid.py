@@ -6,7 +6,8 @@ from __future__ import annotations
 from specdec_cli.core.adaptive import HybridLength
 from specdec_cli.drafters import HybridDrafter, SuffixDrafter
 from specdec_cli.drafters.mtp import MTPDrafter
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.core.sampling import SamplingParams
 
 from helpers import target

@@ -50,7 +50,8 @@ from specdec_cli.errors import UnsupportedModelError
 from specdec_cli.drafters.mtp_io import load_mtp
 from specdec_cli.model.files import read_config
 from specdec_cli.session.loading import load
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.model.taps import Hidden, HiddenTap, target_parts
 
 FAMILIES = ["qwen3_5", "qwen3_next"]

@@ -45,7 +45,8 @@ from specdec_cli.model.files import Loaded
 from specdec_cli.session.measure import sweep
 from specdec_cli.session.options import ModelOptions
 from specdec_cli.session.setup import Setup
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.core.sampling import SamplingParams
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model, make_model_dir, perturb
 
@@ -230,13 +231,13 @@ def test_a_sweep_that_generates_nothing_reports_no_speedup():
 def test_a_sweep_runs_each_block_size_through_the_loop_generate_drives(monkeypatch):
     # One loop: every speculative run of a sweep is a request alone in Flights (the default setting
     # too), and each one's text is plain decoding's (the CPU's kernels are exact).
-    from specdec_cli.session.flights import Flights
+    from specdec_cli.loop.flights import Flights
 
     seen = []
     real = Flights.alone
 
     def alone(self, request, **kw):
-        seen.append(self.session.block_size)
+        seen.append(self.opener.block_size)
         return real(self, request, **kw)
 
     monkeypatch.setattr(Flights, "alone", alone)

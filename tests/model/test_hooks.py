@@ -13,7 +13,8 @@ import pytest
 from helpers import PROMPT, target
 
 from specdec_cli.drafters import ModelDrafter
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.model.taps import Hidden, HiddenTap, TapSpec, target_parts
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_5", "nemotron_h"]

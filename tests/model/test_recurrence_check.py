@@ -23,7 +23,8 @@ from specdec_cli.cache.caches import ModelCache
 from specdec_cli.drafters import ModelDrafter
 from specdec_cli.errors import UnsupportedModelError
 from specdec_cli.cache.rollback import choose
-from specdec_cli.loop.runner import collect, run
+from specdec_cli.loop.events import collect
+from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
 

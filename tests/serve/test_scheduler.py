@@ -83,7 +83,7 @@ def group_sizes(monkeypatch, group) -> list[int]:
 def test_requests_that_arrive_together_are_prefilled_in_one_forward(setup, monkeypatch):
     """A burst's prompts go into one forward of them all (their first tokens come after one forward, not one
     per request); each answer is still its request's alone."""
-    from specdec_cli.session.flights import Flights
+    from specdec_cli.loop.flights import Flights
 
     together = rows_per_call(monkeypatch, Flights, "prefill_together")
     session = Session(setup, 8)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from helpers import PROMPT
 from specdec_cli.cli.app import app
 from specdec_cli.core.sampling import SamplingParams
-from specdec_cli.loop.runner import Prefilled, Step
+from specdec_cli.loop.events import Prefilled, Step
 from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
 from specdec_cli.session.disk_cache import DiskHit
 from specdec_cli.session.disk_tier import default_dir

@@ -10,9 +10,8 @@ from mtp_fixtures import fitted_head, hf_checkpoint
 from server import TOOL_ANSWER, tools_tokenizer
 from specdec_cli.cache.caches import ModelCache
 from specdec_cli.errors import Cancelled
-from specdec_cli.loop.runner import Prefilled, Step
+from specdec_cli.loop.events import Prefilled, Step
 from specdec_cli.session import ModelOptions, PromptCache, Request, SavedCache, Session, load_setup
-from specdec_cli.session.opening import Opening
 from specdec_cli.session.reply import Reply, TextStream
 from specdec_cli.session.synthetic import make_model_dir
 
@@ -188,6 +187,7 @@ def test_a_drafter_reading_hidden_states_gets_them_for_the_cached_tokens(tmp_pat
 
 def test_a_cancelled_prefill_keeps_what_it_fed_and_the_next_request_resumes_it(setups):
     setup = setups["qwen3_5"]
+    setup.options.prefill_step_size = 32  # before the session: it reads its options once
     session = Session(setup, 16, prompt_cache=PromptCache(), prefill_seconds=None)
     calls = []
 
@@ -196,7 +196,6 @@ def test_a_cancelled_prefill_keeps_what_it_fed_and_the_next_request_resumes_it(s
         return len(calls) >= 2  # after the second chunk
 
     long = PROMPT * 4
-    setup.options.prefill_step_size = 32
     try:
         with pytest.raises(Cancelled):
             for _ in session.generate(Request(long, 8), cancelled=cancelled):
@@ -288,7 +287,7 @@ def test_one_row_builder_every_face_samples_alike(setups, monkeypatch):
     assert alone == seeded
     plan = session.plan(Request(PROMPT, 24, sampling=sampling))
     assert plan.sampling.seed == 1234 and plan.sampling.keyed
-    opening = Opening(session, Request(PROMPT, 24, sampling=sampling), None)
+    opening = session.open(Request(PROMPT, 24, sampling=sampling))
     while not opening.step():
         pass
     engine = Engine(session.model)
@@ -360,7 +359,7 @@ def test_an_answer_that_recurs_is_drafted_from_the_corpus_and_decoded_exactly(se
 def test_the_prefill_time_leaves_out_the_rollback_measurement(setups, monkeypatch):
     """``Prefilled.seconds`` is the prompt's time (fetch, chunks, the drafter's prefill); auto's rollback
     measurement after it is reported apart (``RollbackChoice.seconds``), for every face alike."""
-    import specdec_cli.session.opening as opening
+    import specdec_cli.loop.opening as opening
 
     clock = {"skew": 0.0}
     real_clock, real_choose = opening.time.perf_counter, opening.choose_rollback

@@ -1,12 +1,12 @@
-"""What one request asks for (:class:`Request`) and the row state built for it (:class:`RowPlan`)."""
+"""What one request asks for: a :class:`Request`, the same to every face and layer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..core.processors import Constraint
-from ..core.sampling import GREEDY, SamplingParams
+from .processors import Constraint
+from .sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -51,27 +51,4 @@ class Request:
     logprobs: Optional[int] = None
 
 
-@dataclass
-class RowPlan:
-    """What one request decodes with, built in one place for every face (:meth:`Session.plan`).
-
-    Attributes:
-        policy: The draft-length policy (its summary is the run's); None when plain.
-        steer: ``policy``, or it with the first block capped (``Request.first_draft``).
-        drafter: A fresh drafter, or None (plain decoding).
-        sampling: Greedy, or sampling keyed by position: a request without a seed gets a
-            random one, so no global random state is read and a row's text never depends
-            on what else the engine runs.
-        processors: The request's logits processors, fresh.
-        eos: Token ids that end it.
-    """
-
-    policy: object
-    steer: object
-    drafter: object
-    sampling: SamplingParams
-    processors: tuple
-    eos: frozenset
-
-
-__all__ = ["Request", "RowPlan"]
+__all__ = ["Request"]

@@ -1,13 +1,17 @@
-"""The one row loop every face drives: requests in flight, each in a state.
+"""The one row loop every road drives: requests in flight, each in a state.
 
 A :class:`Flights` owns one :class:`~specdec_cli.loop.engine.Engine` and the
 hidden-state tap its drafters read. Each request is a :class:`Flight` that goes
 ``prefilling`` (its :class:`~.opening.Opening` fed a chunk at a time, or the
 whole prompt at once) -> ``decoding`` (a row of the engine) -> ``finished``
-(its caches handed to the session's prompt cache, or dropped). Who waits and
+(its caches handed back to its :class:`Opener`, or dropped). The opener says how
+a request is opened and where its caches go: a session (its plans and prompt
+cache), or one sequence outside a session (:func:`~.runner.run`). Who waits and
 who is told what stays with the driver: ``generate`` and ``chat`` run one
 request as the loop's only row (:meth:`Flights.alone`), the batch command
-yields events, the server's scheduler sends pieces to its clients.
+yields events, the server's scheduler sends pieces to its clients; which
+waiting requests start, and whether their prompts share a forward, is decided
+here (:meth:`Flights.admit`).
 """
 
 from __future__ import annotations
@@ -16,20 +20,23 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 from ..cache.batch_cache import prefill_rows
 from ..cache.caches import ModelCache
 from ..core.blocks import Block
-from ..core.shapes import resolve as resolve_shapes
+from ..core.numerics import Numerics
+from ..core.request import Request
 from ..errors import Cancelled
-from ..loop.batch_policy import BatchPlanner
-from ..loop.engine import Engine, Row
-from ..loop.plain import warm_up
-from ..loop.runner import Finished, Prefilled, Step, Warmed, cache_bytes
 from ..model.taps import HiddenTap
+from .batch_policy import BatchPlanner
+from .engine import Engine, Row
+from .events import Finished, Prefilled, Step, Warmed, cache_bytes
 from .opening import Opening
-from .request import Request
+from .plain import warm_up
+
+if TYPE_CHECKING:
+    from ..model.distributed import Ranks
 
 Event = Union[Prefilled, Warmed, Step, Finished]
 # Most tokens (prompts padded to the longest) that waiting requests prefill together in one forward. While
@@ -42,6 +49,29 @@ PREFILL_TOGETHER = {"decoding": 128, "idle": 1024}
 # tokens per second of one row at a time there (8 x 40 above); padding past half the prompt tokens eats most
 # of that gain.
 PADDING_AT_MOST = 1.5
+
+
+class Opener(Protocol):
+    """How a :class:`Flights` opens requests and where their caches go: a session, or one run outside one.
+
+    Attributes:
+        model: The target model.
+        ranks: The ranks of a sharded target (None: one process).
+        numerics: The run's numerics (the engine's verify shapes).
+    """
+
+    model: Any
+    ranks: Optional["Ranks"]
+    numerics: Numerics
+
+    def tap_spec(self) -> Any:
+        """The hidden states its drafters read (a ``TapSpec``), or None."""
+
+    def open(self, request: Request, tap: Optional[HiddenTap], policy: Any = None) -> Opening:
+        """``request``'s :class:`~.opening.Opening`: its plan, its prompt-cache hit, its prefill ready to run."""
+
+    def keep(self, opening: Opening, cache: Optional[ModelCache], tokens: Sequence[int]) -> None:
+        """A request left (at a block boundary, or between prefill chunks): its caches, to keep or drop."""
 
 
 class State(Enum):
@@ -82,17 +112,16 @@ class Flights:
     """Requests prefilled and decoded together as rows of one engine.
 
     Args:
-        session: The loaded :class:`~.generate.Session` (models, drafter kind, prompt cache; this module
-            sits below it and does not import it).
+        opener: Opens requests and keeps their caches (a :class:`~specdec_cli.session.generate.Session`).
         planner: Weighs a batch's drafts against its forward's cost (None: every row drafts its own).
         timed: Time each block's phases (adds host syncs).
     """
 
-    def __init__(self, session: Any, *, planner: Optional[BatchPlanner] = None, timed: bool = False):
-        self.session = session
+    def __init__(self, opener: Opener, *, planner: Optional[BatchPlanner] = None, timed: bool = False):
+        self.opener = opener
         self._planner, self._timed = planner, timed
-        spec = session.tap_spec()
-        self.tap = HiddenTap(session.model, spec) if spec is not None else None
+        spec = opener.tap_spec()
+        self.tap = HiddenTap(opener.model, spec) if spec is not None else None
         self.flights: list[Flight] = []
         self._by_row: dict[int, Flight] = {}
         try:
@@ -105,10 +134,10 @@ class Flights:
     def new_engine(self) -> Engine:
         """A fresh engine (the first, or after a fault left rows no request owns)."""
         self._by_row.clear()
-        setup = self.session.setup
+        opener = self.opener
         # A sharded target's engine agrees each block with the other ranks (and takes one row).
-        self.engine = Engine(self.session.model, timed=self._timed, tap=self.tap, planner=self._planner,
-                             sync=setup.ranks, shapes=resolve_shapes(setup.options.shapes))
+        self.engine = Engine(opener.model, timed=self._timed, tap=self.tap, planner=self._planner,
+                             sync=opener.ranks, numerics=opener.numerics)
         return self.engine
 
     @property
@@ -124,7 +153,7 @@ class Flights:
             tag: The driver's handle on it.
             policy: Its draft-length policy (default: a fresh one of the session's kind).
         """
-        flight = Flight(request, tag, Opening(self.session, request, self.tap, policy))
+        flight = Flight(request, tag, self.opener.open(request, self.tap, policy))
         self.flights.append(flight)
         return flight
 
@@ -166,11 +195,25 @@ class Flights:
             width, real = max(width, n), real + n
         return group if len(group) > 1 else []
 
+    def next_prefill(self, budget: Optional[int] = None) -> list[Flight]:
+        """The requests the next prefill step feeds: those whose prompts share one forward (:meth:`together`,
+        at ``budget``), else the oldest still prefilling alone; empty when none waits."""
+        waiting = [f for f in self.flights if f.state is State.PREFILLING]
+        return self.together(waiting, budget) or waiting[:1]
+
+    def prefill_step(self, flights: list[Flight], whole: bool = False) -> list[Flight]:
+        """Feed ``flights`` (from :meth:`next_prefill`): several in one forward, or one its next chunk (every
+        chunk with ``whole``); returns those admitted to the engine by it."""
+        if len(flights) > 1:
+            return self.prefill_together(flights)
+        admitted = self.prefill(flights[0], whole=whole) if flights else None
+        return [admitted] if admitted is not None else []
+
     def prefill_together(self, flights: list[Flight]) -> list[Flight]:
         """Prefill the prompts of ``flights`` (from :meth:`together`) in one forward of them all as rows, then
         admit each to the engine; returns them. Each row's caches are what its own prefill would leave."""
         start = time.perf_counter()
-        caches = prefill_rows(self.session.model, [f.opening.cache for f in flights],
+        caches = prefill_rows(self.opener.model, [f.opening.cache for f in flights],
                               [f.opening.rest for f in flights])
         seconds = time.perf_counter() - start
         for flight, cache in zip(flights, caches):
@@ -194,7 +237,7 @@ class Flights:
 
         Args:
             flight: The request.
-            keep: Hand its caches to :meth:`Session.close` (False: a failed request's are dropped).
+            keep: Hand its caches to its opener to keep (False: a failed request's are dropped).
             tokens: The tokens it generated (default: every token its blocks committed).
 
         Returns:
@@ -212,7 +255,7 @@ class Flights:
             cache = flight.opening.cache
         flight.state = State.FINISHED
         if keep:
-            self.session.close(flight.opening, cache, flight.tokens if tokens is None else tokens)
+            self.opener.keep(flight.opening, cache, flight.tokens if tokens is None else tokens)
         return cache
 
     def alone(self, request: Request, *, policy: Any = None, cancelled: Optional[Callable[[], bool]] = None,
@@ -232,7 +275,7 @@ class Flights:
             cancelled: Asked between prefill chunks; True raises :class:`~specdec_cli.errors.Cancelled`.
             warmup: Run every shape decoding can use once first (see :func:`~specdec_cli.loop.plain.warm_up`).
         """
-        ranks = self.session.setup.ranks
+        ranks = self.opener.ranks
         watch = ExitStack()
         flight: Optional[Flight] = None
         keep = False  # whether the caches hold whole tokens: after the prefill, or between its chunks
@@ -253,7 +296,7 @@ class Flights:
                 start = time.perf_counter()
                 what = warm_up(opening.cache, opening.drafter, max_draft=0 if opening.drafter is None else
                                opening.k_max, sampling=flight.row.sampling, rollback=flight.row.rollback or "carry",
-                               tap=self.tap, shapes=opening.shapes)
+                               tap=self.tap, numerics=opening.numerics)
                 yield Warmed(time.perf_counter() - start, what)
             while not flight.ended:
                 start = time.perf_counter()
