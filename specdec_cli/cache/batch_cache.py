@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, _leaves, rebuild
+from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, leaves, rebuild
 from ..errors import UnsupportedModelError
 from ..model.recurrent import StepRecord
 
@@ -235,7 +235,7 @@ class BatchCache:
     def __init__(self, model: nn.Module, first: ModelCache):
         self.model = model
         self.structure = first.layers
-        self._leaves = [_rows_leaf(c) for c in _leaves(first.layers)]
+        self._leaves = [_rows_leaf(c) for c in leaves(first.layers)]
         self.layers = rebuild(self.structure, self._leaves)
         self._attention = [c for c in self._leaves if isinstance(c, RowsKVCache)]
         self._recurrent = [c for c in self._leaves if isinstance(c, ArraysCache)]
@@ -260,11 +260,11 @@ class BatchCache:
 
     def add(self, cache: ModelCache) -> None:
         """Merge a one-row cache in as the last row (its arrays are copied)."""
-        leaves = _leaves(cache.layers)
-        if len(leaves) != len(self._leaves) or any(type(_rows_leaf(a)) is not type(b)
-                                                   for a, b in zip(leaves, self._leaves)):
+        theirs = leaves(cache.layers)
+        if len(theirs) != len(self._leaves) or any(type(_rows_leaf(a)) is not type(b)
+                                                   for a, b in zip(theirs, self._leaves)):
             raise ValueError("a row's caches must have the batch's layout")
-        for mine, leaf in zip(self._leaves, leaves):
+        for mine, leaf in zip(self._leaves, theirs):
             if isinstance(mine, RowsKVCache):
                 mine.add(leaf)
             else:

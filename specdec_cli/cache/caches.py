@@ -247,7 +247,7 @@ def make_cache(model: nn.Module, reach: int = DEFAULT_REACH, kv_bits: Optional[i
     layout = [_to_layout(c, reach) for c in make_prompt_cache(model)]
     if kv_bits is not None:
         layout = [_quantized(c, kv_bits, kv_group_size) for c in layout]
-    for leaf in _leaves(layout):
+    for leaf in leaves(layout):
         _kind(leaf)  # capability check: refuse before the first token
     return layout
 
@@ -286,11 +286,12 @@ def rebuild(structure: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
     return [one(c) for c in structure]
 
 
-def _leaves(caches: Sequence[Any]) -> list[Any]:
+def leaves(caches: Sequence[Any]) -> list[Any]:
+    """The layer caches of ``caches`` in layer order, a ``CacheList``'s parts in its place."""
     out = []
     for c in caches:
         if isinstance(c, CacheList):
-            out.extend(_leaves(c.caches))
+            out.extend(leaves(c.caches))
         else:
             out.append(c)
     return out
@@ -319,7 +320,7 @@ def _kind(leaf: Any) -> str:
 def cache_kinds(model: nn.Module) -> dict[str, int]:
     """Count the layer caches of each kind (``attention`` / ``recurrent``) for ``model``."""
     counts = {_ATTENTION: 0, _RECURRENT: 0}
-    for leaf in _leaves(make_cache(model)):
+    for leaf in leaves(make_cache(model)):
         counts[_kind(leaf)] += 1
     return counts
 
@@ -342,7 +343,8 @@ def _ran_shapes(model: Any) -> set:
     return entry[1]
 
 
-def _arrays(x: Any) -> list[mx.array]:
+def buffer_arrays(x: Any) -> list[mx.array]:
+    """A key or value buffer's arrays (a quantized one is a tuple of three; None: none)."""
     if x is None:
         return []
     return list(x) if isinstance(x, (tuple, list)) else [x]
@@ -442,9 +444,9 @@ class ModelCache:
     def __init__(self, model: nn.Module, layers: list[Any] | None = None):
         self.model = model
         self.layers = make_cache(model) if layers is None else layers
-        leaves = _leaves(self.layers)
-        self._attention = [c for c in leaves if _kind(c) == _ATTENTION]
-        self._recurrent = [c for c in leaves if _kind(c) == _RECURRENT]
+        own = leaves(self.layers)
+        self._attention = [c for c in own if _kind(c) == _ATTENTION]
+        self._recurrent = [c for c in own if _kind(c) == _RECURRENT]
         # Tokens consumed; pure-recurrent models have no offset to read it from.
         self.length = 0
         # Hooks on the recurrent mixers: several-token forwards after the
@@ -630,7 +632,7 @@ class ModelCache:
         share no array object with the live caches (see :func:`clone_layer`).
         """
         return Checkpoint(self.length, tuple(clone_layer(c, self.length)
-                                             for c in _leaves(self.layers) if fixed_position(c)))
+                                             for c in leaves(self.layers) if fixed_position(c)))
 
     def snapshot(self) -> Snapshot:
         """Record the current state in O(1) (offsets and array references)."""

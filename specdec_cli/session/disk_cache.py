@@ -39,8 +39,9 @@ Key folders are private (0700, files 0600, whatever the umask: they hold
 prompts and answers), and one another user owns or others may write is not
 read.
 
-The format is safetensors, written and read here with numpy (bfloat16 travels
-as its 16 bits with the dtype ``BF16``), so ``mx.load`` reads the files too.
+This module is the store: the files, their names, eviction and the writer thread.
+What a layer cache is as arrays is :mod:`specdec_cli.cache.layout`'s, the file
+format (safetensors, checksummed) :mod:`specdec_cli.cache.codec`'s.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
-from ..cache.caches import ChunkKVCache, ModelCache, WindowKVCache, WindowQuantizedKVCache, _leaves, fixed_position
+from ..cache.caches import ModelCache
+from ..cache.codec import Damaged, decode, encode, to_mx, to_numpy
+from ..cache.layout import (check_fixed, fixed_position, fixed_state, leaves, position_rows, restore_fixed,
+                            restore_rows, row_names, signature)
 from ..model.taps import Hidden
 from .private import NotPrivate, check_private_folder, create_private, make_private_folder
 from .prompt_cache import Entry
@@ -89,19 +92,6 @@ _STALE_TMP_S = 3600
 #: removed by any store's eviction, whatever its own bound: nothing else would ever free it.
 ABANDONED_S = 30 * 24 * 3600
 
-# safetensors dtype names <-> numpy (bfloat16 travels as its uint16 bits).
-_NP = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-}
-_MX = {
-    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32",
-    mx.int16: "I16", mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16", mx.uint8: "U8",
-    mx.bool_: "BOOL",
-}
-
-
 def key_digest(parts: dict) -> str:
     """The hex digest naming the folder of caches made under ``parts``.
 
@@ -114,120 +104,9 @@ def key_digest(parts: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-class _Damaged(Exception):
-    """A file that must not be loaded (truncated, corrupted, foreign, inconsistent)."""
-
-
-# --- the file format ----------------------------------------------------------------------------
-
-
-def _to_numpy(a: mx.array) -> tuple[np.ndarray, str]:
-    """An evaluated MLX array as a numpy copy and its safetensors dtype."""
-    tag = _MX.get(a.dtype)
-    if tag is None:
-        raise TypeError(f"no safetensors dtype for {a.dtype}")
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.array(a, copy=True), tag
-
-
-def _to_mx(arr: np.ndarray, tag: str) -> mx.array:
-    out = mx.array(arr)
-    return out.view(mx.bfloat16) if tag == "BF16" else out
-
-
-def _encode(tensors: dict[str, tuple[np.ndarray, str]], meta: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
-    """The header bytes (length prefix included) and the arrays whose bytes follow, in order."""
-    header: dict[str, Any] = {}
-    digest = hashlib.sha256()
-    arrays = []
-    offset = 0
-    for name, (arr, tag) in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.size == 0:
-            continue  # not every reader takes empty tensors: the layout says what is absent
-        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        digest.update(memoryview(arr).cast("B"))
-        arrays.append(arr)
-    header["__metadata__"] = {**meta, "sha256": digest.hexdigest()}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    return len(text).to_bytes(8, "little") + text, arrays
-
-
-def _decode(blob: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
-    """Arrays and metadata of a file's bytes, checked against its checksum.
-
-    Raises:
-        _Damaged: Truncated, not this format, or the data does not match its checksum.
-    """
-    try:
-        if len(blob) < 8:
-            raise _Damaged("shorter than its header length")
-        size = int.from_bytes(blob[:8], "little")
-        if size > len(blob) - 8:
-            raise _Damaged("truncated header")
-        header = json.loads(blob[8 : 8 + size])
-        meta = header.pop("__metadata__")
-        data = memoryview(blob)[8 + size :]
-        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-            raise _Damaged("data does not match its checksum")
-        out = {}
-        for name, spec in header.items():
-            dtype = np.dtype(_NP[spec["dtype"]])
-            start, stop = spec["data_offsets"]
-            count = int(np.prod(spec["shape"], dtype=np.int64))
-            if not 0 <= start <= stop <= len(data) or stop - start != count * dtype.itemsize:
-                raise _Damaged(f"tensor {name} lies outside the data")
-            arr = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(spec["shape"])
-            out[name] = (arr, spec["dtype"])
-        return out, meta
-    except _Damaged:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise _Damaged(f"unreadable header ({type(e).__name__}: {e})") from None
-
-
-# --- leaves ---------------------------------------------------------------------------------------
-
-
-def _leaf_sig(c: Any) -> str:
-    """A leaf's type and settings: files made for another layout are not read into it."""
-    t = type(c)
-    if t in (QuantizedKVCache, WindowQuantizedKVCache):
-        return f"{t.__name__}:{c.group_size}:{c.bits}"
-    if t is WindowKVCache:
-        return f"WindowKVCache:{c.window}"
-    if t is ArraysCache:
-        return f"ArraysCache:{len(c.cache)}"
-    if t in (KVCache, ChunkKVCache):
-        return t.__name__
-    raise TypeError(f"the disk cache cannot store a {t.__name__}")
-
-
-def _kv_parts(x: Any) -> list[mx.array]:
-    return list(x) if isinstance(x, (tuple, list)) else [x]
-
-
-def _rows(c: Any, lo: int, hi: int, j: int) -> dict[str, mx.array]:
-    """Rows ``lo:hi`` of a trimmable leaf's keys and values (each part of a quantized one)."""
-    out = {}
-    for side, x in (("k", c.keys), ("v", c.values)):
-        for e, a in enumerate(_kv_parts(x)):
-            out[f"{j}.{side}{e}"] = a[..., lo:hi, :]
-    return out
-
-
-def _fixed_state(c: Any, j: int) -> tuple[dict[str, mx.array], dict]:
-    """The whole state of a fixed-position leaf (tensors and what else restores it)."""
-    if type(c) is ArraysCache:
-        return ({f"{j}.a{e}": a for e, a in enumerate(c.cache) if a is not None},
-                {"none": [e for e, a in enumerate(c.cache) if a is None]})
-    # WindowKVCache: its buffer from ``start`` to its offset.
-    stop = c.offset - c.start
-    return ({f"{j}.wk": c.keys[..., :stop, :], f"{j}.wv": c.values[..., :stop, :]},
-            {"start": c.start, "offset": c.offset, "span": c._span})
+def _named(j: int, arrays: dict) -> dict:
+    """A leaf's arrays named as its file stores them: its index first (``3.k0``)."""
+    return {f"{j}.{name}": a for name, a in arrays.items()}
 
 
 # --- what a save copies ---------------------------------------------------------------------------
@@ -432,7 +311,7 @@ class DiskStore:
                 self._hidden_jobs(hidden, min(hidden.length, length), ends, chain, toks, names, jobs, pending)
             mx.eval([a for _, tensors, _ in jobs for a in tensors.values()])
             for name, tensors, meta in jobs:
-                arrays = {k: _to_numpy(a) for k, a in tensors.items()}
+                arrays = {k: to_numpy(a) for k, a in tensors.items()}
                 pending.nbytes += sum(a.nbytes for a, _ in arrays.values())
                 pending.files.append(_File(name, arrays, meta))
         except Exception as e:  # a save is never worth failing the request it follows
@@ -447,14 +326,14 @@ class DiskStore:
         return meta
 
     def _lane_jobs(self, lane: str, saved: SavedCache, chain, toks, names, jobs, pending, marks=()) -> None:
-        leaves = _leaves(saved.layers)
-        if not leaves:
+        held = leaves(saved.layers)
+        if not held:
             return  # taken by a live cache (SavedCache.take): nothing to copy
-        sig = [_leaf_sig(c) for c in leaves]
-        if any(getattr(c, "start_position", 0) for c in leaves):
+        sig = [signature(c) for c in held]
+        if any(getattr(c, "start_position", 0) for c in held):
             return  # a chunked cache that dropped keys: its rows are not position-indexed
-        trim = [j for j, c in enumerate(leaves) if not fixed_position(c)]
-        fixed = [j for j, c in enumerate(leaves) if fixed_position(c)]
+        trim = [j for j, c in enumerate(held) if not fixed_position(c)]
+        fixed = [j for j, c in enumerate(held) if fixed_position(c)]
         B, L = self.block, saved.length
         if trim:
             for i in range(1, L // B + 1):
@@ -464,7 +343,7 @@ class DiskStore:
                     continue
                 tensors = {}
                 for j in trim:
-                    tensors.update(_rows(leaves[j], (i - 1) * B, i * B, j))
+                    tensors.update(_named(j, position_rows(held[j], (i - 1) * B, i * B)))
                 jobs.append((name, tensors, self._meta(lane, "block", sig, index=i, chain=chain[i].hex())))
                 names.add(name)
         ends = [L] + sorted((n for n in saved.checkpoints if 0 < n < L), reverse=True) if fixed \
@@ -478,11 +357,11 @@ class DiskStore:
             tensors, states = {}, {}
             for j in trim:
                 if p > q * B:
-                    tensors.update(_rows(leaves[j], q * B, p, j))
-            held = [leaves[j] for j in fixed] if p == L or not fixed else list(saved.checkpoints[p])
-            for j, c in zip(fixed, held):
-                more, state = _fixed_state(c, j)
-                tensors.update(more)
+                    tensors.update(_named(j, position_rows(held[j], q * B, p)))
+            at = [held[j] for j in fixed] if p == L or not fixed else list(saved.checkpoints[p])
+            for j, c in zip(fixed, at):
+                arrays, state = fixed_state(c)
+                tensors.update(_named(j, arrays))
                 states[str(j)] = state
             jobs.append((name, tensors, self._meta(lane, "state", sig, length=p, states=states,
                                                    chain=self._at(chain, toks, p))))
@@ -534,7 +413,7 @@ class DiskStore:
                 if path.exists():
                     left -= size
                     continue  # another process (or an earlier save) wrote it
-                head, arrays = _encode(f.tensors, f.meta)
+                head, arrays = encode(f.tensors, f.meta)
                 tmp = self.dir / f".{f.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
                 with create_private(tmp) as out:
                     out.write(head)
@@ -695,7 +574,7 @@ class DiskStore:
 
         Raises:
             FileNotFoundError: It vanished (another process evicted it): a miss, no warning.
-            _Damaged: It was removed.
+            Damaged: It was removed.
         """
         path = self.dir / name
         try:
@@ -706,17 +585,17 @@ class DiskStore:
         except OSError as e:
             return self._damaged(path, f"unreadable ({e})")
         try:
-            arrays, meta = _decode(blob)
+            arrays, meta = decode(blob)
             parts = name[: -len(_SUFFIX)].split("-")
             named = [("chain", parts[2]), ("index", str(index))] if kind == "block" else \
                 [("chain", parts[4]), ("length", parts[3])]
             for field_, want in (("format", str(FORMAT)), ("key", self.key), ("lane", lane), ("kind", kind),
                                  ("block", str(self.block)), *named):
                 if meta.get(field_) != want:
-                    raise _Damaged(f"its {field_} is {meta.get(field_)!r}, not {want!r}")
+                    raise Damaged(f"its {field_} is {meta.get(field_)!r}, not {want!r}")
             if sig is not None and json.loads(meta["leaves"]) != sig:
-                raise _Damaged("made for another cache layout")
-        except _Damaged as e:
+                raise Damaged("made for another cache layout")
+        except Damaged as e:
             return self._damaged(path, str(e))
         except (ValueError, KeyError) as e:
             return self._damaged(path, f"bad metadata ({e})")
@@ -730,7 +609,7 @@ class DiskStore:
             pass
         with self._lock:
             self._names.discard(path.name)
-        raise _Damaged(why)
+        raise Damaged(why)
 
     def _lengths(self, lane: str, names: set, chain: list[bytes], toks: np.ndarray, limit: int,
                  blocks: bool, fixed: bool) -> list[int]:
@@ -756,10 +635,10 @@ class DiskStore:
 
     def _fill(self, lane: str, cache: ModelCache, n: int, chain, toks) -> list[str]:
         """Fill the fresh ``cache`` with the lane's first ``n`` tokens; returns the files read."""
-        leaves = _leaves(cache.layers)
-        sig = [_leaf_sig(c) for c in leaves]
-        trim = [j for j, c in enumerate(leaves) if not fixed_position(c)]
-        fixed = [j for j, c in enumerate(leaves) if fixed_position(c)]
+        own = leaves(cache.layers)
+        sig = [signature(c) for c in own]
+        trim = [j for j, c in enumerate(own) if not fixed_position(c)]
+        fixed = [j for j, c in enumerate(own) if fixed_position(c)]
         B, q = self.block, n // self.block
         read = []
         blocks = []
@@ -775,51 +654,31 @@ class DiskStore:
             record = (arrays, json.loads(meta["states"]))
             read.append(name)
         try:
-            built = {}
+            rows = {}
             for j in trim:
-                c = leaves[j]
-                sides = {}
-                for side in ("k", "v"):
-                    parts = []
-                    for e in range(3 if isinstance(c, QuantizedKVCache) else 1):
-                        key = f"{j}.{side}{e}"
-                        pieces = [b[key] for b in blocks]
-                        if record is not None and n % B:
-                            pieces.append(record[0][key])
-                        if any(p[0].shape[-2] != (B if k < len(blocks) else n % B) for k, p in enumerate(pieces)):
-                            raise ValueError(f"rows of {key} do not line up")
-                        parts.append(_to_mx(np.concatenate([p[0] for p in pieces], axis=-2), pieces[0][1]))
-                    sides[side] = tuple(parts) if isinstance(c, QuantizedKVCache) else parts[0]
-                built[j] = sides
+                pieces = blocks + ([record[0]] if record is not None and n % B else [])
+                rows[j] = {}
+                for part in row_names(own[j]):
+                    taken = [p[f"{j}.{part}"] for p in pieces]
+                    if any(a.shape[-2] != (B if k < len(blocks) else n % B) for k, (a, _) in enumerate(taken)):
+                        raise ValueError(f"rows of {j}.{part} do not line up")
+                    rows[j][part] = to_mx(np.concatenate([a for a, _ in taken], axis=-2), taken[0][1])
             states = {}
             for j in fixed:
-                arrays, info = record[0], record[1][str(j)]
-                c = leaves[j]
-                if type(c) is ArraysCache:
-                    states[j] = [None if e in info["none"] else _to_mx(*arrays[f"{j}.a{e}"])
-                                 for e in range(len(c.cache))]
-                else:
-                    k, v = (_to_mx(*arrays[f"{j}.w{s}"]) for s in ("k", "v"))
-                    if info["offset"] != n or k.shape[-2] != n - info["start"]:
-                        raise ValueError("a window's rows do not match its offsets")
-                    states[j] = (k, v, info)
+                prefix = f"{j}."
+                arrays = {k[len(prefix):]: to_mx(*v) for k, v in record[0].items() if k.startswith(prefix)}
+                states[j] = (arrays, record[1][str(j)])
+                check_fixed(own[j], *states[j], n)
         except (KeyError, ValueError, TypeError) as e:
             # Each file was sound, but they do not fit together (made by something else under this key).
             log.warning("disk prompt cache: %s files for %d tokens do not fit together (%s); removed them",
                         lane, n, e)
             self._forget(read)  # or every later request would try them again
-            raise _Damaged(str(e)) from None
-        for j, sides in built.items():
-            c = leaves[j]
-            c.keys, c.values, c.offset = sides["k"], sides["v"], n
-        for j, state in states.items():
-            c = leaves[j]
-            if type(c) is ArraysCache:
-                c.cache = state
-            else:
-                c.keys, c.values, info = state
-                c.start, c.offset = info["start"], n
-                c._span = max(c._span, info["span"])
+            raise Damaged(str(e)) from None
+        for j, parts in rows.items():
+            restore_rows(own[j], parts, n)
+        for j, (arrays, info) in states.items():
+            restore_fixed(own[j], arrays, info, n)
         cache.length = n
         return read
 
@@ -837,13 +696,13 @@ class DiskStore:
             cols = []
             for j in range(len(sig)):
                 parts = [p[f"h{j}"] for p in pieces]
-                cols.append(_to_mx(np.concatenate([a for a, _ in parts], axis=0), parts[0][1]))
+                cols.append(to_mx(np.concatenate([a for a, _ in parts], axis=0), parts[0][1]))
             if not cols or any(c.shape[0] != n for c in cols):
                 raise ValueError("hidden rows do not add up")
         except (KeyError, ValueError, TypeError) as e:
             log.warning("disk prompt cache: hidden rows for %d tokens do not fit together (%s); removed them", n, e)
             self._forget(names)
-            raise _Damaged(str(e)) from None
+            raise Damaged(str(e)) from None
         final = cols.pop() if sig[-1] == "final" else None
         return Hidden(tuple(cols), final), names
 
@@ -903,7 +762,7 @@ class DiskStore:
             if not names:
                 return None
             target = fresh_target()
-            lengths = [n for n in self._resumable(names, chain, toks, limit, _leaves(target.layers), need_hidden)
+            lengths = [n for n in self._resumable(names, chain, toks, limit, leaves(target.layers), need_hidden)
                        if n > more_than]
             if not lengths:
                 return None
@@ -914,7 +773,7 @@ class DiskStore:
                 if need_hidden:
                     hidden, more = self._fill_hidden(n, chain, toks)
                     read += more
-            except (_Damaged, FileNotFoundError):
+            except (Damaged, FileNotFoundError):
                 continue
             draft = None
             if fresh_draft is not None:
@@ -927,14 +786,14 @@ class DiskStore:
         return None
 
     def _load_draft(self, fresh_draft, names, chain, toks, n) -> tuple[Optional[ModelCache], list[str]]:
-        probe = _leaves(fresh_draft().layers)
+        probe = leaves(fresh_draft().layers)
         lengths = self._lengths(self._d, names, chain, toks, n, any(not fixed_position(c) for c in probe),
                                 any(fixed_position(c) for c in probe))
         for m in lengths:
             cache = fresh_draft()
             try:
                 return cache, self._fill(self._d, cache, m, chain, toks)
-            except (_Damaged, FileNotFoundError):
+            except (Damaged, FileNotFoundError):
                 continue
         return None, []
 

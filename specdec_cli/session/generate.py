@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence
 
 from ..cache.batch_check import Rounding
-from ..cache.caches import ModelCache, _leaves, fixed_position, make_cache
+from ..cache.caches import ModelCache, leaves, fixed_position, make_cache
 from ..core.adaptive import FirstBlock
 from ..core.processors import make_processors
 from ..defaults import HIDDEN_STATE_DRAFTERS
@@ -269,7 +269,7 @@ class Session:
 
     def _marks(self, cache: ModelCache, request: Request, n: int) -> tuple[int, ...]:
         """Where to checkpoint the prompt: only layers that cannot trim back need it (each mark ends a chunk)."""
-        if not self._keeps or not any(fixed_position(c) for c in _leaves(cache.layers)):
+        if not self._keeps or not any(fixed_position(c) for c in leaves(cache.layers)):
             return ()
         return (*request.boundaries, n - 1)
 

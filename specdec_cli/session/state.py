@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from mlx_lm.models.cache import ArraysCache
 
-from ..cache.caches import Checkpoint, ModelCache, WindowKVCache, _arrays, _leaves, clone_layer, fixed_position, rebuild
+from ..cache.caches import Checkpoint, ModelCache, WindowKVCache, buffer_arrays, leaves, clone_layer, fixed_position, rebuild
 
 
 def _holds_keys_for(leaf: Any, length: int) -> bool:
@@ -67,7 +67,7 @@ class SavedCache:
     @property
     def fixed(self) -> list:
         """The saved leaves that cannot trim back to any length (leaf order)."""
-        return [c for c in _leaves(self.layers) if fixed_position(c)]
+        return [c for c in leaves(self.layers) if fixed_position(c)]
 
     def add(self, checkpoint: Checkpoint) -> None:
         """Keep a checkpoint taken at a shorter length on the way to this state."""
@@ -95,9 +95,9 @@ class SavedCache:
         if not self.can_resume(length):
             raise ValueError(f"this saved cache cannot resume at {length} tokens")
         kept = iter(self.checkpoints[length]) if length < self.length and length in self.checkpoints else None
-        leaves = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
-                  for c in _leaves(self.layers)]
-        cache = ModelCache(model, rebuild(self.layers, leaves))
+        resumed = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
+                   for c in leaves(self.layers)]
+        cache = ModelCache(model, rebuild(self.layers, resumed))
         cache.length = length
         return cache
 
@@ -118,10 +118,10 @@ class SavedCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays held (each array object counted once, a view at its own size)."""
-        leaves = _leaves(self.layers) + [c for kept in self.checkpoints.values() for c in _leaves(list(kept))]
+        held = leaves(self.layers) + [c for kept in self.checkpoints.values() for c in leaves(list(kept))]
         seen: dict[int, int] = {}
-        for c in leaves:
-            arrays = c.cache if type(c) is ArraysCache else _arrays(c.keys) + _arrays(c.values)
+        for c in held:
+            arrays = c.cache if type(c) is ArraysCache else buffer_arrays(c.keys) + buffer_arrays(c.values)
             for a in arrays:
                 if a is not None:
                     seen[id(a)] = a.nbytes

@@ -22,7 +22,8 @@ import pytest
 from helpers import max_cache_diff, noisy_drafter, target
 from specdec_cli.cache.caches import ModelCache, make_cache
 from specdec_cli.model.taps import Hidden
-from specdec_cli.session.disk_cache import FORMAT, DiskStore, Writer, _decode, key_digest
+from specdec_cli.cache.codec import decode as _decode
+from specdec_cli.session.disk_cache import FORMAT, DiskStore, Writer, key_digest
 from specdec_cli.session.state import SavedCache
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
