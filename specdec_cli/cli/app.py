@@ -23,9 +23,9 @@ from typer.core import TyperCommand, TyperGroup
 from typing_extensions import Annotated
 
 from .. import __version__
-from ..defaults import (AUTO_ROWS, DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL,
-                        DRAFTER_KINDS, KNEE_GAIN, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_DISK_GB, MAX_NGRAM, NGRAM_MAX,
-                        NGRAM_MIN)
+from ..defaults import AUTO_ROWS, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, KNEE_GAIN, MAX_DISK_GB
+from ..drafters.kinds import (DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX,
+                              NGRAM_MIN)
 from ..errors import EXIT_INTERRUPTED, SpecdecError
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
@@ -302,7 +302,7 @@ def _choices(enum: type[Enum]) -> str:
     return ", ".join(member.value for member in enum) + "\n\n"
 
 
-# --drafter's choices, from the registry of drafter kinds (defaults.DRAFTERS).
+# --drafter's choices, from the registry of drafter kinds (drafters.kinds.KINDS).
 DrafterKind = Enum("DrafterKind", [(name, name) for name in DRAFTER_KINDS], type=str)
 
 

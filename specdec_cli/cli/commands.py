@@ -20,9 +20,9 @@ from . import doctor
 from .batch_command import check_batch_options, generate_batch, parse_concurrency, sweep_concurrency
 from ..loop.compare import DIVERGED, compare_with_plain, comparison_dict
 
-# Block-size and n-gram limits live in a module without heavy imports: the CLI
+# Block-size and n-gram limits live with the drafter kinds, in a module without heavy imports: the CLI
 # declares its option ranges with them before MLX is loaded.
-from ..defaults import (  # noqa: F401  (re-exported: the limits are commands' to check)
+from ..drafters.kinds import (  # noqa: F401  (re-exported: the limits are commands' to check)
     DEFAULT_BLOCK_SIZE,
     DRAFTER_KINDS,
     MAX_ANY_BLOCK_SIZE,

@@ -17,6 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..model import bundled
 from .display import print_loading, print_stderr
 from ..defaults import KNEE_GAIN
+from ..drafters import kinds
 from ..errors import OptionError
 from ..cache.limits import gb
 from ..session.batch import auto_concurrency, batch_refusal
@@ -130,7 +131,7 @@ def serve_command(opts: ServeOptions) -> int:
     on = opts.prompt_cache_size > 0 and opts.prompt_cache_bytes != 0
     cache = PromptCache(opts.prompt_cache_size, opts.prompt_cache_bytes) if on else None
     # Lookup rows also draft from recent answers (other drafters have nothing to copy with).
-    corpus = Corpus(opts.lookup_corpus) if opts.lookup_corpus and setup.kind == "lookup" else None
+    corpus = Corpus(opts.lookup_corpus) if opts.lookup_corpus and kinds.kind(setup.kind).earlier else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache, corpus=corpus)
     disk_warning = session.use_disk(opts.prompt_cache_dir, opts.prompt_cache_disk_gb)
     batching = None

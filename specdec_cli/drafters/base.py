@@ -9,12 +9,13 @@ got verified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
 from ..core.sampling import GREEDY, SamplingParams, top_probability
+from .kinds import NGRAM_MAX, NGRAM_MIN
 from ..model.taps import Hidden, TapSpec
 
 
@@ -98,3 +99,32 @@ def as_tokens(token: int | mx.array) -> mx.array:
     if isinstance(token, int):
         return mx.array([token], dtype=mx.uint32)
     return token.reshape(-1).astype(mx.uint32)
+
+
+@dataclass(frozen=True)
+class Materials:
+    """What a generation's drafter is made from (each kind reads its own part).
+
+    Attributes:
+        policy: The row's draft-length policy (a lookup drafter sizes its drafts with ``MatchLength``'s).
+        eos_ids: Stop ids (lookup drafts stop at one).
+        earlier: Earlier outputs lookup also drafts from (``--lookup-history``, a server's recent answers).
+        p_min: ``--draft-p-min`` (0: off).
+        ngram: ``(--ngram-max, --ngram-min)``.
+        draft_model: A draft model or a DFlash drafter's model.
+        draft_cache: A draft model's caches to resume from (a prompt cache hit).
+        vocab_size: The target's vocabulary (a draft model's larger one is cut to it).
+        head: An MTP head as loaded (``mtp_io.LoadedHead``: the head and the target's parts it reads).
+        parts: The target's embedding and output head (DFlash reuses them).
+    """
+
+    policy: Any = None
+    eos_ids: Sequence[int] = ()
+    earlier: Sequence[Sequence[int]] = field(default_factory=list)
+    p_min: float = 0.0
+    ngram: tuple[int, int] = (NGRAM_MAX, NGRAM_MIN)
+    draft_model: Any = None
+    draft_cache: Any = None
+    vocab_size: Optional[int] = None
+    head: Any = None
+    parts: Any = None

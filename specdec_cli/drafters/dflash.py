@@ -27,7 +27,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..core.sampling import GREEDY, SamplingParams, draw, top_probability
 from ..model.taps import Hidden, TapSpec, TargetParts
-from .base import Draft, no_draft
+from .base import Draft, Materials, no_draft
 from .layers import MLP
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -526,6 +526,11 @@ def load_dflash_model(config: dict, weights: dict[str, mx.array]) -> DFlashModel
         raise ModelLoadError(f"the DFlash weights do not fit its config: {e}") from None
     mx.eval(model.parameters())
     return model
+
+
+def build(m: Materials) -> DFlashDrafter:
+    """A DFlash drafter (the ``dflash`` kind): its model and the target's parts it reuses."""
+    return DFlashDrafter(m.draft_model, m.parts, p_min=m.p_min)
 
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from ..core.sampling import GREEDY, SamplingParams
 from ..model.taps import Hidden
-from .base import Draft, no_draft
+from .base import Draft, Materials, no_draft
 from .mtp import MTPDrafter
 from .suffix import SuffixDrafter
 
@@ -70,3 +70,10 @@ class HybridDrafter:
         self.lookup.cancel()
         self.head.cancel()
         self._source = None
+
+
+def build(m: Materials) -> HybridDrafter:
+    """Lookup where the text repeats, the head elsewhere (the ``lookup+mtp`` kind); the adaptive policy chooses
+    per block."""
+    head = MTPDrafter(m.head.head, m.head.parts, p_min=m.p_min)
+    return HybridDrafter(SuffixDrafter(m.policy.size, stop_ids=m.eos_ids), head, m.policy)

@@ -10,7 +10,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..core.sampling import GREEDY, SamplingParams
-from .base import Draft, no_draft
+from .base import Draft, Materials, no_draft
 
 
 class NgramDrafter:
@@ -102,3 +102,8 @@ class NgramDrafter:
 
 # The name this drafter had while it was the only lookup.
 LookupDrafter = NgramDrafter
+
+
+def build(m: Materials) -> NgramDrafter:
+    """The n-gram drafter (the ``ngram`` kind), matching ``--ngram-max`` down to ``--ngram-min`` tokens."""
+    return NgramDrafter(*m.ngram)

@@ -9,7 +9,7 @@ import mlx.nn as nn
 
 from ..cache.caches import ModelCache, Snapshot
 from ..core.sampling import GREEDY, SamplingParams, draw, greedy, log_probs, top_probability
-from .base import Draft, as_tokens, no_draft
+from .base import Draft, Materials, as_tokens, no_draft
 
 
 class ModelDrafter:
@@ -124,3 +124,8 @@ class ModelDrafter:
             self.batch.restore(self, snap)
         else:
             self.cache.restore(snap)
+
+
+def build(m: Materials) -> ModelDrafter:
+    """A draft model's drafter (the ``model`` kind), resuming its caches from a prompt-cache hit."""
+    return ModelDrafter(m.draft_model, m.draft_cache, vocab_size=m.vocab_size, p_min=m.p_min)

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..core.sampling import GREEDY, SamplingParams, draw, keyed_pick, log_probs, top_probability
 from ..model.taps import Hidden, TapSpec, TargetParts
-from .base import Draft, as_tokens, no_draft
+from .base import Draft, Materials, as_tokens, no_draft
 from .mtp_head import MTPHead
 
 
@@ -191,3 +191,8 @@ class MTPDrafter:
             self._exact = offset
             self._saved = None
         self._drafts = []
+
+
+def build(m: Materials) -> MTPDrafter:
+    """An MTP head's drafter (the ``mtp`` kind): the head and the target's parts it reads."""
+    return MTPDrafter(m.head.head, m.head.parts, p_min=m.p_min)

@@ -22,7 +22,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import mlx.core as mx
 
 from ..core.sampling import GREEDY, SamplingParams
-from .base import Draft, no_draft
+from .base import Draft, Materials, no_draft
+from ..core.adaptive import MatchLength
 
 # Counts and recency are updated along the suffix-link path of each new token,
 # at most this deep: the path is short unless the text loops (a period-p loop
@@ -263,3 +264,10 @@ class SuffixDrafter:
         """Undo the last ``propose`` (and an ``accept`` after it)."""
         self._undo()
         self._proposed, self._states, self._resume, self._guess = [], [], None, None
+
+
+def build(m: Materials) -> SuffixDrafter:
+    """Prompt lookup (the ``lookup`` kind): sized by the policy's match rule when it has one, drafting from
+    earlier outputs too, stopping at an end of sequence."""
+    size = m.policy.size if isinstance(m.policy, MatchLength) else None
+    return SuffixDrafter(size, m.earlier, m.eos_ids)

@@ -20,7 +20,7 @@ from ..cache.batch_check import Rounding
 from ..cache.caches import ModelCache, leaves, fixed_position, make_cache
 from ..core.adaptive import FirstBlock
 from ..core.processors import make_processors
-from ..defaults import HIDDEN_STATE_DRAFTERS
+from ..drafters import kinds
 from ..model.taps import Hidden
 from .corpus import Corpus
 from .disk_cache import DiskHit
@@ -184,7 +184,7 @@ class Session:
 
     def tap_spec(self):
         """The target hidden states this session's drafter reads (a ``TapSpec``), or None."""
-        if self.plain or self.setup.kind not in HIDDEN_STATE_DRAFTERS:
+        if self.plain or not kinds.kind(self.setup.kind).hidden_states:
             return None
         return self.setup.make_drafter(make_policy(self.adaptive, self.block_size, self.setup.kind)).taps
 
@@ -256,7 +256,7 @@ class Session:
         The disk's files are read only when it holds more of the prompt than memory does.
         """
         setup = self.setup
-        taps = not self.plain and setup.kind in HIDDEN_STATE_DRAFTERS
+        taps = not self.plain and kinds.kind(setup.kind).hidden_states
         draft = setup.draft.model if setup.draft else None
         if self.disk is not None:
             held = self.prompt_cache.best(ids, taps) if self.prompt_cache is not None else 0

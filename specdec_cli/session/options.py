@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..core.adaptive import AdaptiveLength, FixedLength, HybridLength, MatchLength
-from ..defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_GROUP_SIZE, DRAFTERS, HIDDEN_STATE_DRAFTERS, MAX_BLOCK_SIZE,
-                        NGRAM_MAX, NGRAM_MIN)
+from ..defaults import DEFAULT_KV_GROUP_SIZE
+from ..drafters import kinds
+from ..drafters.kinds import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, NGRAM_MAX, NGRAM_MIN
 from ..drafters.history import check_path
 from ..errors import OptionError
 from ..model.files import is_local
@@ -114,7 +115,7 @@ def check_distributed_options(opts: ModelOptions, kind: str, sharded: bool) -> N
     if opts.adapter_path is not None:
         raise OptionError("--adapter-path cannot be used with a sharded target (mlx-lm shards the plain "
                           "layers that LoRA wraps): fuse the adapters first with mlx_lm.fuse")
-    if opts.pipeline and kind in HIDDEN_STATE_DRAFTERS:
+    if opts.pipeline and kinds.kind(kind).hidden_states:
         raise hidden_states_refused(f"--drafter {kind}")
     if "-" in (opts.prompt, opts.prompt_arg):
         raise OptionError("under mlx.launch stdin never ends (mlx.launch keeps the ranks' stdin open): pass the "
@@ -131,7 +132,7 @@ def check_force_download(model: Optional[str], draft_model: Optional[str] = None
                           "drop --force-download")
 
 
-def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str = "model") -> int:
+def resolve_block_size(block_size: Optional[int], num_draft_tokens: Optional[int], kind: str) -> int:
     """``--block-size B`` or ``--num-draft-tokens K`` (B = K + 1), not both; the kind's default and limit."""
     if block_size is not None and num_draft_tokens is not None:
         raise OptionError("give --block-size or --num-draft-tokens (= block size - 1), not both")
@@ -170,36 +171,20 @@ def parse_int_list(text: str, option: str, example: str, noun: str, short: str) 
 
 
 def resolve_drafter(drafter: Optional[str], draft_model: Optional[str]) -> str:
-    """The drafter kind: ``model`` with a draft model, otherwise prompt ``lookup`` (or ``ngram``).
-
-    ``mtp`` reads the target's own MTP head, or the sidecar ``--draft-model`` names.
-    """
-    kind = drafter or ("model" if draft_model else "lookup")
-    if kind == "model" and not draft_model:
-        raise OptionError("--drafter model needs --draft-model REPO_OR_DIR")
-    if draft_model and not DRAFTERS[kind].draft_model:
-        raise OptionError(f"--draft-model is only used with --drafter {_names('draft_model')}, not --drafter {kind}")
-    return kind
+    """The drafter kind the options name (:func:`specdec_cli.drafters.kinds.named`)."""
+    return kinds.named(drafter, draft_model)
 
 
 def check_drafter_options(kind: str, opts: ModelOptions) -> None:
-    """Options that only one drafter kind understands."""
-    if kind == "auto" and (opts.ngram_max is not None or opts.ngram_min is not None):
-        raise OptionError("--ngram-max/--ngram-min apply to the n-gram drafter: name it with --drafter ngram "
-                          "instead of auto")
-    if kind == "auto" and opts.lookup_history is not None:
-        raise OptionError("--lookup-history applies to the lookup drafter: name it with --drafter lookup "
-                          "instead of auto")
-    if opts.draft_p_min is not None and not DRAFTERS[kind].p_min:
-        raise OptionError("--draft-p-min applies to a draft model or an MTP head: drop it or pass --draft-model")
-    if kind != "ngram" and (opts.ngram_max is not None or opts.ngram_min is not None):
-        raise OptionError("--ngram-max/--ngram-min apply to --drafter ngram (the default lookup matches any length)")
-    if kind != "lookup" and opts.lookup_history is not None:
-        raise OptionError(f"--lookup-history applies to --drafter lookup, not --drafter {kind}")
+    """Options that only one drafter kind understands (:func:`specdec_cli.drafters.kinds.check_options`), and
+    their ranges."""
+    given = {name: value for name in ("ngram_max", "ngram_min", "lookup_history", "draft_p_min")
+             if (value := getattr(opts, name)) is not None}
+    kinds.check_options(kind, given)
     if opts.draft_p_min is not None and not 0 <= opts.draft_p_min <= 1:
         raise OptionError("--draft-p-min must be within [0, 1]")
     lo, hi = opts.ngram_min or NGRAM_MIN, opts.ngram_max or NGRAM_MAX
-    if kind == "ngram" and not 1 <= lo <= hi:
+    if "ngram_min" in kinds.kind(kind).options and not 1 <= lo <= hi:
         raise OptionError(f"need 1 <= --ngram-min ({lo}) <= --ngram-max ({hi})")
     if opts.lookup_history is not None:
         check_path(opts.lookup_history)  # a device, FIFO or someone else's file fails before any model loads
@@ -271,15 +256,9 @@ def processor_fields(opts: RunOptions) -> dict:
     return fields
 
 
-def make_policy(adaptive: bool, block_size: int, kind: str = "model"):
+def make_policy(adaptive: bool, block_size: int, kind: str):
     """Adaptive draft length up to block size - 1 (the kind's rule: see ``DrafterKind.policy``), or a fixed one."""
     if adaptive and block_size > 1:
-        rule = {"match-length": MatchLength, "hybrid": HybridLength}.get(DRAFTERS[kind].policy, AdaptiveLength)
+        rule = {"match-length": MatchLength, "hybrid": HybridLength}.get(kinds.kind(kind).policy, AdaptiveLength)
         return rule(k_max=block_size - 1)
     return FixedLength(block_size - 1)
-
-
-def _names(field: str) -> str:
-    """The ``--drafter`` choices whose registry record has ``field`` set, as "a, b or c"."""
-    names = [name for name, k in DRAFTERS.items() if k.choice and getattr(k, field)]
-    return ", ".join(names[:-1]) + " or " + names[-1]

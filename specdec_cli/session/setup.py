@@ -18,11 +18,12 @@ from .. import __version__
 from ..model import blas, bundled
 from ..model import distributed
 from ..cache.caches import cache_kinds, check_kv_quantization
-from ..defaults import DEFAULT_BLOCK_SIZE, DRAFTERS, NGRAM_MAX, NGRAM_MIN
+from ..drafters import kinds
+from ..drafters.kinds import DEFAULT_BLOCK_SIZE, DFLASH, DRAFT_MODEL, MTP_HEAD, NGRAM_MAX, NGRAM_MIN
 from ..model.distributed import Ranks
 from ..model.fingerprint import model_fingerprint
 from ..drafters import Drafter, LookupHistory
-from ..drafters.registry import Materials, build
+from ..drafters.base import Materials
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp_io import LoadedHead
@@ -95,11 +96,9 @@ class Setup:
 
     @property
     def drafter_name(self) -> str:
-        if DRAFTERS[self.kind].head and self.mtp is not None and self.mtp.source != self.target.name:
-            return f"{self.kind} ({self.mtp.source})"
-        if self.kind == "dflash" and self.options.draft_model:
-            return f"{self.kind} ({self.options.draft_model})"
-        return f"model ({self.options.draft_model})" if self.draft else self.kind
+        return kinds.describe(self.kind, head_source=self.mtp.source if self.mtp is not None else None,
+                              target=self.target.name, draft_model=self.options.draft_model,
+                              loaded_draft=self.draft is not None and kinds.kind(self.kind).loads == DRAFT_MODEL)
 
     def run_block_size(self, resolved: int) -> int:
         """The block size a face runs: ``resolved`` from the options when they named one, else the drafter's."""
@@ -109,8 +108,8 @@ class Setup:
         """The block size to run. A DFlash drafter brings its own default and limit (its trained
         block size), known only once it is loaded, as does the kind ``--drafter auto`` picks;
         ``requested`` is None when no option set one, ``option`` names the one that did."""
-        own = DRAFTERS[self.kind].max_block is None  # the drafter's own sizes (a DFlash config's)
-        if self.options.drafter == "auto" and not own:
+        own = kinds.kind(self.kind).own_sizes  # the drafter's own sizes (a DFlash config's)
+        if self.options.drafter == kinds.AUTO.name and not own:
             if requested is None:
                 return DEFAULT_BLOCK_SIZE[self.kind]
             check_block_size(requested, self.kind, option)
@@ -138,7 +137,7 @@ class Setup:
         """
         opts = self.options
         earlier = [*(self.history.outputs() if self.history else ()), *recent]
-        return build(self.kind, Materials(
+        return kinds.kind(self.kind).build(Materials(
             policy=policy, eos_ids=self.eos_ids, earlier=earlier, p_min=opts.draft_p_min or 0.0,
             ngram=(opts.ngram_max or NGRAM_MAX, opts.ngram_min or NGRAM_MIN),
             draft_model=self.draft.model if self.draft is not None else None, draft_cache=draft_cache,
@@ -212,7 +211,7 @@ class Setup:
         opts = self.options
         # A draft model's caches grow with the context; other drafters' state is small.
         return memory_model(self.target.model, self.target.config, self.draft.model if self.draft else None,
-                            opts.kv_bits, opts.kv_group, draft_cache=self.kind == "model")
+                            opts.kv_bits, opts.kv_group, draft_cache=kinds.kind(self.kind).loads == DRAFT_MODEL)
 
     def check_memory(self, tokens: int) -> MemoryEstimate:
         """Estimate a generation's peak memory over ``tokens`` of context; refuse it when the device has less.
@@ -271,14 +270,13 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     pipelined = ranks is not None and ranks.mode == "pipeline"
     # The drafter's files first: what they are can refuse the run before the target loads.
     draft_path = resolve(opts.draft_model, opts.force_download) if opts.draft_model else None
-    if pipelined and draft_path is not None:
-        if is_dflash(draft_path):
-            raise hidden_states_refused("a DFlash drafter")
-        if opts.drafter is None and is_mtp_sidecar(draft_path):
-            raise hidden_states_refused("an MTP head")
-    if opts.drafter == "model" and is_mtp_sidecar(draft_path):
+    holds = folder_holds(draft_path)
+    if pipelined and (holds == DFLASH or (opts.drafter is None and holds == MTP_HEAD)):
+        raise hidden_states_refused("a DFlash drafter" if holds == DFLASH else "an MTP head")
+    if opts.drafter is not None and kinds.kind(opts.drafter).loads == DRAFT_MODEL and holds == MTP_HEAD:
         # mlx-lm cannot build a head on its own; say which drafter reads it, before the target loads.
-        raise OptionError(f"--draft-model {opts.draft_model} is an MTP head, not a draft model: pass --drafter mtp "
+        head = next(k.name for k in kinds.KINDS.values() if k.loads == MTP_HEAD and k.choice)
+        raise OptionError(f"--draft-model {opts.draft_model} is an MTP head, not a draft model: pass --drafter {head} "
                           "(or leave --drafter out: a head is detected)")
     target = load_target(opts, ranks)
     if opts.kv_bits is not None:
@@ -286,31 +284,29 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     draft = mtp = parts = None
     head_path = None
     notes = [line for line in (rollback_note(opts, target), first_compile_note(target.dtype)) if line]
-    if kind == "auto":
-        kind, head_path, why = choose_drafter(target, draft_path, hidden=not pipelined)
+    own_head = has_own_head(target)
+    if kind == kinds.AUTO.name:
+        bundled_head_path = bundled_head(target)
+        kind, use_bundled, why = kinds.auto(holds, hidden=not pipelined, own_head=own_head,
+                                            bundled_head=bundled_head_path is not None,
+                                            head_beats_lookup=bundled.HEAD_BEATS_LOOKUP)
+        head_path = bundled_head_path if use_bundled else None
         notes.append(f"drafter: auto -> {kind} ({why})")
-    # "dflash" is auto's pick for a DFlash --draft-model; "model" is the kind named (or implied) for one.
-    if kind in ("model", "dflash") and is_dflash(draft_path):
-        # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers,
-        # width and vocabulary.
-        kind = "dflash"
+    kind = kinds.resolved(kind, holds, asked=opts.drafter, adaptive=getattr(opts, "adaptive", False))
+    chosen = kinds.kind(kind)
+    if chosen.loads == DFLASH:
+        # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers, width and vocabulary.
         draft = load_dflash(opts.draft_model, opts.dtype, path=draft_path)
         parts = target_parts(target.model)
         check_target(draft.model.config, parts)
-    if kind == "model" and opts.drafter in (None, "auto") and is_mtp_sidecar(draft_path):
-        kind = "mtp"  # --draft-model names an MTP-only folder
-    if kind == "lookup+mtp" and not getattr(opts, "adaptive", False):
-        # Choosing per block is the adaptive policy's work: --no-adaptive (and sweep, which
-        # measures fixed block sizes) drafts with the head alone.
-        kind = "mtp"
-    if kind == "mtp" and opts.draft_model is None and not has_own_head(target):
+    if chosen.head and opts.draft_model is None and not own_head and head_path is None:
         head_path = bundled_head(target)  # the bundled model's head is its own
-    if DRAFTERS[kind].head and head_path is not None:
+    if chosen.head and head_path is not None:
         mtp = load_mtp(str(head_path), head_path, target, opts.dtype)
         mtp.source = "bundled head"
-    elif DRAFTERS[kind].head:
+    elif chosen.head:
         mtp = load_mtp(opts.draft_model, draft_path, target, opts.dtype)
-    if kind == "model":
+    if chosen.loads == DRAFT_MODEL:
         draft = load(opts.draft_model, opts.dtype, path=draft_path, trust_remote_code=opts.trust_remote_code)
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
     ids, eos_notes = extra_eos_ids(target.tokenizer, opts.extra_eos_token or ())
@@ -325,10 +321,21 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         if ranks is not None:
             # Rank 0's file drafts on every rank (another machine's copy may differ); only rank 0 writes it.
             history.entries = [(history.fingerprint, t) for t in ranks.share_lists(history.outputs())]
-    used = head_path or (draft_path if DRAFTERS[kind].draft_model or DRAFTERS[kind].head else None)
-    if DRAFTERS[kind].head and used is None:
+    used = head_path or (draft_path if chosen.draft_model or chosen.head else None)
+    if chosen.head and used is None:
         used = target.path  # the target's own head
     return Setup(opts, kind, target, draft, history, mtp, parts, notes=notes, ranks=ranks, drafter_path=used)
+
+
+def folder_holds(draft_path: Optional[Path]) -> Optional[str]:
+    """What a ``--draft-model`` folder holds: a DFlash drafter, an MTP head alone, or a draft model (None: none)."""
+    if draft_path is None:
+        return None
+    if is_dflash(draft_path):
+        return DFLASH
+    if is_mtp_sidecar(draft_path):
+        return MTP_HEAD
+    return DRAFT_MODEL
 
 
 def rollback_note(opts: ModelOptions, target: Loaded) -> Optional[str]:
@@ -418,31 +425,12 @@ def blas_note() -> Optional[str]:
 
 
 def choose_drafter(target: Loaded, draft_path: Optional[Path], hidden: bool = True) -> tuple[str, Optional[Path], str]:
-    """What ``--drafter auto`` runs: the drafter kind, a head to load, and why.
-
-    A drafter named with ``--draft-model`` comes first (a DFlash or MTP
-    checkpoint, or a draft model), then the target's own MTP head, then a
-    head bundled for the target, then prompt lookup. Without ``hidden`` (a
-    pipelined target) no drafter that reads hidden states is picked.
-    """
-    if not hidden and (draft_path is None or is_mtp_sidecar(draft_path)):
-        return "lookup", None, ("pipeline parallelism keeps the target's hidden states on one rank, so no MTP head "
-                                "drafts; prompt lookup does")
-    if draft_path is not None:
-        if is_dflash(draft_path):
-            return "dflash", None, "the DFlash drafter --draft-model names"
-        if is_mtp_sidecar(draft_path):
-            return "lookup+mtp", None, "lookup where the text repeats, the MTP head --draft-model names elsewhere"
-        return "model", None, "the draft model --draft-model names"
-    if has_own_head(target):
-        return "lookup+mtp", None, "lookup where the text repeats, the model's own MTP head elsewhere"
+    """What ``--drafter auto`` runs for ``target`` (see :func:`specdec_cli.drafters.kinds.auto`): the drafter
+    kind, a head to load, and why."""
     head = bundled_head(target)
-    if head is not None and bundled.HEAD_BEATS_LOOKUP:
-        return "lookup+mtp", head, "lookup where the text repeats, the head distilled for the bundled model elsewhere"
-    if head is not None:
-        return "lookup", None, ("the head distilled for the bundled model measured slower than prompt lookup; "
-                                "--drafter mtp runs it")
-    return "lookup", None, "no drafter for this model"
+    name, use_bundled, why = kinds.auto(folder_holds(draft_path), hidden=hidden, own_head=has_own_head(target),
+                                        bundled_head=head is not None, head_beats_lookup=bundled.HEAD_BEATS_LOOKUP)
+    return name, head if use_bundled else None, why
 
 
 def bundled_head(target: Loaded) -> Optional[Path]:

@@ -1,17 +1,62 @@
-"""The drafter kinds' two tables (defaults.DRAFTERS: what a kind is; drafters.registry: how it is built) agree."""
+"""The drafter kinds (drafters/kinds.py): one registration each, its builder beside its drafter, its options its own."""
 
 from __future__ import annotations
 
 from specdec_cli.core.adaptive import MatchLength
-from specdec_cli.defaults import DRAFTERS
-from specdec_cli.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specdec_cli.drafters.registry import BUILDERS, Materials, build
+import subprocess
+import sys
+
+import pytest
+
+from specdec_cli.drafters import Materials, ModelDrafter, NgramDrafter, SuffixDrafter, kinds
+from specdec_cli.drafters.kinds import AUTO, DFLASH, DRAFT_MODEL, KINDS, MTP_HEAD
+from specdec_cli.errors import OptionError
 from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
 
 
-def test_every_kind_has_a_builder_and_every_builder_a_kind():
+def build(name, materials):
+    return KINDS[name].build(materials)
+
+
+def test_every_kind_but_auto_builds_its_drafter_from_beside_it():
     # "auto" is not built: loading resolves it to one of the others.
-    assert set(BUILDERS) == set(DRAFTERS) - {"auto"}
+    for k in KINDS.values():
+        if k is AUTO:
+            with pytest.raises(ValueError, match="resolved to another kind"):
+                k.build(Materials())
+        else:
+            module, function = k.builder.split(":")
+            assert module.startswith(".") and function == "build"
+
+
+def test_the_registry_is_read_without_mlx():
+    # The command line declares --drafter's choices and the block-size limits before any model loads.
+    code = "import sys, specdec_cli.drafters.kinds as k; print(k.DRAFTER_KINDS, 'mlx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False") and "'lookup'" in out
+
+
+def test_an_option_only_one_kind_understands_is_refused_for_the_others():
+    kinds.check_options("ngram", {"ngram_max": 5})
+    kinds.check_options("lookup", {"lookup_history": "h.json"})
+    with pytest.raises(OptionError, match="--ngram-max/--ngram-min apply to --drafter ngram, not --drafter lookup"):
+        kinds.check_options("lookup", {"ngram_max": 5})
+    with pytest.raises(OptionError, match="--lookup-history applies to --drafter lookup: name it with --drafter "
+                                          "lookup instead of auto"):
+        kinds.check_options("auto", {"lookup_history": "h.json"})
+    with pytest.raises(OptionError, match="--draft-p-min applies to a draft model or an MTP head"):
+        kinds.check_options("ngram", {"draft_p_min": 0.5})
+
+
+def test_a_draft_model_folder_turns_the_kind_it_was_named_with_into_the_one_that_reads_it():
+    assert kinds.resolved("model", DFLASH, asked=None, adaptive=True) == "dflash"
+    assert kinds.resolved("model", MTP_HEAD, asked=None, adaptive=True) == "mtp"
+    assert kinds.resolved("model", DRAFT_MODEL, asked="model", adaptive=True) == "model"
+    assert kinds.resolved("lookup+mtp", None, asked=None, adaptive=False) == "mtp"  # choosing per block is adaptive
+    assert kinds.resolved("lookup+mtp", None, asked=None, adaptive=True) == "lookup+mtp"
+    assert kinds.auto(None, hidden=True, own_head=False, bundled_head=True, head_beats_lookup=False)[0] == "lookup"
+    assert kinds.auto(DRAFT_MODEL, hidden=True, own_head=True, bundled_head=False, head_beats_lookup=True)[0] == "model"
+    assert kinds.auto(MTP_HEAD, hidden=False, own_head=False, bundled_head=False, head_beats_lookup=True)[0] == "lookup"
 
 
 def test_a_lookup_drafter_drafts_from_earlier_outputs_and_stops_at_eos():
