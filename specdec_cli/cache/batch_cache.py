@@ -318,6 +318,8 @@ class BatchCache:
         self.lengths = [n + T for n in self.lengths]
         return logits
 
+    feed_rows = feed  # the RowCache form: its own
+
     def snapshot(self) -> BatchSnapshot:
         return BatchSnapshot(tuple(self.lengths), tuple(tuple(c.cache) for c in self._recurrent))
 

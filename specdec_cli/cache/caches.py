@@ -409,9 +409,11 @@ class RowCache(Protocol):
     """What the engine asks of a target's caches, one row (:class:`ModelCache`) or many
     (:class:`~specdec_cli.cache.batch_cache.BatchCache`): one protocol for both.
 
-    ``feed`` runs a forward and returns its lazy logits; ``snapshot`` and ``restore`` go back
-    exactly in O(1); ``settle(snap, keep)`` keeps row b's first ``keep[b]`` tokens fed since
-    ``snap`` (attention trims; recurrent layers take the state a ``record``-ed forward kept).
+    ``feed_rows`` runs a forward of ``[B, T]`` tokens (a single row's cache takes B = 1) and
+    returns its lazy logits ``[B, T, V]``; ``snapshot`` and ``restore`` go back exactly in O(1);
+    ``settle(snap, keep)`` keeps row b's first ``keep[b]`` tokens fed since ``snap`` (attention
+    trims; recurrent layers take the state a ``record``-ed forward kept). A single row's cache
+    also rolls back without a record (:meth:`ModelCache.rollback`: the kept tokens fed again).
     """
 
     model: Any
@@ -422,7 +424,7 @@ class RowCache(Protocol):
     @property
     def can_record(self) -> bool: ...
 
-    def feed(self, tokens: mx.array, record: Optional[str] = None) -> mx.array: ...
+    def feed_rows(self, tokens: mx.array, record: Optional[str] = None) -> mx.array: ...
 
     def snapshot(self) -> Any: ...
 
@@ -498,6 +500,12 @@ class ModelCache:
         self.length += tokens.shape[0]
         self._ran.add(tokens.shape[0])
         return logits[0]
+
+    def feed_rows(self, tokens: mx.array, record: str | None = None) -> mx.array:
+        """:meth:`feed` in the :class:`RowCache` form: ``tokens`` ``[1, T]``, logits ``[1, T, V]``."""
+        if tokens.ndim != 2 or tokens.shape[0] != 1:
+            raise ValueError(f"a single row's cache takes [1, T] tokens (got {tokens.shape})")
+        return self.feed(tokens[0], record)[None]
 
     def check_verify(self, rows: int) -> None:
         """Make sure verify forwards of up to ``rows`` tokens compute what one-token decoding computes.

@@ -282,6 +282,13 @@ class Engine:
         strategy = row.rollback or self.rollback
         return strategy if strategy in ("capture", "tape") and cache.recurrent else None
 
+    def _record(self, cache, rows: list[Row]) -> Optional[str]:
+        """What a verify of ``rows`` records: a batch captures (when the model can), a single row as its
+        rollback says."""
+        if len(rows) > 1:
+            return "capture" if cache.recurrent and cache.can_record else None
+        return self._record_for(rows[0], cache)
+
     # -- one block for every row -------------------------------------------------------------------
 
     def step(self) -> list[tuple[Row, Block]]:
@@ -295,13 +302,14 @@ class Engine:
             return []
         if any(r.finish is not None or r.room <= 0 for r in live):
             raise ValueError("remove the rows that ended before the next step")
-        batch = self._batch is not None
+        batch = len(live) > 1
         if batch:
             self.prepare()  # never inside a timed block
-        cache = self._batch if batch else self._solo
-        # A batch rolls recurrent layers back by capture; without it, its rows decode plainly.
-        record = ("capture" if cache.recurrent and cache.can_record else None) if batch else \
-            self._record_for(live[0], cache)
+        # One protocol for one row and many (cache.caches.RowCache): a ModelCache, or a BatchCache of the rows.
+        cache = self._batch if self._batch is not None else self._solo
+        record = self._record(cache, live)
+        # Rows sharing a batch roll recurrent layers back by what the forward recorded; without it they decode
+        # plainly (a single row may carry or feed again instead).
         speculate = not (batch and cache.recurrent and record is None)
         pending: list[_Pending] = []
         snap = None
@@ -341,28 +349,22 @@ class Engine:
                 self.tap.clear()  # only the verify's own rows (measuring, warming or prefilling forwards record too)
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
-            position = None if batch else cache.length
+            position = cache.length if self.sync is not None else None  # a sharded target decodes one row
             widest = max(p.x.shape[0] for p in pending)
             width = self.numerics.fed(widest) if speculate and self._pads(cache, record) else widest
             for p in pending:
                 p.fed = width
-            if batch:
-                xs = mx.stack([_padded(p.x, width) for p in pending])
-                logits = cache.feed(xs, record=record)
-                hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
-                # Greedy picks of every row in one pass over the vocabulary (a row's own picks are the same).
-                picks = greedy(logits) if any(_plain_greedy(p) for p in pending) else None
-                for b, p in enumerate(pending):
-                    p.hidden = None if hidden is None else hidden[b]
-                    if _plain_greedy(p):
-                        p.n_acc, p.nxt = kept(picks[b, p.c : p.c + 1 + p.k], p.draft.tokens)
-                    else:
-                        self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
-            else:
-                p = pending[0]
-                logits = cache.feed(_padded(p.x, width), record=record)[p.c : p.c + 1 + p.k]
-                p.hidden = self.tap.take() if self.tap is not None else None
-                self._accept(p, _processed(p, logits))
+            xs = mx.stack([_padded(p.x, width) for p in pending])
+            logits = cache.feed_rows(xs, record=record)
+            hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
+            # Greedy picks of every row in one pass over the vocabulary (a row's own picks are the same).
+            picks = greedy(logits) if any(_plain_greedy(p) for p in pending) else None
+            for b, p in enumerate(pending):
+                p.hidden = None if hidden is None else hidden[b]
+                if _plain_greedy(p):
+                    p.n_acc, p.nxt = kept(picks[b, p.c : p.c + 1 + p.k], p.draft.tokens)
+                else:
+                    self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
             tables = [None] * len(pending)
             if self.sync is not None:
                 p = pending[0]
@@ -372,7 +374,7 @@ class Engine:
                     [[a for a in p.lp if a is not None] for p in pending if p.lp is not None])
             syncs += 1
             t2 = time.perf_counter()
-            out = self._commit(pending, tables, cache, snap, record, batch)
+            out = self._commit(pending, tables, cache, snap, record)
             if self.timed:
                 mx.eval(cache.state_arrays())
                 syncs += 1
@@ -429,14 +431,12 @@ class Engine:
             emitted = mx.where(mx.arange(p.k + 1) < p.n_acc, drafts, p.nxt.astype(mx.uint32))
             p.lp = logprob_arrays(logits, emitted, p.row.logprobs)
 
-    def _commit(self, pending: list[_Pending], tables: list, cache, snap, record: Optional[str],
-                batch: bool) -> list[tuple]:
+    def _commit(self, pending: list[_Pending], tables: list, cache, snap, record: Optional[str]) -> list[tuple]:
         """Each row's committed tokens, kept count, new carry, accepted count, rollback kind and finish.
 
         The caches and drafters follow; the rows themselves are updated by the caller once the block is done.
         """
-        out, keep = [], []
-        width = pending[0].fed
+        decided, keep = [], []
         for p, table in zip(pending, tables):
             r = p.row
             if table is None:
@@ -446,36 +446,36 @@ class Engine:
             committed = p.draft.tokens.tolist()[:n] + [last_token]
             n_keep, finish = cut_committed(committed, r.eos, r.room)
             # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
-            carry = r.carry[:0]
-            if batch:
-                kept = p.c + n_keep
-                keep.append(kept)
-                # A row shorter than the forward had padding fed after it: never a full accept.
-                kind = "none" if kept == width else "trim" if not cache.recurrent else record
-            else:
-                kind, carry = self._settle_solo(p, cache, snap, record, n_keep, finish)
+            keep.append(p.c + n_keep)
+            decided.append((committed, n_keep, n, finish))
+        kinds = self._settle(cache, snap, pending, keep, record, decided[0][3])
+        out = []
+        for p, (committed, n_keep, n, finish), (kind, carry) in zip(pending, decided, kinds):
             self._hand_over(p, n_keep)
             out.append((committed, n_keep, carry, n, kind, finish))
-        if batch:
-            cache.settle(snap, keep)
         return out
 
-    def _settle_solo(self, p: _Pending, cache: ModelCache, snap, record: Optional[str], n_keep: int,
-                     finish: Optional[str]) -> tuple[str, mx.array]:
-        """Cut a single row's caches back to ``n_keep`` tokens; returns the rollback kind and the new carry."""
-        kept = p.x[: p.c + n_keep]
-        none = p.row.carry[:0]
-        if p.c + n_keep == p.fed:
-            return "none", none
-        if not cache.recurrent or record:
-            cache.settle(snap, [kept.shape[0]])
-            return (record if cache.recurrent else "trim"), none
-        if (p.row.rollback or self.rollback) == "carry" and kept.shape[0] <= MAX_CARRY and not finish:
+    def _settle(self, cache, snap, pending: list[_Pending], keep: list[int], record: Optional[str],
+                finish: Optional[str]) -> list[tuple[str, mx.array]]:
+        """Each row keeps its first ``keep[b]`` tokens fed since ``snap``; returns its rollback kind and carry.
+
+        One protocol for one row and many: attention trims and a recorded forward gives each row its own
+        recurrent state (``cache.settle``). Only a single row whose recurrent layers recorded nothing has
+        the two other strategies: carry its kept tokens into the next verify, or feed them again.
+        """
+        width = pending[0].fed
+        none = pending[0].row.carry[:0]
+        if not cache.recurrent or record is not None or all(k == width for k in keep):
+            cache.settle(snap, keep)
+            return [("none" if k == width else "trim" if not cache.recurrent else record, none) for k in keep]
+        p, (n,) = pending[0], keep
+        kept = p.x[:n]
+        if (p.row.rollback or self.rollback) == "carry" and n <= MAX_CARRY and not finish:
             cache.restore(snap)
-            return "carry", kept
-        if cache.rollback(snap, kept.shape[0]):
+            return [("carry", kept)]
+        if cache.rollback(snap, n):
             cache.feed(kept)
-        return "reforward", none
+        return [("reforward", none)]
 
     def _hand_over(self, p: _Pending, n_keep: int) -> None:
         drafter = p.row.drafter
