@@ -3,6 +3,8 @@
 The drafter kinds and their block sizes are :mod:`specdec_cli.drafters.kinds`' (light too)."""
 
 
+# The n-gram drafter's default match lengths (--ngram-max, --ngram-min).
+NGRAM_MAX, NGRAM_MIN = 4, 2
 # --kv-group-size when --kv-bits is given without it (mlx-lm's default).
 DEFAULT_KV_GROUP_SIZE = 64
 # generate --prompts-file: rows decoded together when --decode-concurrency is not given (fewer prompts: all).
@@ -21,4 +23,5 @@ MAX_DISK_GB = 1 << 20
 DISTILL = {"data_tokens": 40_000, "steps": 400, "batch_size": 8, "seq_len": 128, "lr": 1e-3, "depth": 3,
            "draft_vocab": 8192, "seed": 0}
 
-__all__ = ["AUTO_ROWS", "DEFAULT_DECODE_CONCURRENCY", "DEFAULT_KV_GROUP_SIZE", "DISTILL", "KNEE_GAIN", "MAX_DISK_GB"]
+__all__ = ["AUTO_ROWS", "DEFAULT_DECODE_CONCURRENCY", "DEFAULT_KV_GROUP_SIZE", "DISTILL", "KNEE_GAIN", "MAX_DISK_GB",
+           "NGRAM_MAX", "NGRAM_MIN"]

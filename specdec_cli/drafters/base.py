@@ -15,7 +15,7 @@ from typing import Any, Optional, Protocol, Sequence
 import mlx.core as mx
 
 from ..core.sampling import GREEDY, SamplingParams, top_probability
-from .kinds import NGRAM_MAX, NGRAM_MIN
+from ..defaults import NGRAM_MAX, NGRAM_MIN
 from ..model.taps import Hidden, TapSpec
 
 

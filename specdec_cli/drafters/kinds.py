@@ -15,13 +15,11 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..defaults import NGRAM_MAX, NGRAM_MIN
 from ..errors import OptionError
 
 # What a --draft-model folder holds (``loaders``: how the session loads each).
 DRAFT_MODEL, MTP_HEAD, DFLASH = "draft model", "MTP head", "DFlash drafter"
-
-# The n-gram drafter's default match lengths (``--ngram-max``, ``--ngram-min``).
-NGRAM_MAX, NGRAM_MIN = 4, 2
 
 
 @dataclass(frozen=True)
