@@ -2,8 +2,9 @@
 
 For each op and dtype: are the T-row results bit-identical to the T one-row
 results (T = 2..16), the largest difference, and the time of one T-row call
-against T one-row calls. Then the same for whole models: the logits of a
-T-row forward against T one-token forwards over the same cache.
+against T one-row calls, and of ``--exact``'s replacements (its linear and
+its attention). Then the same for whole models, with and without ``--exact``:
+the logits of a T-row forward against T one-token forwards over the same cache.
 
   python scripts/batch_invariance.py [--model DIR] [--json OUT]
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python scripts/batch_invariance.py
@@ -28,6 +29,7 @@ if __name__ == "__main__":
     maybe_reexec()
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 
 TS = (2, 3, 4, 8, 16)
 
@@ -95,11 +97,46 @@ def ops(dtype, h=576, o=1536):
     return out
 
 
-def model_check(path, dtype):
+def exact_ops(dtype):
+    """``--exact``'s replacements (specdec_cli.model.exact): its linear (rows a fixed number at a time) and its
+    attention (fixed query matrices, keys folded a fixed block at a time), T rows against one row at a time."""
+    from specdec_cli.model import exact
+
+    dt = getattr(mx, dtype)
+    k = mx.random.key(1)
+    layer = nn.Linear(576, 1536, bias=False)
+    layer.update({"weight": layer.weight.astype(dt)})
+    layer.__class__ = exact._exact_class(nn.Linear)
+    out = {}
+    res = []
+    for t in TS:
+        x = mx.random.normal((t, 576), key=mx.random.split(k, 20)[t]).astype(dt)
+        res.append(rows_vs_one(layer, x))
+    out["exact linear"] = {"all_same": all(s for s, _ in res), "max_diff": max(d for _, d in res)}
+    heads, d, past = 9, 64, 100
+    res = []
+    for t in TS:
+        k1, k2, k3 = mx.random.split(mx.random.key(t), 3)
+        q = mx.random.normal((1, heads, t, d), key=k1).astype(dt)
+        kv = [mx.random.normal((1, heads // 3, past + t, d), key=kk).astype(dt) for kk in (k2, k3)]
+        batched = exact.attention(q, *kv, d**-0.5, "causal")
+        one = mx.concatenate([exact.attention(q[:, :, i: i + 1], kv[0][:, :, : past + i + 1],
+                                              kv[1][:, :, : past + i + 1], d**-0.5, None) for i in range(t)], axis=2)
+        res.append((mx.array_equal(batched, one).item(),
+                    mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()))
+    out["exact attention (GQA 9/3, causal)"] = {"all_same": all(s for s, _ in res), "max_diff": max(d for _, d in res)}
+    return out
+
+
+def model_check(path, dtype, exact_mode=False):
     from specdec_cli.cache.caches import ModelCache
     from specdec_cli.session.loading import load
 
     model = load(path, None if dtype == "as-shipped" else dtype).model
+    if exact_mode:
+        from specdec_cli.model import exact
+
+        exact.install(model)
     ids = list(range(1000, 1060))
     res = []
     for t in TS:
@@ -130,11 +167,17 @@ def main():
             extra = f", 16 rows cost {r['rows16_vs_16_one_rows_time']:.2f}x of 16 one-row calls" \
                 if "rows16_vs_16_one_rows_time" in r else ""
             print(f"{dtype:9} {name:48} {'same' if r['all_same'] else 'DIFFERENT'} (max diff {r['max_diff']:.3g}){extra}")
+        report["ops"][dtype].update(exact_ops(dtype))
+        for name in ("exact linear", "exact attention (GQA 9/3, causal)"):
+            r = report["ops"][dtype][name]
+            print(f"{dtype:9} {name:48} {'same' if r['all_same'] else 'DIFFERENT'} (max diff {r['max_diff']:.3g})")
     if args.model:
         for dtype in ("float32", "bfloat16", "as-shipped"):
-            r = report["models"][dtype] = model_check(args.model, dtype)
-            print(f"model {dtype:12} T-row logits vs one-token: {'same' if r['all_same'] else 'DIFFERENT'} "
-                  f"(max diff {r['max_diff']:.3g}; same at T = {[x['T'] for x in r['by_T'] if x['same']]})")
+            for exact_mode in (False, True):
+                name = dtype + (" --exact" if exact_mode else "")
+                r = report["models"][name] = model_check(args.model, dtype, exact_mode)
+                print(f"model {name:20} T-row logits vs one-token: {'same' if r['all_same'] else 'DIFFERENT'} "
+                      f"(max diff {r['max_diff']:.3g}; same at T = {[x['T'] for x in r['by_T'] if x['same']]})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

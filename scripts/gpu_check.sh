@@ -8,7 +8,7 @@
 #   device, last:    scripts/gpu_check.sh run        # carry .dev/last; writes everything under $OUT as it goes
 #   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
 #
-# STEPS (default "info tests smoke peer generate exact nocudnn sweep serve serve4 probe") picks steps of `run` (also: qwarm-bg, qwait,
+# STEPS (default "info tests smoke peer generate exact xact nocudnn sweep serve serve4 probe") picks steps of `run` (also: qwarm-bg, qwait,
 # gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,962-token prompt's prefill with
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
 # generate configuration N times); GEN_ARGS adds options to
@@ -86,7 +86,7 @@ step() {
 
 run_checks() {
   : "${OUT:?run this on the device machine (OUT unset)}"
-  BUDGET_S=${BUDGET_S:-420}; STEPS=${STEPS:-info tests smoke peer generate exact nocudnn sweep serve serve4 probe}
+  BUDGET_S=${BUDGET_S:-420}; STEPS=${STEPS:-info tests smoke peer generate exact xact nocudnn sweep serve serve4 probe}
   LOG=$OUT/check.log; SECONDS=0
   setup >> "$LOG" 2>&1 || { echo "setup failed"; tail -20 "$LOG"; exit 1; }
   echo "setup done in $SECONDS s" | tee -a "$LOG"
@@ -121,6 +121,8 @@ run_checks() {
         echo \$d; ls \$d | wc -l; du -sh \$d" ;;
     exact) step exact 120 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
         --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${EXACT_PROMPTS:-copy,open} -- --shapes exact ${gen[*]} | tee -a $OUT/generate.md" ;;
+    xact) step xact 150 bash -c "$py scripts/gpu_matrix.py --out $OUT/generate.jsonl --timeout ${GEN_TIMEOUT:-40} \
+        --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${EXACT_PROMPTS:-copy,open} -- --exact ${gen[*]} | tee -a $OUT/generate.md" ;;
     nocudnn) step nocudnn 60 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_matrix.py --out $OUT/generate.jsonl \
         --timeout ${GEN_TIMEOUT:-40} --dtypes bfloat16 --prompts copy -- --shapes bucketed | tee -a $OUT/generate.md" ;;
     sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
@@ -131,7 +133,8 @@ run_checks() {
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
       step tests 180 bash -c "$py -m pytest --maxfail=10 -q -p no:cacheprovider -m 'not distributed' \
         tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_batch.py tests/serve/test_scheduler.py \
-        tests/session/test_disk_tier.py tests/serve/test_serve_gpu_like.py 2>&1 | tail -60 > $OUT/tests.txt" ;;
+        tests/session/test_disk_tier.py tests/session/test_exact.py tests/serve/test_serve_gpu_like.py \
+        2>&1 | tail -60 > $OUT/tests.txt" ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac; done
   echo "done in $SECONDS s" | tee -a "$LOG"

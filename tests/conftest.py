@@ -49,6 +49,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "drafters/test_dflash_batch.py": FAST,
     "serve/test_dialects.py": SERVER,
     "session/test_disk_cache.py": FAST,
+    "session/test_exact.py": SLOW,  # --exact on the GPU-like backend: many batch runs of three families
     "session/test_disk_tier.py": FAST,  # the disk tier through Session, the CLI and a restarted server
     "cli/test_display.py": FAST,
     "distill/test_distill.py": FAST,

@@ -12,6 +12,7 @@ in float32 and rounds its output by a rule picked by its shape:
   1, 2-3, 4-7, 8-15, ...;
 - an attention by its queries (batch x positions) and its key length (a new
   class each 64 keys, as a split-K kernel's split count grows);
+- a batched ``mx.matmul`` by each matrix's rows and columns;
 
 each class rounding to bfloat16 to nearest, truncating to bfloat16, or (float32
 models only) keeping float32. The amounts are a GPU's (a bfloat16 ulp per op,
@@ -131,6 +132,13 @@ def _as_linear(self, x):
     return _matmul(x, self.weight)
 
 
+def _batched_matmul(a, b, *args, **kwargs):
+    """``mx.matmul`` (batched matmuls, ``--exact``'s attention): by each matrix's rows and columns."""
+    out = _out_dtype(a.dtype, b.dtype)
+    y = _ORIGINAL["matmul"](a.astype(mx.float32), b.astype(mx.float32), *args, **kwargs)
+    return _round(y, out, _rows_class(a.shape[-2]) + b.shape[-1] // 64)
+
+
 def _attention(q, k, v, *args, **kwargs):
     out = q.dtype
     mask = kwargs.get("mask")
@@ -154,9 +162,10 @@ def install() -> None:
     _ORIGINAL.update(Linear=nn.Linear.__call__, QuantizedLinear=nn.QuantizedLinear.__call__,
                      as_linear=nn.Embedding.as_linear, QuantizedEmbedding=nn.QuantizedEmbedding.as_linear,
                      sdpa=mx.fast.scaled_dot_product_attention, to_sharded=_sharded.AllToShardedLinear.__call__,
-                     from_sharded=_sharded.ShardedToAllLinear.__call__)
+                     from_sharded=_sharded.ShardedToAllLinear.__call__, matmul=mx.matmul)
     _sharded.AllToShardedLinear.__call__ = _to_sharded
     _sharded.ShardedToAllLinear.__call__ = _from_sharded
+    mx.matmul = _batched_matmul
     nn.Linear.__call__ = _linear
     nn.QuantizedLinear.__call__ = _quantized("QuantizedLinear")
     nn.Embedding.as_linear = _as_linear
@@ -175,6 +184,7 @@ def uninstall() -> None:
     mx.fast.scaled_dot_product_attention = _ORIGINAL["sdpa"]
     _sharded.AllToShardedLinear.__call__ = _ORIGINAL["to_sharded"]
     _sharded.ShardedToAllLinear.__call__ = _ORIGINAL["from_sharded"]
+    mx.matmul = _ORIGINAL["matmul"]
     _ORIGINAL.clear()
 
 

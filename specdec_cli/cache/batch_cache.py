@@ -32,7 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, leaves, rebuild
+from ..model.exact import is_exact
+from .caches import DEFAULT_REACH, ModelCache, WindowKVCache, leaves, mark_exact, rebuild
 from ..errors import UnsupportedModelError
 from ..model.recurrent import StepRecord
 
@@ -239,6 +240,8 @@ class BatchCache:
         self.layers = rebuild(self.structure, self._leaves)
         self._attention = [c for c in self._leaves if isinstance(c, RowsKVCache)]
         self._recurrent = [c for c in self._leaves if isinstance(c, ArraysCache)]
+        if is_exact(model):
+            mark_exact(self._attention)
         self.steps = first.steps
         self.lengths: list[int] = []
         self._recorded: Optional[list[Optional[StepRecord]]] = None

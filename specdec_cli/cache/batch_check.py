@@ -84,17 +84,8 @@ def _relative(got: mx.array, want: mx.array) -> float:
     return (mx.abs(got - want).max(axis=-1) / scale).max().item()
 
 
-def measure_rounding(model: nn.Module, fresh: Callable[[], ModelCache]) -> Rounding:
-    """Measure :class:`Rounding` on two probe rows (a few forwards of a handful of tokens; caches thrown away).
-
-    Args:
-        model: The target.
-        fresh: Empty target caches in the engine's layout (``--kv-bits`` applied).
-
-    Raises:
-        UnsupportedModelError: Its caches have no batch layout.
-        Exception: Whatever the model's own forward raises on per-row positions or masks.
-    """
+def _probe_rows(model: nn.Module, fresh: Callable[[], ModelCache]) -> tuple[list, mx.array, mx.array]:
+    """The probe's rows prefilled alone, the tokens each is fed, and their logits verified together."""
     rows = []
     for n in _PROMPTS:
         cache = fresh()
@@ -107,6 +98,21 @@ def measure_rounding(model: nn.Module, fresh: Callable[[], ModelCache]) -> Round
     x = mx.array([[(5 * b + 2 * t) % 13 + 1 if t < fed else 0 for t in range(width)]
                   for b, fed in enumerate(_FED)], dtype=mx.uint32)
     together = batch.feed(x, record="capture" if batch.recurrent and batch.can_record else None)
+    return rows, x, together
+
+
+def measure_rounding(model: nn.Module, fresh: Callable[[], ModelCache]) -> Rounding:
+    """Measure :class:`Rounding` on two probe rows (a few forwards of a handful of tokens; caches thrown away).
+
+    Args:
+        model: The target.
+        fresh: Empty target caches in the engine's layout (``--kv-bits`` applied).
+
+    Raises:
+        UnsupportedModelError: Its caches have no batch layout.
+        Exception: Whatever the model's own forward raises on per-row positions or masks.
+    """
+    rows, x, together = _probe_rows(model, fresh)
     yardstick = batched = 0.0
     dtype = str(together.dtype).removeprefix("mlx.core.")
     for b, (cache, fed) in enumerate(zip(rows, _FED)):
@@ -150,3 +156,22 @@ def check_batch(model: nn.Module, fresh: Callable[[], ModelCache]) -> tuple[Opti
 def batch_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional[str]:
     """:func:`check_batch`'s verdict alone."""
     return check_batch(model, fresh)[0]
+
+
+def exact_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional[str]:
+    """What differs between shapes in an ``--exact`` model's forward (None: nothing, bit for bit).
+
+    The probe rows of :func:`measure_rounding`: two rows of different lengths verified together against
+    each alone, and each row's tokens all at once against one at a time; every logit must be equal.
+    """
+    rows, x, together = _probe_rows(model, fresh)
+    for b, (cache, fed) in enumerate(zip(rows, _FED)):
+        snap = cache.snapshot()
+        alone = cache.feed(x[b, :fed])
+        cache.restore(snap)
+        ones = mx.concatenate([cache.feed(x[b, t : t + 1]) for t in range(fed)])
+        if not mx.array_equal(together[b, :fed], alone).item():
+            return "a row in a batch gives other logits than the same row alone"
+        if not mx.array_equal(ones, alone).item():
+            return "a row's tokens fed all at once give other logits than one at a time"
+    return None

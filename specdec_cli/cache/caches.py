@@ -37,6 +37,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import Cancelled, UnsupportedModelError
+from ..model.exact import is_exact
 from ..model.recurrent import RecurrentSteps, StepRecord, recurrent_steps
 
 # How far (in tokens) a restore may go below the offset at which the latest
@@ -185,8 +186,9 @@ _REFUSED = {
 }
 
 
-def _to_layout(cache: Any, reach: int = DEFAULT_REACH) -> Any:
-    """Replace caches that cannot trim in O(1) by equivalent plain KV caches."""
+def _to_layout(cache: Any, reach: int = DEFAULT_REACH, exact: bool = False) -> Any:
+    """Replace caches that cannot trim in O(1) by equivalent plain KV caches (``exact``: a sliding window keeps
+    every key, so a row's keys sit at their positions whatever holds them)."""
     if isinstance(cache, RotatingKVCache):
         if cache.keep:
             # Attention sinks + a ring: the mask alone cannot reproduce it.
@@ -194,14 +196,16 @@ def _to_layout(cache: Any, reach: int = DEFAULT_REACH) -> Any:
                 f"RotatingKVCache with keep={cache.keep} (attention sinks) cannot be rebuilt as a "
                 "plain KVCache; run this model with mlx-lm's own generate"
             )
-        return WindowKVCache(cache.max_size, reach)
+        return KVCache() if exact else WindowKVCache(cache.max_size, reach)
     if type(cache) is ChunkedKVCache:
+        if exact:
+            raise UnsupportedModelError("--exact does not cover chunked attention (llama4): run without --exact")
         return ChunkKVCache(cache.chunk_size)
     if type(cache) is ConcatenateKVCache:
         # Same contents as KVCache, but its trim leaves the tail in place.
         return KVCache()
     if isinstance(cache, CacheList):
-        return CacheList(*[_to_layout(c, reach) for c in cache.caches])
+        return CacheList(*[_to_layout(c, reach, exact) for c in cache.caches])
     return cache
 
 
@@ -244,7 +248,7 @@ def make_cache(model: nn.Module, reach: int = DEFAULT_REACH, kv_bits: Optional[i
         raise UnsupportedModelError(
             f"{arch} cannot be verified exactly: {_REFUSED[arch]}; run it with plain decoding (mlx_lm.generate)"
         )
-    layout = [_to_layout(c, reach) for c in make_prompt_cache(model)]
+    layout = [_to_layout(c, reach, is_exact(model)) for c in make_prompt_cache(model)]
     if kv_bits is not None:
         layout = [_quantized(c, kv_bits, kv_group_size) for c in layout]
     for leaf in leaves(layout):
@@ -382,6 +386,12 @@ def clone_layer(c: Any, length: int) -> Any:
     return out
 
 
+def mark_exact(attention: Sequence[Any]) -> None:
+    """Mark an ``--exact`` model's attention layer caches: its attention computes exactly for them."""
+    for leaf in attention:
+        leaf.exact = True
+
+
 def fixed_position(leaf: Any) -> bool:
     """Whether a layer cache cannot go back to any shorter length (recurrent state, a window that drops keys)."""
     return type(leaf) is ArraysCache or type(leaf) is WindowKVCache
@@ -449,6 +459,11 @@ class ModelCache:
         own = leaves(self.layers)
         self._attention = [c for c in own if _kind(c) == _ATTENTION]
         self._recurrent = [c for c in own if _kind(c) == _RECURRENT]
+        # An --exact model's attention computes shape-invariantly for its caches (specdec_cli.model.exact),
+        # and its recurrent layers take the one-token formula for the prompt too.
+        self.exact = is_exact(model)
+        if self.exact:
+            mark_exact(self._attention)
         # Tokens consumed; pure-recurrent models have no offset to read it from.
         self.length = 0
         # Hooks on the recurrent mixers: several-token forwards after the
@@ -606,7 +621,7 @@ class ModelCache:
             t0 = time.perf_counter()
             if tap is not None:
                 tap.clear()  # rows other forwards left (a server's blocks between chunks) are not this prompt's
-            self._forward(ids[start : start + cut], "off")
+            self._forward(ids[start : start + cut], "step" if self.exact else "off")
             self.length += cut
             extra = []
             if tap is not None:

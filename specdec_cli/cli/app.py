@@ -462,6 +462,8 @@ RollbackOpt = Annotated[Rollback, _opt(
 ShapesOpt = Annotated[Shapes, _opt(
     "--shapes", metavar="MODE", help=_choices(Shapes) + "Verify widths; bucketed: powers of two (padded), so a "
     "GPU compiles few shapes; auto: bucketed on a GPU. Output is the same.", rich_help_panel=ADVANCED)]
+ExactOpt = Annotated[bool, _opt(
+    "--exact", help="One text whatever shares a forward, GPUs too (slower).", rich_help_panel=ADVANCED, **FLAG)]
 RollbackCapOpt = Annotated[Optional[float], _opt(
     "--rollback-memory-cap", metavar="MIB", min=0.0, callback=_finite,
     help="Most MiB capture may hold per verify (else tape).", rich_help_panel=RECURRENT, **_default("no cap"))]
@@ -539,6 +541,7 @@ def generate(
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
     shapes: ShapesOpt = Shapes.auto,
+    exact: ExactOpt = False,
 ) -> None:
     """Generate text with speculative decoding."""
     params = dict(locals())
@@ -596,6 +599,7 @@ def sweep(
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
     shapes: ShapesOpt = Shapes.auto,
+    exact: ExactOpt = False,
 ) -> None:
     """Measure speed and acceptance over several block sizes, against plain decoding."""
     params = dict(locals())
@@ -721,6 +725,7 @@ def serve(
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
     shapes: ShapesOpt = Shapes.auto,
+    exact: ExactOpt = False,
 ) -> None:
     """Serve the OpenAI API (chat and text completions) with exact speculative decoding."""
     params = dict(locals())
@@ -772,6 +777,7 @@ def chat(
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
     shapes: ShapesOpt = Shapes.auto,
+    exact: ExactOpt = False,
 ) -> None:
     """Chat in the terminal; each turn reuses the last one's caches."""
     params = dict(locals())

@@ -13,7 +13,9 @@ instead of an option string:
 - ``attention``: which attention kernels the device runs (on CUDA, cuDNN's or
   MLX's own: ``MLX_CUDA_USE_CUDNN_SDPA``, set before the first forward by
   :func:`~specdec_cli.model.backend.decode_attention_default`); part of what makes two runs'
-  caches interchangeable.
+  caches interchangeable;
+- ``exact``: every target forward computes each row's numbers the same whatever
+  shares it (``--exact``: :mod:`specdec_cli.model.exact`).
 """
 
 from __future__ import annotations
@@ -35,21 +37,24 @@ class Numerics:
         shapes: ``exact`` or ``bucketed``: the verify widths forwards run at.
         requested: What was asked (``auto``, ``exact`` or ``bucketed``).
         attention: The attention kernels' switch as the device reads it (``""``: the device's default).
+        exact: Every target forward shape-invariant (``--exact``).
     """
 
     shapes: str = "exact"
     requested: str = "auto"
     attention: str = ""
+    exact: bool = False
 
     @classmethod
-    def resolve(cls, shapes: str = "auto", *, compiles: Optional[bool] = None) -> "Numerics":
-        """The numerics ``shapes`` asks for on this device (``auto``: bucketed where it compiles per shape)."""
+    def resolve(cls, shapes: str = "auto", *, compiles: Optional[bool] = None, exact: bool = False) -> "Numerics":
+        """The numerics ``shapes`` (and ``exact``) ask for on this device (``auto``: bucketed where it compiles
+        per shape)."""
         if shapes not in SHAPES:
             raise ValueError(f"shapes must be one of {SHAPES}")
         resolved = shapes
         if shapes == "auto":
             resolved = "bucketed" if (_shapes.compiles_per_shape() if compiles is None else compiles) else "exact"
-        return cls(resolved, shapes, os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", ""))
+        return cls(resolved, shapes, os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", ""), exact)
 
     @property
     def bucketed(self) -> bool:

@@ -75,7 +75,8 @@ def key_parts(setup: Setup, taps=None) -> tuple[dict, Optional[dict], Optional[d
     target = {"model": content_fingerprint(setup.target.path), "dtype": setup.target.dtype,
               "kv_bits": opts.kv_bits, "kv_group": opts.kv_group if opts.kv_bits else None,
               "adapter": content_fingerprint(adapter) if adapter is not None else None,
-              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "specdec": __version__, **_device()}
+              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "specdec": __version__, **_device(),
+              "exact": bool(opts.exact)}  # an --exact run's caches are computed otherwise: never another's
     draft = None
     if setup.draft is not None:
         draft = {"model": content_fingerprint(setup.draft.path), "dtype": setup.draft.dtype}

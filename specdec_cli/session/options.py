@@ -40,6 +40,7 @@ class ModelOptions:
     rollback: str = "auto"
     rollback_memory_cap: Optional[float] = None  # MiB
     shapes: str = "auto"  # verify widths: auto, exact, bucketed (specdec_cli.core.shapes)
+    exact: bool = False  # every forward shape-invariant (specdec_cli.model.exact)
     adapter_path: Optional[str] = None
     trust_remote_code: bool = False
     force_download: bool = False
@@ -93,6 +94,9 @@ def check_model_options(opts: ModelOptions) -> str:
         raise OptionError("--kv-group-size is the group size of --kv-bits: add --kv-bits N, or drop it")
     if opts.force_download:
         check_force_download(opts.model, opts.draft_model)
+    if opts.exact and opts.kv_bits is not None:
+        raise OptionError("--exact computes attention over the keys as computed; a quantized KV cache (--kv-bits) "
+                          "reads them through its own kernels: drop one of them")
     return kind
 
 
@@ -115,6 +119,9 @@ def check_distributed_options(opts: ModelOptions, kind: str, sharded: bool) -> N
     if opts.adapter_path is not None:
         raise OptionError("--adapter-path cannot be used with a sharded target (mlx-lm shards the plain "
                           "layers that LoRA wraps): fuse the adapters first with mlx_lm.fuse")
+    if opts.exact:
+        raise OptionError("--exact is not built for a target sharded under mlx.launch yet (its sharded layers "
+                          "reduce over ranks in their own order): run it in one process, or without --exact")
     if opts.pipeline and kinds.kind(kind).hidden_states:
         raise hidden_states_refused(f"--drafter {kind}")
     if "-" in (opts.prompt, opts.prompt_arg):

@@ -17,7 +17,9 @@ import mlx.core as mx
 from .. import __version__
 from ..model import blas, bundled
 from ..model import distributed
-from ..cache.caches import cache_kinds, check_kv_quantization
+from ..cache.batch_check import exact_problem
+from ..cache.caches import ModelCache, cache_kinds, check_kv_quantization
+from ..model import exact
 from ..drafters import kinds
 from ..drafters.kinds import DEFAULT_BLOCK_SIZE, DFLASH, DRAFT_MODEL, MTP_HEAD, NGRAM_MAX, NGRAM_MIN
 from ..model.distributed import Ranks
@@ -27,7 +29,7 @@ from ..drafters.base import Materials
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp_io import LoadedHead
-from ..errors import OptionError, SpecdecError
+from ..errors import OptionError, SpecdecError, UnsupportedModelError
 from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..core.numerics import Numerics
 from ..core.shapes import first_compile_note
@@ -76,7 +78,7 @@ class Setup:
     @functools.cached_property
     def numerics(self) -> Numerics:
         """The run's numerics (``--shapes`` and the device's attention kernels), resolved once for every request."""
-        return Numerics.resolve(self.options.shapes)
+        return Numerics.resolve(self.options.shapes, exact=self.options.exact)
 
     @property
     def eos_ids(self) -> list[int]:
@@ -284,6 +286,10 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     draft = mtp = parts = None
     head_path = None
     notes = [line for line in (rollback_note(opts, target), first_compile_note(target.dtype)) if line]
+    if opts.exact:
+        make_exact(target.model)
+        notes.append("exact: every forward computes each row the same whatever shares it (--exact: "
+                     "docs/EXACTNESS.md)")
     own_head = has_own_head(target)
     if kind == kinds.AUTO.name:
         bundled_head_path = bundled_head(target)
@@ -325,6 +331,19 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
     if chosen.head and used is None:
         used = target.path  # the target's own head
     return Setup(opts, kind, target, draft, history, mtp, parts, notes=notes, ranks=ranks, drafter_path=used)
+
+
+def make_exact(model) -> None:
+    """``--exact``: the target's forward made shape-invariant, and probed before the first request.
+
+    Raises:
+        UnsupportedModelError: Where it is not bit for bit the same in every shape here, naming what differed.
+    """
+    exact.install(model)
+    problem = exact_problem(model, lambda: ModelCache(model))
+    if problem is not None:
+        raise UnsupportedModelError(f"--exact cannot make this model's forward the same in every shape here "
+                                    f"({problem}): run without --exact")
 
 
 def folder_holds(draft_path: Optional[Path]) -> Optional[str]:

@@ -161,6 +161,20 @@ def test_compare_ar_on_a_gpu_like_backend_is_identical_or_a_proven_tie(models, t
             assert compare["first_divergence"]["reproduced"] and compare["margin"] <= compare["difference"]
 
 
+def test_compare_ar_under_exact_is_identical_where_the_default_ties(models, gpu_like):
+    # The same runs as above: without --exact some part from plain decoding at a rounding tie; with it the
+    # verify forwards and plain decoding compute each row the same, and every one is identical.
+    verdicts = {False: [], True: []}
+    for exact in (False, True):
+        for target, draft in (("llama", "llama-draft"), ("qwen3_5", "qwen3_5-draft")):
+            for prompt in ("Compare me", "The quick brown fox jumps over the lazy dog", "Hello there"):
+                result = invoke(*base(models, target, draft), prompt, "--compare-ar", "--json",
+                                *(["--exact"] if exact else []))
+                assert result.exit_code == 0, result.output
+                verdicts[exact].append(json.loads(result.stdout)["compare"]["verdict"])
+    assert set(verdicts[True]) == {"identical"} and "rounding tie" in verdicts[False], verdicts
+
+
 def test_compare_ar_divergence_exits_three_and_says_where(models, monkeypatch):
     # Corrupt the plain run's 6th token: the comparison must find it.
     real = runner_module.plain_generate_step

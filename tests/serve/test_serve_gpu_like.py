@@ -89,3 +89,20 @@ def test_on_this_cpus_own_arithmetic_the_answers_are_identical(model):
         cpu.stop()
     assert [a["timings"]["compare"]["verdict"] for a in answers] == ["identical"] * len(PROMPTS)
     assert "a row in a batch differs" not in cpu.log  # bit for bit here: nothing to say
+
+
+def test_with_exact_every_answer_is_the_same_text_alone_and_eight_at_a_time(model):
+    # --exact (issue 58): decoded alone or with seven others, each answer is one text, bit for bit.
+    exact = Server("--model", model, "--exact", "--decode-concurrency", "8", extra_env=gpu_like_env())
+    try:
+        def text(prompt: str) -> str:
+            r = exact.post("/v1/completions", {"prompt": prompt, "max_tokens": N})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        alone = [text(p) for p in PROMPTS * 2]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(text, PROMPTS * 2))
+    finally:
+        exact.stop()
+    assert together == alone and "exact: every forward" in exact.log
