@@ -12,6 +12,11 @@ Usage: python scripts/gpu_matrix.py --out runs.jsonl [--dtypes auto,bfloat16]
            [-- EXTRA...]
        python scripts/gpu_matrix.py --prefill --out prefill.jsonl [--repeat N]: the long prompt's prefill
            with cuDNN's attention on and off, alternating, 4 tokens each, bf16
+       python scripts/gpu_matrix.py --pairs N --out pairs.jsonl [--dtypes ...] [--prompts ...] [-- EXTRA...]:
+           speculative and plain decoding alternated in ONE process per dtype, N pairs per prompt (each pair
+           is the default command with --compare-ar, run in-process: speculative, then plain, both warm);
+           the median speedup and its spread (min..max) per prompt. Between processes plain decoding's own
+           speed moved 2x on a lent H200; within one process a 5% difference shows.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ PROMPTS = {
     "edit": f"Fix the typo in this Python code and return the whole corrected file:\n\n{EDIT}",
     "summary": f"Summarize this story in three sentences:\n\n{COPY}",
     "open": "Explain how a refrigerator keeps food cold.",
+    # More open questions, far from `specdec distill`'s seed topics: a head trained on those is scored on these.
+    "why": "Explain why onions make people cry when they are cut.",
+    "advice": "What are good ways to keep houseplants alive while I travel for two weeks?",
+    "how": "How does a microwave oven heat food?",
     # Prefill only (``--prefill``): 1,962 tokens with the chat template, where attention's kernel choice shows.
     "long": "Summarize these notes:\n\n" + "\n\n".join(f"Note {i}: {COPY}" for i in range(16)),
 }
@@ -106,6 +115,110 @@ def run(prompt: str, dtype: str, extra: list[str], timeout: float, max_tokens: i
     return row
 
 
+def pair(prompt: str, dtype: str, extra: list[str], max_tokens: int) -> dict:
+    """One pair, in this process: the default command with --compare-ar (speculative, then plain decoding)."""
+    import contextlib
+    import io
+
+    import typer
+
+    from specdec_cli.cli.app import app
+
+    args = ["generate", PROMPTS[prompt], "--compare-ar", "--json", "-m", str(max_tokens), "--dtype", dtype, *extra]
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = typer.main.get_command(app).main(args=args, prog_name="specdec", standalone_mode=False)
+        except SystemExit as e:
+            code = e.code
+    row = {"prompt": prompt, "dtype": dtype, "extra": extra, "rc": code or 0,
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    try:
+        d = json.loads(out.getvalue())
+    except ValueError:
+        row["stdout"] = out.getvalue()[-2000:]
+        return row
+    c = d.get("compare") or {}
+    row.update({k: d.get(k) for k in ("dtype", "decode_tps", "blocks", "acceptance", "generated_tokens")})
+    row.update(ar_decode_tps=c.get("ar_decode_tps"), speedup=c.get("speedup"), verdict=c.get("verdict"))
+    return row
+
+
+def driver(args, extra: list[str]) -> None:
+    """``--pairs`` inside one process: every prompt's pairs in turn, one JSON line each as it ends; with several
+    ``--pipeline`` variants, each pair runs them in turn (alternating their order from pair to pair)."""
+    from specdec_cli.model.blas import maybe_reexec
+
+    maybe_reexec()  # the BLAS the CLI itself runs on (a Linux CPU's OpenBLAS), before MLX loads
+    from specdec_cli.loop import engine
+
+    variants = args.pipeline.split(",")
+    for prompt in args.prompts.split(","):
+        for i in range(args.pairs):
+            for v in variants if i % 2 == 0 else variants[::-1]:
+                # Blocks without drafts queue the next forward or not; "auto": as the device's numerics say.
+                engine.PIPELINE = {"on": True, "off": False}.get(v)
+                row = pair(prompt, args.dtypes, extra, args.max_tokens)
+                print(json.dumps({**row, "pair": i, "pipeline": v}), flush=True)
+
+
+def spread(rows: list[dict]) -> dict:
+    """Median speedup and its spread over a prompt's pairs (ratios taken within each pair)."""
+    import statistics
+
+    ratios = sorted(r["speedup"] for r in rows if r.get("speedup"))
+    spec = [r["decode_tps"] for r in rows if r.get("decode_tps")]
+    plain = [r["ar_decode_tps"] for r in rows if r.get("ar_decode_tps")]
+    if not ratios:
+        return {"pairs": 0}
+    return {"pairs": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+            "spec_tps": statistics.median(spec), "plain_tps": statistics.median(plain),
+            "plain_min": min(plain), "plain_max": max(plain),
+            "verdicts": sorted({r.get("verdict") for r in rows})}
+
+
+def pairs(args, extra: list[str]) -> None:
+    """One time-boxed process per dtype running :func:`driver`; a table of medians and spreads."""
+    print("| dtype | prompt | extra | pairs | speedup median | min..max | spec tok/s | plain tok/s (min..max) "
+          "| verdicts |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    label = " ".join(extra)
+    n_prompts = len(args.prompts.split(","))
+    for dtype in args.dtypes.split(","):
+        cmd = [sys.executable, __file__, "--driver", "--pairs", str(args.pairs), "--dtypes", dtype,
+               "--prompts", args.prompts, "--max-tokens", str(args.max_tokens), "--pipeline", args.pipeline,
+               "--", *extra]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        box = args.timeout * args.pairs * n_prompts * len(args.pipeline.split(","))
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=box)
+            out, err = p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = f"timed out after {box:.0f} s"
+        rows = []
+        for line in out.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            if not rows:
+                f.write(json.dumps({"dtype": dtype, "error": err[-3000:]}) + "\n")
+        cells = [(prompt, v) for prompt in args.prompts.split(",") for v in args.pipeline.split(",")]
+        for prompt, v in cells:
+            s = spread([r for r in rows if r["prompt"] == prompt and r.get("pipeline") == v])
+            name = label if v == "auto" else f"{label} (pipeline {v})".strip()
+            if not s["pairs"]:
+                print(f"| {dtype} | {prompt} | {name} | 0 | no pair finished: {err[-200:]!r} | | | | |", flush=True)
+                continue
+            print(f"| {dtype} | {prompt} | {name} | {s['pairs']} | {s['median']:.2f}x | {s['min']:.2f}..{s['max']:.2f} "
+                  f"| {s['spec_tps']:.1f} | {s['plain_tps']:.1f} ({s['plain_min']:.1f}..{s['plain_max']:.1f}) "
+                  f"| {', '.join(map(str, s['verdicts']))} |", flush=True)
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -116,14 +229,25 @@ def main() -> None:
     ap.add_argument("--print", metavar="PROMPT", help="Print that prompt's text and exit")
     ap.add_argument("--repeat", type=int, default=1, help="Run each configuration N times")
     ap.add_argument("--prefill", action="store_true", help="Time the long prompt's prefill, cuDNN on and off")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="Speculative and plain decoding alternated in one process, N pairs per prompt")
+    ap.add_argument("--pipeline", default="auto", help="auto (the device's default), on, off, or several (on,off): "
+                    "blocks without drafts pipelined or not, each variant in every pair (alternating their order)")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # --pairs' own process
     args, extra = ap.parse_known_args()
+    extra = [x for x in extra if x != "--"]
     if args.print:
         print(PROMPTS[args.print])
         return
     if args.prefill:
         prefill(args)
         return
-    extra = [x for x in extra if x != "--"]
+    if args.driver:
+        driver(args, extra)
+        return
+    if args.pairs:
+        pairs(args, extra)
+        return
     print("| dtype | prompt | extra | spec tok/s | plain tok/s | speedup | verdict | warm-up s | blocks | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     label = " ".join(extra)
