@@ -56,6 +56,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "model/test_distributed.py": DISTRIBUTED,
     "drafters/test_drafting.py": FAST,
     "loop/test_engine.py": FAST,
+    "loop/test_pipeline.py": FAST,  # blocks without drafts pipelined as plain decoding is
     "cli/test_first_hour.py": FAST,
     "cli/test_first_run.py": FAST,
     "drafters/test_history_file.py": FAST,

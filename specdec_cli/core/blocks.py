@@ -31,7 +31,8 @@ class Block:
         syncs: Host syncs the block waited on.
         finish_reason: ``stop`` (EOS), ``length`` (max_tokens) or None.
         times: Phase timings, only when the generator was asked for them.
-        verify_len: Rows of the target forward (carried tokens + last + drafts, and padding).
+        verify_len: Rows of the target forward (carried tokens + last + drafts, and padding); without
+            ``last`` when it came ``ahead`` (0: no forward of its own).
         carry: Carried tokens leading it; the row predicting this block's
             i-th token is ``carry + i``. Both let ``--compare-ar`` recompute a
             position exactly as the verify computed it.
@@ -39,6 +40,8 @@ class Block:
             ``(logprob, ((token, logprob), ...))``, the target's (processed)
             log-probability of the token and its best alternatives, from the
             forward that verified it; None otherwise.
+        ahead: Its first row (``last``) was fed alone by a forward queued before the previous block's token
+            was read back, as plain decoding queues its next step; its drafts, if any, were fed after it.
     """
 
     tokens: tuple[int, ...]
@@ -51,6 +54,7 @@ class Block:
     verify_len: int = 1
     carry: int = 0
     logprobs: Optional[tuple] = None
+    ahead: bool = False
 
     @property
     def block_size(self) -> int:

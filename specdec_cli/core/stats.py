@@ -62,6 +62,8 @@ class Stats:
     # Verify shapes: exact or bucketed (specdec_cli.core.shapes), and each verify forward's rows x positions, counted.
     shapes: str = "exact"
     verify_shapes: Counter = field(default_factory=Counter)
+    # Blocks whose first row came from a forward queued ahead (Block.ahead: pipelined as plain decoding is).
+    pipelined: int = 0
     # Every block, in order (what --compare-ar needs to recompute a position).
     trace: list = field(default_factory=list, repr=False)
 
@@ -96,7 +98,11 @@ class Stats:
         self.finish_reason = reason or self.finish_reason
         self.block_log.append((block.drafted, block.accepted))
         self.trace.append(block)
-        self.verify_shapes[(1, block.verify_len)] += 1
+        if block.ahead:
+            self.pipelined += 1
+            self.verify_shapes[(1, 1)] += 1  # the one-row forward queued ahead
+        if block.verify_len:
+            self.verify_shapes[(1, block.verify_len)] += 1
         if block.drafted:
             self.drafted += block.drafted
             self.accepted += block.accepted
@@ -185,6 +191,7 @@ class Stats:
             "decode_s": self.decode_s,
             "decode_tps": self.decode_tps,
             "blocks": self.blocks,
+            "pipelined_blocks": self.pipelined,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance": self.acceptance,

@@ -259,14 +259,18 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
     found: tuple[int, int, Optional[mx.array]] = (0, 0, None)
     for block in trace:
         keep = len(block.tokens) + (block.finish_reason == "stop")  # committed tokens kept
-        k, c = block.drafted, len(carry)
-        if block.carry != c or block.verify_len < c + 1 + k or keep > k + 1:
+        k, c, a = block.drafted, len(carry), int(block.ahead)
+        if block.carry != c or block.verify_len < c + 1 + k - a or keep > k + 1 or (a and c):
             return Replay(*found, emitted)  # the record does not add up
         x = carry + [last] + list(tokens[emitted : emitted + min(k, keep - 1)])
-        x += [0] * (block.verify_len - len(x))
+        x += [0] * (block.verify_len + a - len(x))
+        # A block whose last came ahead: that row alone first (queued before the previous token was read), then
+        # the drafts' forward; the rollback counts from after it.
+        head = cache.feed(_ids(x[:1])) if a else None
         snap = cache.snapshot()
         position = cache.length
-        logits = cache.feed(_ids(x), record=record)
+        logits = cache.feed(_ids(x[a:]), record=record) if block.verify_len else None
+        logits = head if logits is None else logits if head is None else mx.concatenate([head, logits])
         rows = logits[c : c + keep]
         for proc in procs:
             rows = proc.apply(rows, x[c + 1 : c + keep])
@@ -274,14 +278,17 @@ def _replay(model, prompt_ids, tokens, trace, index, eos_ids, prefill_step_size,
         picks = picks.tolist() if sync is None else sync.settle(sync.propose(picks, _ids(x), position))
         if emitted <= index < emitted + keep:
             row = c + index - emitted
-            found = (block.verify_len, row, _score(rows[index - emitted], sampling, index))
+            # The forward that computed it: the one-row forward queued ahead, or the block's own.
+            found = ((1, 0) if a and row == 0 else (block.verify_len, row - a)) + (
+                _score(rows[index - emitted], sampling, index),)
         want = list(tokens[emitted : emitted + len(block.tokens)])
         if picks[: len(want)] != want or (block.finish_reason == "stop" and picks[-1] not in eos):
             bad = next((i for i, (p, w) in enumerate(zip(picks, want)) if p != w), len(want))
             return Replay(*found, emitted + bad)
         for proc in procs:
             proc.commit(picks[:keep])
-        n = c + keep  # rows fed since snap the target keeps: carry, last, the kept drafts
+        n = c + keep - a  # rows fed since snap the target keeps: carry, last (unless ahead), the kept drafts
+        x = x[a:]
         carry = []
         if block.rollback == "trim":
             cache.rollback(snap, n)

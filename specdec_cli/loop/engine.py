@@ -8,7 +8,8 @@ the last prompt token) and passes the last prompt token in.
 Invariant after the generator ends for any reason, and whenever a row joins
 or leaves the engine: each cache holds the prompt and every committed token
 except the last one, exactly as plain decoding would leave it. Between blocks
-a single row's cache may lag (tokens carried); ``close`` and ``remove`` feed them.
+a single row's cache may lag (tokens carried) or lead (its last token fed by a
+forward queued ahead); ``close`` and ``remove`` feed the one and undo the other.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ GROUP_DRAFTS = True
 # forward: plain decoding's queued step (the speculative loop itself only cuts
 # back to the snapshot taken right before its verify forward).
 TARGET_REACH = 1
+# A single row's block that drafted nothing queues the next forward (its token fed) before reading that token
+# back, as plain decoding does; the next block verifies its drafts, if it finds any, after that forward.
+# None: as the run's numerics say (Numerics.pipeline: on GPUs); True or False: always or never (benchmarks
+# compare the two in one process).
+PIPELINE: Optional[bool] = None
 
 
 @dataclass(eq=False)
@@ -113,10 +119,20 @@ class _Pending:
     hidden: Optional[Hidden] = None
     host: Optional[list] = None  # the drafts as ints, for processors that read them
     lp: Optional[tuple] = None  # lazy log-probabilities (processors.logprob_arrays)
+    ahead: int = 0  # 1: ``last`` was fed by the forward queued ahead (its row's logits are that forward's)
+    queued: Optional["_Ahead"] = None  # the forward this block queued ahead (its token fed), if it did
 
     @property
     def k(self) -> int:
         return self.draft.size
+
+
+@dataclass
+class _Ahead:
+    """A single row's forward queued before its token was read back: that token (the row's ``last``) fed alone."""
+
+    logits: mx.array  # [1, 1, V]: the row predicting the token after ``last``, lazy
+    snap: Any  # the caches before it: restoring it undoes the forward
 
 
 class Engine:
@@ -144,7 +160,8 @@ class Engine:
         numerics: The run's numerics (:mod:`specdec_cli.core.numerics`): under ``bucketed`` shapes
             verify widths are rounded up to a power of two; the padding rows' outputs are ignored
             and their cache entries dropped like a rejected draft's (on recurrent layers only where
-            the forward records: capture, tape).
+            the forward records: capture, tape); with ``pipeline``, a single row's blocks that draft nothing
+            queue the next forward before their token is read (see ``PIPELINE``).
     """
 
     def __init__(self, model: Any, *, rollback: str = "carry", timed: bool = False,
@@ -168,6 +185,8 @@ class Engine:
         self._drafting: dict[int, Any] = {}
         # Whether each draft model or head can draft rows together (probed once).
         self._draft_ok: dict[int, bool] = {}
+        # A single row's next forward, queued by a block that drafted nothing (see PIPELINE).
+        self._ahead: Optional[_Ahead] = None
 
     # -- rows in and out -------------------------------------------------------------------------
 
@@ -198,6 +217,7 @@ class Engine:
             self._solo = cache
         else:
             if self._solo is not None:
+                self._drop_ahead(self._solo)
                 self._flush(self.rows[0], self._solo)
                 self._batch, self._solo = BatchCache(self.model, self._solo), None
                 self._draft_together(self.rows[0])
@@ -239,6 +259,7 @@ class Engine:
         b = self.rows.index(row)
         if self._solo is not None:
             cache, self._solo = self._solo, None
+            self._drop_ahead(cache)
             self._flush(row, cache)
         else:
             cache = self._batch.row(b)
@@ -262,9 +283,29 @@ class Engine:
     def close(self) -> None:
         """Leave every row's caches as plain decoding would (carried tokens fed)."""
         if self._solo is not None and self.rows:
+            self._drop_ahead(self._solo)
             self._flush(self.rows[0], self._solo)
         if self.tap is not None:
             self.tap.clear()
+
+    def _drop_ahead(self, cache) -> None:
+        """Undo the forward queued ahead, if any: the row's last token is not fed again."""
+        if self._ahead is not None:
+            cache.restore(self._ahead.snap)
+            self._ahead = None
+
+    def _pipelines(self, p: _Pending, width: int) -> bool:
+        """Whether this block queues the row's next forward before reading its token (see PIPELINE).
+
+        A single row whose block drafted nothing and fed no padding (so there is nothing to cut back), with room
+        for a token after this one; not under a sharded target (its steps agree on tokens in their own
+        collective), a tap (its rows go to a drafter), phase timing, or a processor that reads tokens on the host.
+        """
+        r = p.row
+        on = self.numerics.pipeline if PIPELINE is None else PIPELINE
+        return (on and p.k == 0 and r.room > 1 and width == p.x.shape[0] - p.ahead and len(self.rows) == 1
+                and self.sync is None and self.tap is None and not self.timed
+                and all(getattr(proc, "lazy", False) for proc in r.processors))
 
     @staticmethod
     def _flush(row: Row, cache: ModelCache) -> None:
@@ -315,6 +356,8 @@ class Engine:
         snap = None
         done = False
         extra_syncs = 0
+        # The forward an earlier block queued ahead: this block's first row (consumed, or put back if interrupted).
+        ahead, self._ahead = self._ahead, None
         try:
             t0 = time.perf_counter()
             asks: dict[int, list] = {}
@@ -328,7 +371,8 @@ class Engine:
                     draft = None  # drafted below, with the other rows of its draft model or head
                 else:
                     draft = r.drafter.propose(r.last, k, params) if r.drafter is not None else no_draft()
-                pending.append(_Pending(r, draft, params, mx.array([], dtype=mx.uint32), r.carry.shape[0]))
+                pending.append(_Pending(r, draft, params, mx.array([], dtype=mx.uint32), r.carry.shape[0],
+                                        ahead=int(ahead is not None)))
             for group, *group_asks in asks.values():
                 drafts = iter(group.propose(group_asks))
                 for p in pending:
@@ -350,12 +394,16 @@ class Engine:
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
             position = cache.length if self.sync is not None else None  # a sharded target decodes one row
-            widest = max(p.x.shape[0] for p in pending)
-            width = self.numerics.fed(widest) if speculate and self._pads(cache, record) else widest
+            # Rows to feed: a row queued ahead (a single row's) was fed already, and nothing when it drafted nothing.
+            widest = max(p.x.shape[0] - p.ahead for p in pending)
+            width = self.numerics.fed(widest) if widest and speculate and self._pads(cache, record) else widest
             for p in pending:
                 p.fed = width
-            xs = mx.stack([_padded(p.x, width) for p in pending])
-            logits = cache.feed_rows(xs, record=record)
+            logits = None
+            if width:
+                logits = cache.feed_rows(mx.stack([_padded(p.x[p.ahead:], width) for p in pending]), record=record)
+            if ahead is not None:
+                logits = ahead.logits if logits is None else mx.concatenate([ahead.logits, logits], axis=1)
             hidden = self.tap.take_rows(len(pending)) if self.tap is not None else None
             # Greedy picks of every row in one pass over the vocabulary (a row's own picks are the same).
             picks = greedy(logits) if any(_plain_greedy(p) for p in pending) else None
@@ -365,6 +413,13 @@ class Engine:
                     p.n_acc, p.nxt = kept(picks[b, p.c : p.c + 1 + p.k], p.draft.tokens)
                 else:
                     self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
+            if self._pipelines(pending[0], width):
+                # Queued before the read below, as plain decoding queues its next step: the device computes the
+                # token after this block's while the host reads this one and asks the drafter for the next block.
+                p = pending[0]
+                p.queued = _Ahead(None, cache.snapshot())
+                p.queued.logits = cache.feed_rows(p.nxt.reshape(1, 1).astype(mx.uint32))
+                mx.async_eval(p.queued.logits)
             tables = [None] * len(pending)
             if self.sync is not None:
                 p = pending[0]
@@ -382,7 +437,8 @@ class Engine:
             done = True
         finally:
             if not done:
-                # Interrupted mid-block: every row back to its state before it.
+                # Interrupted mid-block: every row back to its state before it (a forward queued ahead of it too).
+                self._ahead = ahead
                 for p in pending:
                     # A row whose group had not drafted yet has nothing to undo (its last snapshot is stale).
                     if p.row.drafter is not None and p.draft is not None:
@@ -410,7 +466,10 @@ class Engine:
                 proc.commit(committed[:n_keep])
             r.policy.observe(p.k, n, len(tokens), seconds)
             lps = logprob_entries(p.lp, len(tokens)) if p.lp is not None else None
-            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.fed, p.c, lps)))
+            blocks.append((p.row, Block(tuple(tokens), p.k, n, kind, syncs, finish, times, p.fed, p.c, lps,
+                                        bool(p.ahead))))
+            if p.queued is not None:
+                self._ahead = p.queued  # a row that ended leaves by remove() or close(): they undo it
         if batch and self.planner is not None:
             self.planner.observe([(p.row, b.drafted, b.accepted) for p, (_, b) in zip(pending, blocks)],
                                  pending[0].fed, seconds)
@@ -445,10 +504,15 @@ class Engine:
                 n, last_token = self.sync.settle(table)
             committed = p.draft.tokens.tolist()[:n] + [last_token]
             n_keep, finish = cut_committed(committed, r.eos, r.room)
-            # The target keeps carry + [last, d1 .. d(n_keep-1)]; the new last is not fed.
-            keep.append(p.c + n_keep)
+            # The target keeps carry + [last, d1 .. d(n_keep-1)] (last fed already when queued ahead); the new
+            # last is not fed.
+            keep.append(p.c + n_keep - p.ahead)
             decided.append((committed, n_keep, n, finish))
-        kinds = self._settle(cache, snap, pending, keep, record, decided[0][3])
+        if pending[0].queued is not None:
+            # It drafted nothing and fed no padding: every row it fed stays, and the forward queued after them too.
+            kinds = [("none", pending[0].row.carry[:0])]
+        else:
+            kinds = self._settle(cache, snap, pending, keep, record, decided[0][3])
         out = []
         for p, (committed, n_keep, n, finish), (kind, carry) in zip(pending, decided, kinds):
             self._hand_over(p, n_keep)
@@ -469,7 +533,7 @@ class Engine:
             cache.settle(snap, keep)
             return [("none" if k == width else "trim" if not cache.recurrent else record, none) for k in keep]
         p, (n,) = pending[0], keep
-        kept = p.x[:n]
+        kept = p.x[p.ahead:][:n]
         if (p.row.rollback or self.rollback) == "carry" and n <= MAX_CARRY and not finish:
             cache.restore(snap)
             return [("carry", kept)]

@@ -161,6 +161,19 @@ def test_compare_ar_on_a_gpu_like_backend_is_identical_or_a_proven_tie(models, t
             assert compare["first_divergence"]["reproduced"] and compare["margin"] <= compare["difference"]
 
 
+@pytest.mark.parametrize("target", ["llama", "qwen3_5"])
+def test_where_the_device_computes_apart_blocks_without_drafts_are_pipelined_and_identical(models, target,
+                                                                                          monkeypatch):
+    # A GPU's numerics (Numerics.pipeline): generate's blocks that draft nothing queue the next forward first.
+    monkeypatch.setattr("specdec_cli.core.numerics.apart", lambda: True)
+    for prompt in ("Compare me", "abc abc abc abc abc abc"):
+        result = invoke("--model", models[target], prompt, "-m", "24", "--compare-ar", "--json")
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["compare"]["identical"] is True, report["compare"]
+        assert report["pipelined_blocks"] > 0
+
+
 def test_compare_ar_under_exact_is_identical_where_the_default_ties(models, gpu_like):
     # The same runs as above: without --exact some part from plain decoding at a rounding tie; with it the
     # verify forwards and plain decoding compute each row the same, and every one is identical.

@@ -1,0 +1,266 @@
+"""Blocks without drafts pipelined (``Numerics.pipeline``): the next forward queued before the token is read back.
+
+On by default where the device computes apart from the host (GPUs); these tests turn it on here. A single row's block that drafted nothing feeds its own token to the target before reading it, as plain decoding
+(mlx-lm's ``generate_step``) does; the next block verifies whatever the drafter then finds after that forward.
+Invariants: the text is plain decoding's, every block decides as it does unpipelined, and whatever ends the run
+(EOS, max tokens, an interrupt, a row joining) leaves the caches plain decoding leaves.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import (
+    FAMILIES,
+    GEN,
+    PROMPT,
+    Interrupting,
+    assert_exact,
+    kernels_agree,
+    max_cache_diff,
+    plain,
+    prefilled,
+    target,
+    tokens,
+)
+
+from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.core.numerics import Numerics
+from specdec_cli.core.processors import Penalties
+from specdec_cli.core.sampling import GREEDY, SamplingParams
+from specdec_cli.drafters import Draft, no_draft
+from specdec_cli.loop import engine as engine_module
+from specdec_cli.loop.compare import replay
+from specdec_cli.loop.engine import Engine, Row, speculative_generate_step
+from specdec_cli.loop.plain import plain_generate_step
+
+RECURRENT = ("qwen3_5", "nemotron_h")
+ON, OFF = Numerics(pipeline=True), Numerics(pipeline=False)
+
+
+class Gappy:
+    """A host drafter that knows the answer: in every other stretch of four tokens it drafts what comes next (one
+    token of it wrong now and then, in every other stretch's first block too: partial accepts), in the others nothing (blocks whose next forward is queued
+    ahead); drafting resumes a token after a queued forward, and stops a token after drafts."""
+
+    name = "gappy"
+    taps = None
+
+    def __init__(self, answer: list[int]):
+        self.answer, self.emitted = answer, 0
+
+    def prefill(self, tokens, step_size=512, hidden=None) -> None:
+        pass
+
+    def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft:
+        e = self.emitted
+        drafts = list(self.answer[e:e + k]) if k and (e // 4) % 2 == 0 else []
+        if drafts and (e % 3 == 0 or (e // 4) % 4 == 0):
+            i = (e // 16) % len(drafts)
+            drafts[i] = drafts[i] - 1 if drafts[i] else 1
+        return Draft(mx.array(drafts, dtype=mx.uint32), host=tuple(drafts)) if drafts else no_draft()
+
+    def accept(self, n: int, hidden=None) -> None:
+        self.emitted += n + 1
+
+    def cancel(self) -> None:
+        pass
+
+
+def gappy_run(model, ref, *, k=4, max_tokens=GEN, eos_ids=(), rollback="reforward", numerics=ON, **kw):
+    cache = prefilled(model)
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, Gappy(ref), num_draft_tokens=k, max_tokens=max_tokens,
+                                            eos_ids=eos_ids, rollback=rollback, numerics=numerics, **kw))
+    return blocks, cache
+
+
+def tolerance(dtype: str) -> float:
+    if not kernels_agree(dtype):
+        return 1e-3 if dtype == "float32" else 2**-4
+    return 1e-5 if dtype == "float32" else 0.0
+
+
+CASES = [(f, d, r) for f in FAMILIES for d in ("float32", "bfloat16")
+         for r in (("carry", "reforward", "capture") if f in RECURRENT else ("reforward",))]
+
+
+@pytest.mark.parametrize("family,dtype,rollback", CASES)
+def test_pipelined_blocks_give_plain_decodings_text_and_caches(family, dtype, rollback):
+    model = target(family, dtype)
+    ref, ref_cache = plain(model)
+    blocks, cache = gappy_run(model, ref, rollback=rollback)
+    assert_exact(model, dtype, blocks, ref)
+    # Every transition happened: queued forwards with nothing drafted, drafts verified after a queued forward
+    # (some rejected), and blocks after drafts with no forward queued.
+    assert any(b.ahead and not b.drafted for b in blocks)
+    assert any(b.ahead and b.drafted and b.accepted < b.drafted for b in blocks)
+    assert any(b.ahead and b.drafted and b.accepted == b.drafted for b in blocks)
+    assert any(not b.ahead and b.drafted and b.accepted < b.drafted for b in blocks)
+    assert any(not b.ahead for b in blocks[1:])
+    assert max_cache_diff(cache, ref_cache) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("family,rollback", [("llama", "reforward"), ("gemma3_text", "reforward"),
+                                             ("qwen3_5", "carry"), ("nemotron_h", "capture")])
+def test_every_block_decides_as_it_does_unpipelined(family, rollback):
+    model = target(family, "float32")
+    ref, _ = plain(model)
+    on, _ = gappy_run(model, ref, rollback=rollback)
+    off, _ = gappy_run(model, ref, rollback=rollback, numerics=OFF)
+    assert not any(b.ahead for b in off) and any(b.ahead for b in on)
+    assert [(b.tokens, b.drafted, b.accepted) for b in on] == [(b.tokens, b.drafted, b.accepted) for b in off]
+
+
+def test_the_device_decides_unless_a_benchmark_forces_it(monkeypatch):
+    # This CPU is its own device: nothing to overlap, so no queued forwards by default; a GPU queues them.
+    assert Numerics.resolve("auto").pipeline is False
+    monkeypatch.setattr("specdec_cli.core.numerics.apart", lambda: True)
+    assert Numerics.resolve("auto").pipeline is True
+    model = target("llama", "float32")
+    ref, _ = plain(model)
+    auto, _ = gappy_run(model, ref, numerics=Numerics.resolve("exact", compiles=False))
+    monkeypatch.setattr(engine_module, "PIPELINE", False)
+    forced_off, _ = gappy_run(model, ref)
+    monkeypatch.setattr(engine_module, "PIPELINE", True)
+    forced_on, _ = gappy_run(model, ref, numerics=OFF)
+    assert any(b.ahead for b in auto) and not any(b.ahead for b in forced_off) and any(b.ahead for b in forced_on)
+    assert tokens(auto) == tokens(forced_off) == tokens(forced_on) == ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_between_blocks_the_queued_forward_leads_the_cache_by_the_last_token(family):
+    model = target(family, "float32")
+    ref, _ = plain(model)
+    cache = prefilled(model)
+    emitted, leads = 0, []
+    gen = speculative_generate_step(PROMPT[-1], cache, Gappy(ref), num_draft_tokens=4, max_tokens=GEN,
+                                    rollback="reforward", numerics=ON)
+    for block in gen:
+        emitted += len(block.tokens)
+        if block.finish_reason is None:
+            # Prompt + every emitted token but the last is plain decoding's cache; a queued forward holds the last.
+            leads.append((block.drafted, cache.length - (len(PROMPT) + emitted - 1)))
+    assert {lead for drafted, lead in leads if drafted == 0} == {1}
+    assert {lead for drafted, lead in leads if drafted} == {0}
+    _, direct = plain(model, max_tokens=emitted)
+    assert cache.length == direct.length and max_cache_diff(cache, direct) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
+def test_eos_and_max_tokens_right_after_a_queued_forward_leave_plain_decodings_cache(family):
+    model = target(family, "bfloat16")
+    ref, _ = plain(model)
+    blocks, _ = gappy_run(model, ref)
+    # Ends where the block before was one that queued a forward (nothing drafted).
+    ends, at = [], 0
+    for b in blocks:
+        at += len(b.tokens)
+        if not b.drafted and at < GEN - 1:
+            ends.append(at + 1)
+    assert ends
+    for max_tokens in ends[:4]:
+        out, cache = gappy_run(model, ref, max_tokens=max_tokens)
+        assert tokens(out) == ref[:max_tokens]
+        assert max_cache_diff(cache, plain(model, max_tokens=max_tokens)[1]) <= tolerance("bfloat16")
+    pos = next(i for i in ends if ref[i - 1] not in ref[: i - 1])
+    eos = ref[pos - 1]
+    out, cache = gappy_run(model, ref, eos_ids=(eos,))
+    assert tokens(out) == ref[: pos - 1] and out[-1].finish_reason == "stop"
+    assert max_cache_diff(cache, plain(model, eos_ids=(eos,))[1]) <= tolerance("bfloat16")
+
+
+@pytest.mark.parametrize("family,rollback", [("llama", "reforward"), ("qwen3_5", "carry"),
+                                             ("nemotron_h", "capture")])
+@pytest.mark.parametrize("at_call", [5, 8, 11, 14, 17])
+def test_an_interrupt_around_a_queued_forward_restores_the_caches_and_resumes_exactly(family, rollback, at_call):
+    model = target(family, "bfloat16")
+    ref, _ = plain(model)
+    cache = prefilled(Interrupting(model, at_call=at_call))
+    drafter = Gappy(ref)
+    out: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for block in speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=4, max_tokens=GEN,
+                                               rollback=rollback, numerics=ON):
+            out += block.tokens
+    assert 0 < len(out) < GEN and drafter.emitted == len(out)
+    _, direct = plain(model, max_tokens=len(out))
+    assert cache.length == direct.length and max_cache_diff(cache, direct) <= tolerance("bfloat16")
+    rest = speculative_generate_step(out[-1], cache, drafter, num_draft_tokens=4, max_tokens=GEN - len(out),
+                                     rollback=rollback, numerics=ON)
+    assert out + tokens(list(rest)) == ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_row_joining_one_whose_forward_is_queued_decodes_both_as_alone(family):
+    model = target(family, "float32")
+    prompts = [PROMPT, PROMPT[5:] + PROMPT[:5]]
+    refs = [plain(model, prompt=p)[0] for p in prompts]
+    engine = Engine(model, rollback="capture", numerics=ON)
+    rows = [engine.admit(Row(prompts[0][-1], Gappy(refs[0]), FixedLength(4), max_tokens=GEN, tag=0),
+                         prefilled(model, prompts[0]))]
+    out = {0: [], 1: []}
+    while engine._ahead is None:  # a block that drafted nothing: its next forward is queued
+        out[0] += engine.step()[0][1].tokens
+    rows.append(engine.admit(Row(prompts[1][-1], Gappy(refs[1]), FixedLength(4), max_tokens=GEN, tag=1),
+                             prefilled(model, prompts[1])))
+    assert engine._ahead is None
+    caches = {}
+    while engine.rows:
+        for row, block in engine.step():
+            out[row.tag] += block.tokens
+        for row in list(engine.rows):
+            if row.finish is not None or row.room <= 0:
+                caches[row.tag] = engine.remove(row)
+    for i, p in enumerate(prompts):
+        assert out[i] == refs[i]
+        direct = plain(model, prompt=p)[1]
+        assert caches[i].length == direct.length and max_cache_diff(caches[i], direct) <= 1e-5
+
+
+def test_seeded_sampling_logprobs_and_penalties_are_plain_decodings_through_queued_forwards():
+    model = target("llama", "float32")
+    sampling = SamplingParams(temp=0.9, top_k=20, seed=7)
+
+    def procs():
+        return (Penalties(PROMPT, repetition_penalty=1.3),)
+
+    cache = prefilled(model)
+    ref_blocks = list(plain_generate_step(PROMPT[-1], cache, max_tokens=GEN, sampling=sampling, processors=procs(),
+                                          logprobs=2))
+    ref = tokens(ref_blocks)
+    cache = prefilled(model)
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, Gappy(ref), num_draft_tokens=4, max_tokens=GEN,
+                                            sampling=sampling, processors=procs(), logprobs=2, numerics=ON))
+    assert tokens(blocks) == ref and any(b.ahead for b in blocks)
+    got = [e for b in blocks for e in b.logprobs]
+    want = [e for b in ref_blocks for e in b.logprobs]
+    assert len(got) == len(want) == GEN
+    for (a, alts_a), (b, alts_b) in zip(got, want):
+        assert abs(a - b) <= 1e-4 and [t for t, _ in alts_a] == [t for t, _ in alts_b]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_replay_recomputes_blocks_whose_last_came_ahead_and_catches_a_wrong_token(family):
+    model = target(family, "float32")
+    ref, _ = plain(model)
+    blocks, _ = gappy_run(model, ref, rollback="reforward")
+    assert any(b.ahead for b in blocks)
+    assert replay(model, PROMPT, ref, blocks, 3).mismatch is None
+    # A token of a block whose first row came ahead, changed: the replay's forwards pick another.
+    at, bad = 0, None
+    for b in blocks:
+        if b.ahead and bad is None and at > 0:
+            bad = at
+        at += len(b.tokens)
+    wrong = list(ref)
+    wrong[bad] = ref[bad] - 1 if ref[bad] else 1
+    assert replay(model, PROMPT, wrong, blocks, 3).mismatch == bad
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_on_the_gpu_like_backend_pipelined_text_is_plain_or_a_proven_tie(family, gpu_like):
+    model = target(family, "bfloat16")
+    ref, _ = plain(model)
+    blocks, _ = gappy_run(model, ref, rollback="capture" if family in RECURRENT else "reforward")
+    assert any(b.ahead and b.drafted for b in blocks)
+    assert_exact(model, "bfloat16", blocks, ref)
