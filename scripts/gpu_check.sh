@@ -8,7 +8,9 @@
 #   device, last:    scripts/gpu_check.sh run        # carry .dev/last; writes everything under $OUT as it goes
 #   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
 #
-# STEPS (default "info tests smoke peer generate exact xact nocudnn sweep serve serve4 probe") picks steps of `run` (also: qwarm-bg, qwait,
+# STEPS (default "info tests smoke peer generate exact xact nocudnn sweep serve serve4 probe") picks steps of `run` (also: pairs:
+# speculative and plain decoding alternated in one process, PAIRS per prompt; distill: the bundled model's head trained for
+# DISTILL_S seconds into $OUT/head; headcheck: that head (or HEAD=DIR) against lookup alone on held-out open prompts; qwarm-bg, qwait,
 # gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,962-token prompt's prefill with
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
 # generate configuration N times); GEN_ARGS adds options to
@@ -125,6 +127,23 @@ run_checks() {
         --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${EXACT_PROMPTS:-copy,open} -- --exact ${gen[*]} | tee -a $OUT/generate.md" ;;
     nocudnn) step nocudnn 60 bash -c "MLX_CUDA_USE_CUDNN_SDPA=0 $py scripts/gpu_matrix.py --out $OUT/generate.jsonl \
         --timeout ${GEN_TIMEOUT:-40} --dtypes bfloat16 --prompts copy -- --shapes bucketed | tee -a $OUT/generate.md" ;;
+    pairs)  # speculative and plain decoding alternated in one process per dtype: medians and spreads (issue 59)
+      step pairs 360 bash -c "${PIN:-} $py scripts/gpu_matrix.py --pairs ${PAIRS:-5} --pipeline ${PIPELINE:-on,off} --out $OUT/pairs.jsonl \
+        --timeout ${GEN_TIMEOUT:-40} --dtypes ${GEN_DTYPES:-auto,bfloat16} --prompts ${PAIR_PROMPTS:-copy,edit,summary,open} \
+        -- ${gen[*]} | tee -a $OUT/pairs.md" ;;
+    distill)  # the bundled model's own head, trained here; SIGINT at DISTILL_S writes the best head so far
+      step distill $(( ${DISTILL_S:-420} + 30 )) bash -c "timeout -s INT ${DISTILL_S:-420} $py -m specdec_cli distill \
+        --out $OUT/head --dtype bfloat16 --data-tokens ${DISTILL_TOKENS:-400000} --steps ${DISTILL_STEPS:-2000} \
+        --no-measure; ls -la $OUT/head; cat $OUT/head/training.json" ;;
+    headcheck)  # the head against lookup alone on held-out open prompts (pairs), bf16 and 4-bit
+      for d in ${HEAD_DTYPES:-bfloat16 auto}; do
+        step "headcheck-$d-lookup" 150 bash -c "$py scripts/gpu_matrix.py --pairs ${HEAD_PAIRS:-3} --out $OUT/headcheck.jsonl \
+          --timeout ${GEN_TIMEOUT:-40} --dtypes $d --prompts ${HEAD_PROMPTS:-open,why,advice,how,copy} \
+          | tee -a $OUT/headcheck.md"
+        step "headcheck-$d-head" 150 bash -c "$py scripts/gpu_matrix.py --pairs ${HEAD_PAIRS:-3} --out $OUT/headcheck.jsonl \
+          --timeout ${GEN_TIMEOUT:-40} --dtypes $d --prompts ${HEAD_PROMPTS:-open,why,advice,how,copy} \
+          -- --draft-model ${HEAD:-$OUT/head} | tee -a $OUT/headcheck.md"
+      done ;;
     sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
     serve) step serve 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype bfloat16 --out "$OUT/serve.json" ;;
@@ -132,7 +151,8 @@ run_checks() {
       --repeats 1 --decode-concurrency default --dtype 4bit --out "$OUT/serve4.json" ;;
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
       step tests 180 bash -c "$py -m pytest --maxfail=10 -q -p no:cacheprovider -m 'not distributed' \
-        tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_batch.py tests/serve/test_scheduler.py \
+        tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_pipeline.py tests/loop/test_batch.py \
+        tests/serve/test_scheduler.py \
         tests/session/test_disk_tier.py tests/session/test_exact.py tests/serve/test_serve_gpu_like.py \
         2>&1 | tail -60 > $OUT/tests.txt" ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
