@@ -78,23 +78,26 @@ def ops(dtype, h=576, o=1536):
         cost = timed(lambda: f(x)) / (16 * timed(lambda: f(x[:1])))
         out[name] = {"all_same": all(r["same"] for r in res), "max_diff": max(r["max_diff"] for r in res),
                      "rows16_vs_16_one_rows_time": cost}
-    # Attention: T queries over a cache of 100 + T keys, causal, against one query at a time.
+    out["scaled_dot_product_attention (GQA 9/3, causal)"] = attention_rows_vs_one(
+        lambda q, k, v, scale, mask: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), dt)
+    return out
+
+
+def attention_rows_vs_one(attend, dt) -> dict:
+    """T queries over a cache of 100 + T keys, causal, against one query at a time (``attend(q, k, v, scale,
+    mask)``)."""
     heads, d, past = 9, 64, 100
     res = []
     for t in TS:
         k1, k2, k3 = mx.random.split(mx.random.key(t), 3)
         q = mx.random.normal((1, heads, t, d), key=k1).astype(dt)
         kv = [mx.random.normal((1, heads // 3, past + t, d), key=kk).astype(dt) for kk in (k2, k3)]
-        batched = mx.fast.scaled_dot_product_attention(q, *kv, scale=d**-0.5, mask="causal")
-        one = mx.concatenate([mx.fast.scaled_dot_product_attention(
-            q[:, :, i: i + 1], kv[0][:, :, : past + i + 1], kv[1][:, :, : past + i + 1], scale=d**-0.5)
-            for i in range(t)], axis=2)
-        same = mx.array_equal(batched, one).item()
-        res.append({"T": t, "same": same,
-                    "max_diff": mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()})
-    out["scaled_dot_product_attention (GQA 9/3, causal)"] = {
-        "all_same": all(r["same"] for r in res), "max_diff": max(r["max_diff"] for r in res)}
-    return out
+        batched = attend(q, *kv, d**-0.5, "causal")
+        one = mx.concatenate([attend(q[:, :, i: i + 1], kv[0][:, :, : past + i + 1], kv[1][:, :, : past + i + 1],
+                                     d**-0.5, None) for i in range(t)], axis=2)
+        res.append((mx.array_equal(batched, one).item(),
+                    mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()))
+    return {"all_same": all(s for s, _ in res), "max_diff": max(d for _, d in res)}
 
 
 def exact_ops(dtype):
@@ -113,18 +116,7 @@ def exact_ops(dtype):
         x = mx.random.normal((t, 576), key=mx.random.split(k, 20)[t]).astype(dt)
         res.append(rows_vs_one(layer, x))
     out["exact linear"] = {"all_same": all(s for s, _ in res), "max_diff": max(d for _, d in res)}
-    heads, d, past = 9, 64, 100
-    res = []
-    for t in TS:
-        k1, k2, k3 = mx.random.split(mx.random.key(t), 3)
-        q = mx.random.normal((1, heads, t, d), key=k1).astype(dt)
-        kv = [mx.random.normal((1, heads // 3, past + t, d), key=kk).astype(dt) for kk in (k2, k3)]
-        batched = exact.attention(q, *kv, d**-0.5, "causal")
-        one = mx.concatenate([exact.attention(q[:, :, i: i + 1], kv[0][:, :, : past + i + 1],
-                                              kv[1][:, :, : past + i + 1], d**-0.5, None) for i in range(t)], axis=2)
-        res.append((mx.array_equal(batched, one).item(),
-                    mx.abs(batched.astype(mx.float32) - one.astype(mx.float32)).max().item()))
-    out["exact attention (GQA 9/3, causal)"] = {"all_same": all(s for s, _ in res), "max_diff": max(d for _, d in res)}
+    out["exact attention (GQA 9/3, causal)"] = attention_rows_vs_one(exact.attention, dt)
     return out
 
 

@@ -165,6 +165,13 @@ def _tied_qwen35() -> dict:
     return config
 
 
+def _models(tmp: Path) -> tuple[Path, Path, Path, Path]:
+    """A dense target and its draft model, a hybrid one and its (one with partial accepts)."""
+    return (make_model_dir(tmp / "llama", "llama"), make_model_dir(tmp / "llama-draft", "llama", noise=0.05),
+            make_model_dir(tmp / "qwen35", _tied_qwen35()),
+            make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3))
+
+
 def _llama3() -> dict:
     return {**TINY_CONFIGS["llama"], "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
 
@@ -177,10 +184,7 @@ def _gen(model, *extra, m: int = 24) -> list[str]:
 def launched(tmp_path_factory):
     """Every launched run's results, per rank: {name: {"code", "stdout", "stderr", "committed"}}."""
     tmp = tmp_path_factory.mktemp("distributed")
-    llama = make_model_dir(tmp / "llama", "llama")
-    llama_draft = make_model_dir(tmp / "llama-draft", "llama", noise=0.05)
-    qwen = make_model_dir(tmp / "qwen35", _tied_qwen35())
-    qwen_draft = make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3)  # partial accepts
+    llama, llama_draft, qwen, qwen_draft = _models(tmp)
     llama3 = make_model_dir(tmp / "llama3", _llama3())
     hybrid = ["--draft-model", str(qwen_draft), "--compare-ar", "--json"]
     sampled = _gen(llama, "--draft-model", str(llama_draft), "--temp", "0.8", "--seed", "7", "--json")
@@ -263,10 +267,7 @@ def launched_gpu_like(tmp_path_factory):
     import gpu_like
 
     tmp = tmp_path_factory.mktemp("distributed-gpu-like")
-    llama = make_model_dir(tmp / "llama", "llama")
-    llama_draft = make_model_dir(tmp / "llama-draft", "llama", noise=0.05)
-    qwen = make_model_dir(tmp / "qwen35", _tied_qwen35())
-    qwen_draft = make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3)
+    llama, llama_draft, qwen, qwen_draft = _models(tmp)
     runs = [("tp_llama_draft", _gen(llama, "--draft-model", str(llama_draft), "--compare-ar", "--json")),
             ("tp_qwen35_capture", _gen(qwen, "--draft-model", str(qwen_draft), "--rollback", "capture",
                                        "--compare-ar", "--json")),
