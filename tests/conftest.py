@@ -79,6 +79,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "core/test_seeded_sampling.py": FAST,
     "serve/test_serve.py": SERVER,
     "serve/test_serve_defects.py": SERVER,
+    "serve/test_serve_distributed.py": SERVER + DISTRIBUTED[:1],  # a server sharded over ranks
     "serve/test_serve_gpu_like.py": SERVER,  # a server on the GPU-like backend (tests/gpu_like.py)
     "serve/test_serve_faults.py": SERVER,
     "serve/test_serve_processors.py": SERVER,

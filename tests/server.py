@@ -11,8 +11,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,11 +53,28 @@ class Server:
         args: Command-line arguments after ``serve``.
     """
 
-    def __init__(self, *args: str, extra_env: Optional[dict] = None):
+    def __init__(self, *args: str, extra_env: Optional[dict] = None, ranks: int = 1):
         self.args = [str(a) for a in args]
         cmd = [sys.executable, "-m", "specdec_cli", "serve", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env(**(extra_env or {})))
+        run_env = env(**(extra_env or {}))
+        # Under ranks, MLX's ring backend as mlx.launch sets it up, each rank started here (so that one can be
+        # killed or stopped): rank 0 is ``proc`` and serves HTTP, the others are ``others``.
+        self.others: list[subprocess.Popen] = []
+        self.other_lines: list[list[str]] = []
+        if ranks > 1:
+            hosts = Path(tempfile.mkdtemp(prefix="specdec-ranks-")) / "hosts.json"
+            hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
+            run_env["MLX_HOSTFILE"] = str(hosts)
+            for rank in range(1, ranks):
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env={**run_env, "MLX_RANK": str(rank)})
+                lines: list[str] = []
+                threading.Thread(target=lambda p=proc, out=lines: out.extend(x.rstrip("\n") for x in p.stderr),
+                                 daemon=True).start()
+                self.others.append(proc)
+                self.other_lines.append(lines)
+            run_env["MLX_RANK"] = "0"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url: Optional[str] = None
@@ -106,8 +125,20 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for proc in self.others:  # rank 0's end ends them (a hang guard beyond)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self._reader.join(5)
         return self.proc.returncode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --- a tiny model that calls a tool --------------------------------------------------

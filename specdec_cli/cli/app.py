@@ -722,6 +722,7 @@ def serve(
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
     prefill_step_size: PrefillOpt = 2048,
+    pipeline: PipelineOpt = False,
     rollback: RollbackOpt = Rollback.auto,
     rollback_memory_cap: RollbackCapOpt = None,
     shapes: ShapesOpt = Shapes.auto,

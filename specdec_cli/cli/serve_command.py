@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 import time
@@ -14,7 +15,9 @@ from typing import Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..model import bundled
+from ..model import bundled, distributed
+from ..model.distributed import peer_errors
+from .commands import join
 from .display import print_loading, print_stderr
 from ..defaults import KNEE_GAIN
 from ..drafters import kinds
@@ -27,11 +30,11 @@ from ..session import (
     PromptCache,
     RunOptions,
     Session,
+    check_distributed_options,
     check_model_options,
     load_setup,
     resolve_block_size,
     sampling_params,
-    single_process,
 )
 from ..serve.app import create_app
 from ..serve.service import Service
@@ -114,17 +117,25 @@ def concurrency_line(rows: int, steps: dict[int, float]) -> str:
 
 
 def serve_command(opts: ServeOptions) -> int:
-    """Run ``specdec serve``; returns the exit code."""
-    single_process(opts, "serve")
+    """Run ``specdec serve``; returns the exit code (under ``mlx.launch``, on every rank: rank 0 serves HTTP)."""
+    with peer_errors():
+        return _serve(opts)
+
+
+def _serve(opts: ServeOptions) -> int:
+    ranks = join(opts)
     kind = check_model_options(opts)
+    check_distributed_options(opts, kind, ranks is not None)
     block_size = resolve_block_size(opts.block_size, opts.num_draft_tokens, kind)
     sampling_params(opts.temp, opts.top_p, opts.top_k, opts.min_p)
     if opts.prompt_cache_size < 0 or (opts.prompt_cache_bytes is not None and opts.prompt_cache_bytes < 0):
         raise OptionError("--prompt-cache-size and --prompt-cache-bytes must be >= 0")
     warning = check_access(opts)
-    sock = bind(opts.host, opts.port)
+    primary = ranks is None or ranks.primary
+    sock = bind(opts.host, opts.port) if primary else None  # rank 0 alone serves HTTP
     print_loading(opts.model, opts.draft_model)
-    setup = load_setup(opts, kind)
+    setup = load_setup(opts, kind, ranks)
+    setup.check_ranks([])
     setup.memory  # measured here, on this thread: requests are checked against it with no MLX work of their own
     block_size = setup.run_block_size(block_size)
     # --prompt-cache-bytes 0 turns the cache off as --prompt-cache-size 0 does (nothing could be kept).
@@ -138,6 +149,8 @@ def serve_command(opts: ServeOptions) -> int:
     rounding_note = None
     if opts.decode_concurrency is None or opts.decode_concurrency > 1:
         problem = batch_refusal(session)
+        if ranks is not None:
+            problem = ranks.broadcast(problem)  # every rank batches as rank 0 decided
         if problem:
             batching = f"note: requests are decoded one at a time: {problem}"
             opts.decode_concurrency = 1
@@ -157,6 +170,12 @@ def serve_command(opts: ServeOptions) -> int:
     seconds = time.perf_counter() - start
     costs_line = None if costs is None else (f"batch forward costs measured at start-up in {seconds:.1f} s "
                                              f"({len(costs.cells)} cells of rows x tokens)")
+    if not primary:
+        _logging("warning")
+        # Ctrl-C reaches every rank in a terminal: rank 0 stops serving and its last pass stops this one.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        service.scheduler.follow()  # rank 0's loop passes, until it stops
+        return 0
     app = create_app(service, api_key=opts.api_key)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
@@ -173,6 +192,7 @@ def serve_command(opts: ServeOptions) -> int:
             cached += f" ({corpus.tokens} kept from the last run)"
     print_stderr([f"{setup.model_line}, served as {name!r}; drafter {setup.drafter_name}, block size "
                   f"{block_size}; {cached}; up to {opts.decode_concurrency} requests decoded together",
+                  *([ranks.line] if ranks is not None else []),
                   f"serving the OpenAI API on http://{where}:{port}/v1 (Ctrl-C stops)"])
     _logging(opts.log_level)
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.log_level == "debug",
@@ -184,7 +204,12 @@ def serve_command(opts: ServeOptions) -> int:
     except KeyboardInterrupt:
         pass  # uvicorn raises the signal it caught again once it has shut down: stopping is the normal end
     finally:
+        if ranks is not None:
+            service.scheduler.wait(distributed.deadline())  # its last pass tells the other ranks to stop
         session.shutdown()  # what answers left behind reaches the disk before the process ends
+    fault = service.scheduler.fault
+    if fault is not None and ranks is not None:
+        raise fault  # the ranks cannot serve on: the error's one line, and a non-zero exit
     return 0
 
 
@@ -238,6 +263,12 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.service.scheduler.stop(timeout=0)  # streams end now, with an error frame
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        # Ranks that lost or disagree with each other cannot serve on: the server stops (and exits non-zero).
+        if self.service.session.ranks is not None and self.service.scheduler.fault is not None:
+            return True
+        return await super().on_tick(counter)
 
 
 def _logging(level: str) -> None:

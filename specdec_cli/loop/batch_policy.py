@@ -97,15 +97,17 @@ class CostTable:
     @classmethod
     def measure(cls, model: Any, fresh: Callable[[], ModelCache], rows: Sequence[int],
                 widths: Sequence[int] = WIDTHS, context: int = 64, repeats: int = _REPEATS,
-                budget: float = MEASURE_BUDGET_S) -> "CostTable":
+                budget: float = MEASURE_BUDGET_S, clock: Optional[Callable[[float], float]] = None) -> "CostTable":
         """Time the model's forward for each row count and width over ``context`` tokens of cache.
 
         Widths grow while a forward stays under ``_SLOW_FORWARD_S`` and the
         whole measurement under ``budget`` seconds; each row count's first
         (narrowest) width is always measured. Each cell is the fastest of
         ``repeats`` forwards, or one forward where that one took longer than
-        ``_SLOW_FORWARD_S``. The caches are throwaway.
+        ``_SLOW_FORWARD_S``. The caches are throwaway. Under ``mlx.launch``, ``clock`` (``Ranks.clock``)
+        makes every timing rank 0's, so that every rank runs the same forwards and keeps the same table.
         """
+        clock = clock or (lambda seconds: seconds)
         base = fresh()
         base.prefill([(7 * i) % 97 + 1 for i in range(context)])
         caches: dict[int, Any] = {}
@@ -119,13 +121,13 @@ class CostTable:
                 # timed forward evaluates it again (32 rows timed at 17 tokens/s instead of 167).
                 mx.eval(caches[b].state_arrays())
         # The budget is for timing forwards: building the caches above is not (32 rows' took seconds).
-        start = time.perf_counter()
+        spent = 0.0
         cells: dict[tuple[int, int], float] = {}
         slow: set[int] = set()
         # Narrow widths of every row count first (what blocks use most), then wider ones while time remains.
         order = sorted(((b, w) for b in caches for w in set(widths)), key=lambda bw: (bw[1] > 8, bw[1], bw[0]))
         for b, w in order:
-            if b in slow or (cells and time.perf_counter() - start > budget):
+            if b in slow or (cells and spent > budget):
                 continue
             cache = caches[b]
             x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)
@@ -136,7 +138,8 @@ class CostTable:
                 snap = cache.snapshot()
                 t0 = time.perf_counter()
                 mx.eval(cache.feed(x))
-                times.append(time.perf_counter() - t0)
+                times.append(clock(time.perf_counter() - t0))
+                spent += times[-1]
                 cache.restore(snap)
                 if i >= compile_run and times[-1] > _SLOW_FORWARD_S:
                     break  # a slow forward's noise is small beside it: one timing will do (start-up waits less)

@@ -154,7 +154,7 @@ class Engine:
             ``capture`` or ``tape``.
         timed: Add a sync after each phase and report :class:`PhaseTimes`.
         tap: Records the target's hidden states for drafters that read them.
-        sync: The ranks of a sharded target (one row only).
+        sync: The ranks of a sharded target: every block's decisions agreed with them.
         planner: Weighs each row's expected tokens against what its drafts
             add to a batch's forward (see :mod:`specdec_cli.loop.batch_policy`).
         numerics: The run's numerics (:mod:`specdec_cli.core.numerics`): under ``bucketed`` shapes
@@ -195,10 +195,8 @@ class Engine:
 
         Raises:
             UnsupportedModelError: Verify forwards cannot compute as one-token decoding does.
-            ValueError: A second row under ``sync``, or capture/tape on a model that cannot record.
+            ValueError: Capture/tape on a model that cannot record.
         """
-        if self.sync is not None and self.rows:
-            raise ValueError("a sharded target decodes one row")
         if row.rollback is not None and row.rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}")
         k_max = getattr(row.policy, "k_max", getattr(row.policy, "k", 0))
@@ -393,7 +391,6 @@ class Engine:
                 self.tap.clear()  # only the verify's own rows (measuring, warming or prefilling forwards record too)
             for p in pending:
                 p.x = mx.concatenate([p.row.carry, mx.array([p.row.last], dtype=mx.uint32), p.draft.tokens])
-            position = cache.length if self.sync is not None else None  # a sharded target decodes one row
             # Rows to feed: a row queued ahead (a single row's) was fed already, and nothing when it drafted nothing.
             widest = max(p.x.shape[0] - p.ahead for p in pending)
             width = self.numerics.fed(widest) if widest and speculate and self._pads(cache, record) else widest
@@ -420,16 +417,15 @@ class Engine:
                 p.queued = _Ahead(None, cache.snapshot())
                 p.queued.logits = cache.feed_rows(p.nxt.reshape(1, 1).astype(mx.uint32))
                 mx.async_eval(p.queued.logits)
-            tables = [None] * len(pending)
-            if self.sync is not None:
-                p = pending[0]
-                tables[0] = self.sync.propose(mx.stack([p.n_acc.astype(mx.int32), p.nxt.astype(mx.int32)]),
-                                              p.x, position)
-            mx.eval([(p.n_acc, p.nxt, p.draft.tokens) for p in pending], [t for t in tables if t is not None],
+            # A sharded target: every row's decision and what it fed, from every rank, in the block's one sync.
+            table = None if self.sync is None else self.sync.propose_rows(
+                [(mx.stack([p.n_acc.astype(mx.int32), p.nxt.astype(mx.int32)]), p.x, p.row.emitted)
+                 for p in pending])
+            mx.eval([(p.n_acc, p.nxt, p.draft.tokens) for p in pending], [] if table is None else [table],
                     [[a for a in p.lp if a is not None] for p in pending if p.lp is not None])
             syncs += 1
             t2 = time.perf_counter()
-            out = self._commit(pending, tables, cache, snap, record)
+            out = self._commit(pending, table, cache, snap, record)
             if self.timed:
                 mx.eval(cache.state_arrays())
                 syncs += 1
@@ -448,8 +444,8 @@ class Engine:
                 if self.tap is not None:
                     self.tap.clear()
         seconds = t3 - t0
-        if self.sync is not None and getattr(live[0].policy, "clocked", True):
-            seconds = self.sync.clock(seconds)  # every rank's policy decides alike
+        if self.sync is not None and (batch or getattr(live[0].policy, "clocked", True)):
+            seconds = self.sync.clock(seconds)  # every rank's policies and planner decide alike
             syncs += 1
         times = PhaseTimes(t1 - t0, t2 - t1, t3 - t2) if self.timed else None
         blocks = []
@@ -490,18 +486,20 @@ class Engine:
             emitted = mx.where(mx.arange(p.k + 1) < p.n_acc, drafts, p.nxt.astype(mx.uint32))
             p.lp = logprob_arrays(logits, emitted, p.row.logprobs)
 
-    def _commit(self, pending: list[_Pending], tables: list, cache, snap, record: Optional[str]) -> list[tuple]:
+    def _commit(self, pending: list[_Pending], table: Optional[mx.array], cache, snap,
+                record: Optional[str]) -> list[tuple]:
         """Each row's committed tokens, kept count, new carry, accepted count, rollback kind and finish.
 
         The caches and drafters follow; the rows themselves are updated by the caller once the block is done.
         """
         decided, keep = [], []
-        for p, table in zip(pending, tables):
+        settled = None if table is None else self.sync.settle_rows(table, len(pending))
+        for b, p in enumerate(pending):
             r = p.row
-            if table is None:
+            if settled is None:
                 n, last_token = p.n_acc.item(), p.nxt.item()
             else:
-                n, last_token = self.sync.settle(table)
+                n, last_token = settled[b]
             committed = p.draft.tokens.tolist()[:n] + [last_token]
             n_keep, finish = cut_committed(committed, r.eos, r.room)
             # The target keeps carry + [last, d1 .. d(n_keep-1)] (last fed already when queued ahead); the new

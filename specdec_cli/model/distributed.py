@@ -39,6 +39,7 @@ import hashlib
 import importlib
 import io
 import os
+import pickle
 import pkgutil
 import re
 import sys
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import OptionError, SpecdecError, UnsupportedModelError
 
@@ -64,6 +66,8 @@ HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads
 _NOISE = re.compile(rb"^\[ring\] (Socket \d+ was closed by the peer|(Receiving from|Sending to) socket \d+ failed "
                     rb"with errno \d+|Too many send/recv errors)")
 _PEER_ERROR = re.compile(r"^\[(ring|jaccl|nccl|mpi)\]", re.IGNORECASE)
+# Bytes of the one collective that carries a small broadcast whole (see Ranks.broadcast).
+BROADCAST_HEAD = 1024
 # Knuth's multiplicative constant: position weights of the token checksum.
 _MIX = 2654435761
 
@@ -140,6 +144,10 @@ class Watchdog:
     def tick(self) -> None:
         """An agreement completed: the other ranks are there."""
         self._last = time.monotonic()
+
+    def waited(self) -> float:
+        """Seconds since the last agreement while armed (0 when not armed)."""
+        return time.monotonic() - self._last if self._depth else 0.0
 
     @contextmanager
     def armed(self) -> Iterator[None]:
@@ -230,11 +238,17 @@ class Ranks:
         Args:
             decision: Integers this rank decided (accepted length, next token).
             fed: The tokens it fed the target in that forward.
-            position: The target's cache length before the forward.
+            position: Where it fed them (the target's cache length before the forward, or a row's tokens so far).
         """
-        row = mx.concatenate([decision.reshape(-1).astype(mx.int32), checksum(fed).reshape(1),
-                              mx.array([position, fed.shape[0]], dtype=mx.int32)])
-        return self.gather(row)
+        return self.propose_rows([(decision, fed, position)])
+
+    def propose_rows(self, rows: Sequence[tuple[mx.array, mx.array, int]]) -> mx.array:
+        """:meth:`propose` for several rows of one forward in one collective: each row's ``(decision, fed,
+        position)``, every row's decision as long as the others'."""
+        parts = [mx.concatenate([decision.reshape(-1).astype(mx.int32), checksum(fed).reshape(1),
+                                 mx.array([position, fed.shape[0]], dtype=mx.int32)])
+                 for decision, fed, position in rows]
+        return self.gather(mx.concatenate(parts))
 
     def settle(self, table: mx.array) -> list[int]:
         """Rank 0's decision from a :meth:`propose` table (a host read).
@@ -244,19 +258,57 @@ class Ranks:
                 another position (its drafts differed): every rank raises
                 at the same block, none goes on with other text.
         """
-        rows = table.tolist()
+        return self.settle_rows(table, 1)[0]
+
+    def settle_rows(self, table: mx.array, n: int) -> list[list[int]]:
+        """Rank 0's decision for each of the ``n`` rows of a :meth:`propose_rows` table (one host read).
+
+        Raises:
+            RanksDisagree: As :meth:`settle`, for any row.
+        """
+        ranks = table.tolist()
         self.watchdog.tick()
-        first = rows[0]
-        for r, row in enumerate(rows[1:], 1):
-            if row[-3:] != first[-3:]:
-                raise RanksDisagree(
-                    f"rank {r} fed the target other tokens than rank 0 ({row[-1]} tokens at position {row[-2]} "
-                    f"against {first[-1]} at {first[-2]}): their drafters disagree, so every rank stops here "
-                    "instead of going on with different text"
-                )
-            if row[:-3] != first[:-3]:
-                self.overridden += 1
-        return first[:-3]
+        width = len(ranks[0]) // n
+        out = []
+        for b in range(n):
+            first = ranks[0][b * width:(b + 1) * width]
+            for r, rank in enumerate(ranks[1:], 1):
+                row = rank[b * width:(b + 1) * width]
+                if row[-3:] != first[-3:]:
+                    where = f" in row {b}" if n > 1 else ""
+                    raise RanksDisagree(
+                        f"rank {r} fed the target other tokens than rank 0{where} ({row[-1]} tokens at position "
+                        f"{row[-2]} against {first[-1]} at {first[-2]}): their drafters disagree, so every rank "
+                        "stops here instead of going on with different text"
+                    )
+                if row[:-3] != first[:-3]:
+                    self.overridden += 1
+            out.append(first[:-3])
+        return out
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (others pass nothing); pickled, so only between ranks that trust rank 0.
+
+        One collective of ``BROADCAST_HEAD`` bytes carries a small object whole (a server's loop pass); a
+        larger one takes a second for the rest.
+        """
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.primary else b""
+        head = np.zeros(BROADCAST_HEAD, dtype=np.uint8)
+        if self.primary:
+            head[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+            first = data[:BROADCAST_HEAD - 4]
+            head[4:4 + len(first)] = np.frombuffer(first, dtype=np.uint8)
+        got = np.array(mx.distributed.all_sum(mx.array(head), group=self.group))
+        self.watchdog.tick()
+        n = int.from_bytes(got[:4].tobytes(), "little")
+        body = got[4:4 + min(n, BROADCAST_HEAD - 4)].tobytes()
+        if n > len(body):
+            rest = np.zeros(n - len(body), dtype=np.uint8)
+            if self.primary:
+                rest[:] = np.frombuffer(data[len(body):], dtype=np.uint8)
+            body += np.array(mx.distributed.all_sum(mx.array(rest), group=self.group)).tobytes()
+            self.watchdog.tick()
+        return obj if self.primary else pickle.loads(body)
 
     def share(self, values: Sequence[int]) -> list[int]:
         """Rank 0's int32 ``values`` on every rank (each rank passes as many); a host sync."""
@@ -266,6 +318,12 @@ class Ranks:
         out = mx.distributed.all_sum(x, group=self.group).tolist()
         self.watchdog.tick()
         return out
+
+    def same(self, value: int) -> bool:
+        """Whether every rank passed the same int32 ``value`` (one collective)."""
+        rows = self.gather(mx.array([value], dtype=mx.int32)).tolist()
+        self.watchdog.tick()
+        return all(row == rows[0] for row in rows)
 
     def share_one(self, value: int) -> int:
         """Rank 0's ``value``."""

@@ -226,6 +226,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         if service.scheduler.fault is not None:  # nothing would be generated: not healthy
             why = service.scheduler.dead if told else "the server cannot generate; its log says why"
             return _error(503, why, code="generation_stopped")
+        stalled = service.scheduler.stalled
+        if stalled is not None:  # ranks that stopped answering: nothing would be generated either
+            return _error(503, stalled if told else "the server cannot generate; its log says why",
+                          code="ranks_stalled")
         return service.health() if told else {"status": "ok"}
 
     @app.get("/v1/models")

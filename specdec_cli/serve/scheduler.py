@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -33,10 +34,14 @@ from ..session import Session
 from ..session.alone import compare_alone
 from ..session.batch import measure_costs
 from ..loop.flights import Flight, Flights, State
+from .lockstep import HEARTBEAT_S, Fresh, Leave, Lockstep, Open, fatal, follow
 from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
 
 log = logging.getLogger("specdec.serve")
+# Seconds without a completed pass, under ranks, after which /health says the ranks stalled (a pass is a
+# prefill chunk of ~0.5 s and a block; an idle server passes every HEARTBEAT_S).
+STALLED_S = 5.0
 
 
 @dataclass
@@ -84,10 +89,11 @@ class Job:
 
 @dataclass(eq=False)
 class _Ask:
-    """The server's side of one request in flight: the client's job and the reply it is sent."""
+    """The server's side of one request in flight: the client's job, the reply it is sent, its flight's id."""
 
     job: Job
     reply: Reply
+    id: int = 0
 
 
 class Scheduler:
@@ -115,6 +121,11 @@ class Scheduler:
         self._held: Optional[tuple[Job, Reply]] = None
         # Why the thread ended though nobody stopped it (None: it runs, or it was stopped).
         self.fault: Optional[BaseException] = None
+        # Opens and leaves: done at once in one process, sent to every rank once per pass under mlx.launch.
+        self._steps = Lockstep(session.ranks)
+        # Under ranks: requests decided to open at the next pass, and flights decided to leave at it.
+        self._asks: dict[int, _Ask] = {}
+        self._leaving: set[Flight] = set()
 
     def start(self) -> None:
         self._thread.start()
@@ -123,7 +134,8 @@ class Scheduler:
 
     @property
     def _flights(self) -> list[Flight]:
-        return [] if self._rows is None else list(self._rows.flights)
+        """The requests in flight (under ranks, not those decided to leave at the next pass)."""
+        return [] if self._rows is None else [f for f in self._rows.flights if f not in self._leaving]
 
     @property
     def engine(self) -> Optional[Engine]:
@@ -152,6 +164,9 @@ class Scheduler:
         """
         if self.fault is not None:
             raise Busy(self.dead)
+        stalled = self.stalled
+        if stalled is not None:
+            raise Busy(stalled)
         if self._stopping.is_set():
             raise Busy("the server is shutting down")
         try:
@@ -162,8 +177,21 @@ class Scheduler:
             self._drain(Busy(self.dead))
 
     @property
+    def stalled(self) -> Optional[str]:
+        """Under ranks, why no pass has completed for a while (a rank stopped answering; the watchdog ends the
+        server at its deadline), else None."""
+        ranks = self.session.ranks
+        waited = 0.0 if ranks is None else ranks.watchdog.waited()
+        if waited < STALLED_S:
+            return None
+        return (f"no answer from the other ranks for {waited:.0f} s (one of them stopped or lost its network): "
+                f"the server ends at {ranks.watchdog.seconds:g} s")
+
+    @property
     def dead(self) -> str:
         """What a client is told once the generation thread has ended."""
+        if self.fault is not None and fatal(self.fault):
+            return f"the server's ranks cannot go on together ({self.fault}): restart the server"
         return "the server's generation thread has stopped (its log says why): restart the server"
 
     def stop(self, timeout: float = 1.5) -> None:
@@ -184,6 +212,15 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the generation thread to end (under ranks: it tells the others to stop)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def follow(self) -> None:
+        """A rank other than 0 under ``mlx.launch``: do rank 0's loop passes on this thread until it stops."""
+        follow(Flights(self.session, planner=self._planner()), self.session.ranks)
+
     # -- the thread ---------------------------------------------------------------------------------
 
     def _drain(self, error: BaseException) -> None:
@@ -199,13 +236,18 @@ class Scheduler:
 
     def _run(self) -> None:
         ended: BaseException = RuntimeError("it returned")
+        ranks = self.session.ranks
+        watch = ExitStack()
         try:
+            if ranks is not None:
+                watch.enter_context(ranks.watching())  # a rank that stops answering ends the server
             self._rows = Flights(self.session, planner=self._planner())
             while not self._stopping.is_set():
                 try:
                     if not self._take_jobs():
                         break
                     self._drop_cancelled()
+                    self._pass()
                     self._prefill_one()
                     if self._rows.engine.rows:
                         self._step()
@@ -216,14 +258,31 @@ class Scheduler:
             ended = e
             raise
         finally:
-            self._end(ended)
+            try:
+                self._end(ended)
+            finally:
+                watch.close()
+
+    def _pass(self) -> None:
+        """Under ranks, the opens and leaves decided since the last pass: sent to every rank, then done here."""
+        ops = self._steps.send()
+        asks = {op.id: self._asks.pop(op.id) for op in ops if isinstance(op, Open)}
+        self._leaving.clear()
+        for op, error in self._steps.apply(ops, self._rows, asks.__getitem__):
+            if isinstance(op, Open):
+                asks[op.id].job.send(Failed(error))  # the HTTP side decides what the client sees
+            else:
+                log.error("%s failed: %s", type(op).__name__, error, exc_info=error)
 
     def _recover(self, error: Exception) -> None:
-        """A fault outside any one request's handling: the requests in flight fail, the thread serves on."""
+        """A fault outside any one request's handling: the requests in flight fail, the thread serves on
+        (not when ranks lost or disagree with each other: the thread ends)."""
+        if fatal(error):
+            raise error
         log.error("generation failed between requests' blocks: %s", error, exc_info=error)
         self._fail(self._flights, error)
-        if self._rows is not None and self._rows.engine.rows:
-            self._rows.new_engine()  # rows no request owns: start the engine afresh
+        if self._rows is not None:
+            self._steps.add(Fresh(), self._rows)  # rows no request owns: start the engine afresh
 
     def _end(self, ended: BaseException) -> None:
         """The thread ends: whatever it held is failed (each stopped request was told so already)."""
@@ -244,9 +303,16 @@ class Scheduler:
                 pass  # it is out of flight already (Flights.leave takes it off first); the thread is ending
             if not stopped:
                 flight.tag.job.send(Failed(error))
+        for ask in self._asks.values():
+            ask.job.send(Failed(error))
+        self._asks.clear()
         self._drain(error)
         if self._rows is not None:
-            self._rows.close()
+            try:
+                if stopped:
+                    self._steps.send(stop=True)  # under ranks every rank ends with this one
+            finally:
+                self._rows.close()
 
     def prepare(self) -> Optional[CostTable]:
         """Measure the batch planner's forward costs now, before the first request (start-up), so that
@@ -280,13 +346,15 @@ class Scheduler:
 
     def _take_jobs(self) -> bool:
         """Start waiting jobs while rows and memory are free; wait for one when nothing runs. False: stop."""
-        while len(self._flights) < self.max_rows:
+        while len(self._flights) + len(self._asks) < self.max_rows:
             if self._held is not None:
                 job, reply = self._held
                 self._held = None
             else:
                 try:
-                    job = self._jobs.get(block=not self._flights)
+                    # Under ranks an idle pass still goes out now and then: the ranks' heartbeat.
+                    idle = not self._flights and not self._asks
+                    job = self._jobs.get(block=idle, timeout=HEARTBEAT_S if self.session.ranks else None)
                 except queue.Empty:
                     return True
                 if job is None or self._stopping.is_set():
@@ -316,9 +384,10 @@ class Scheduler:
 
         A batch holds every row at the longest row's length, so the check is for that many tokens per row.
         """
-        if not self._flights:
+        if not self._flights and not self._asks:
             return True
-        requests = [f.request for f in self._flights] + [reply.request]
+        requests = [f.request for f in self._flights] + [a.reply.request for a in self._asks.values()] \
+            + [reply.request]
         longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
         try:
             self.session.setup.check_memory(longest * len(requests))
@@ -327,12 +396,17 @@ class Scheduler:
         return True
 
     def _open(self, job: Job, reply: Reply) -> None:
+        """Open the request now (one process), or at the next pass (under ranks: on every rank alike)."""
+        ask = _Ask(job, reply, self._steps.new_id())
+        if self.session.ranks is not None:
+            self._asks[ask.id] = ask
         try:
-            self._rows.open(reply.request, _Ask(job, reply))
-        except BaseException as e:  # the HTTP side decides what the client sees
+            failed = self._steps.add(Open(ask.id, reply.request), self._rows, lambda _: ask)
+        except BaseException as e:
             job.send(Failed(e))
-            if not isinstance(e, Exception):
-                raise
+            raise
+        for _, error in failed:  # the HTTP side decides what the client sees
+            job.send(Failed(error))
 
     def _drop_cancelled(self) -> None:
         for flight in [f for f in self._flights if f.tag.job.cancelled.is_set()]:
@@ -353,6 +427,8 @@ class Scheduler:
             for flight in self._rows.prefill_step(group):
                 flight.tag.reply.take(flight.opening.prefilled)
         except Exception as e:
+            if fatal(e):
+                raise
             self._fail([f for f in group if f.state is not State.FINISHED], e)
 
     def _step(self) -> None:
@@ -361,10 +437,12 @@ class Scheduler:
             start = time.perf_counter()
             blocks = self._rows.step()
         except Exception as e:
+            if fatal(e):
+                raise
             # The engine restored every row to its state before the block; the requests cannot go on.
-            self._fail(self._rows.decoding, e)
-            if self._rows.engine.rows:
-                self._rows.new_engine()  # rows no request owns (one could not leave): start the engine afresh
+            self._fail([f for f in self._rows.decoding if f not in self._leaving], e)
+            # Rows no request owns (one could not leave): start the engine afresh.
+            self._steps.add(Fresh(), self._rows)
             return
         seconds = time.perf_counter() - start
         if log.isEnabledFor(logging.DEBUG):
@@ -408,7 +486,7 @@ class Scheduler:
 
     def _fail(self, flights: list[Flight], error: Exception) -> None:
         for flight in flights:
-            if flight in self._rows.flights:  # it may have left already (a fault as it finished)
+            if flight in self._flights:  # it may have left already (a fault as it finished)
                 try:
                     self._leave(flight, keep=False)
                 except Exception as e:  # out of flight already; _step and _recover start a fresh engine for its row
@@ -416,8 +494,13 @@ class Scheduler:
             flight.tag.job.send(Failed(error))
 
     def _leave(self, flight: Flight, keep: bool = True) -> None:
-        """Take a request out of flight; its caches go to the prompt cache when they are consistent."""
-        self._rows.leave(flight, keep, flight.tag.reply.tokens)
+        """Take a request out of flight (under ranks: at the next pass, on every rank); its caches go to the prompt
+        cache when they are consistent."""
+        ask = flight.tag
+        if self.session.ranks is not None:
+            self._leaving.add(flight)  # until the next pass: it holds its hit's entry until then
+        for _, error in self._steps.add(Leave(ask.id, keep, tuple(ask.reply.tokens)), self._rows):
+            raise error
 
 
 def _line(reply: Reply) -> str:

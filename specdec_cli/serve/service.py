@@ -114,7 +114,8 @@ class Service:
                 "prompt_cache_bytes": cache.nbytes if cache is not None else 0,
                 "prompt_cache_max_bytes": cache.max_bytes if cache is not None else 0,
                 "lookup_corpus_tokens": self.session.corpus.tokens if self.session.corpus is not None else 0,
-                **self._disk()}
+                **self._disk(),
+                **({"distributed": self.session.ranks.describe()} if self.session.ranks is not None else {})}
 
     def _disk(self) -> dict:
         """The disk tier's folder and sizes (zeros and null when there is none)."""
@@ -165,6 +166,10 @@ class Service:
         except MemoryLimitError as e:
             raise ApiError(400, str(e), "max_tokens") from None
         sampling = self._sampling(req)
+        if req.compare_alone and self.session.ranks is not None:
+            raise ApiError(400, "compare_alone is not built for a server sharded under mlx.launch (the check decodes "
+                           "the request again on the generation thread): ask a one-process server",
+                           "compare_alone", "invalid_value")
         if req.compare_alone and not sampling.greedy and req.seed is None:
             raise ApiError(400, "compare_alone with sampling needs a seed (the answer's draws are drawn again): "
                            "send seed, or temperature 0", "compare_alone", "invalid_value")

@@ -91,7 +91,8 @@ def auto_concurrency(session: Session, rows: Sequence[int] = AUTO_ROWS) -> tuple
     """serve's ``--decode-concurrency`` default: :func:`~specdec_cli.loop.batch_policy.knee` of the target's
     one-token step measured at ``rows`` rows; returns it and the seconds by row count."""
     # Every row count is measured (one-token steps are quick); none is extrapolated.
-    table = CostTable.measure(session.model, session.fresh_cache, rows, (1,), budget=float("inf"))
+    table = CostTable.measure(session.model, session.fresh_cache, rows, (1,), budget=float("inf"),
+                              clock=_clock(session))
     costs = {b: table.cost(b, 1) for b in rows}
     return knee(costs), costs
 
@@ -101,7 +102,12 @@ def measure_costs(session: Session, max_rows: int) -> CostTable:
     # Past 8 rows the table extrapolates: measuring 32 rows' wide forwards would take the whole budget.
     rows = sorted({1, 2, min(max_rows, 8)})
     widths = sorted({w for w in WIDTHS if w <= session.block_size} | {session.block_size})
-    return CostTable.measure(session.model, session.fresh_cache, rows, widths)
+    return CostTable.measure(session.model, session.fresh_cache, rows, widths, clock=_clock(session))
+
+
+def _clock(session: Session):
+    """Under ``mlx.launch``, rank 0's timings for every rank (they decide which forwards are measured)."""
+    return None if session.ranks is None else session.ranks.clock
 
 
 def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, planner: bool = True,

@@ -265,6 +265,10 @@ class Session:
                 return hit
         if self.prompt_cache is None:
             return None
+        if self.ranks is not None and not self.ranks.same(self.prompt_cache.best(ids, taps)):
+            # Each rank's cache holds its own shard and evicts by its own bytes: a prefix one rank lost is
+            # prefilled again on every rank, so that all feed the same tokens.
+            return None
         return self.prompt_cache.fetch(ids, self.model, draft, need_hidden=taps)
 
     def _marks(self, cache: ModelCache, request: Request, n: int) -> tuple[int, ...]:

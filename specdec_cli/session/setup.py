@@ -259,8 +259,8 @@ def single_process(opts: ModelOptions, face: str) -> None:
         OptionError: Raised alike on every rank, so rank 0 alone says it.
     """
     if join_ranks(opts) is not None:
-        raise OptionError(f"specdec {face} runs in one process: under mlx.launch, run specdec generate or sweep "
-                          f"(a {face} sharded over several machines is not built yet); start specdec {face} "
+        raise OptionError(f"specdec {face} runs in one process: under mlx.launch, run specdec generate, sweep or "
+                          f"serve (a {face} sharded over several machines is not built yet); start specdec {face} "
                           "without mlx.launch")
 
 

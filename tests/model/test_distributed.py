@@ -213,7 +213,7 @@ def launched(tmp_path_factory):
         ("refuse_heads", _gen(llama3)),
         ("refuse_pipeline_mtp", _gen(qwen, "--pipeline", "--drafter", "mtp")),
         ("refuse_stdin", ["generate", "--model", str(llama), "-p", "-"]),
-        ("refuse_serve", ["serve", "--model", str(llama), "--port", "0"]),
+        ("refuse_serve_exact", ["serve", "--model", str(llama), "--port", "0", "--exact"]),
         ("refuse_chat", ["chat", "--model", str(llama)]),
     ]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
@@ -337,8 +337,8 @@ def test_sweep_runs_sharded(launched):
     ("refuse_heads", 1, "2 ranks do not divide this model's heads (num_attention_heads 3, num_key_value_heads 1)"),
     ("refuse_pipeline_mtp", 2, "--drafter mtp reads the target's hidden states, which pipeline parallelism keeps"),
     ("refuse_stdin", 2, "under mlx.launch stdin never ends"),
-    ("refuse_serve", 2, "specdec serve runs in one process: under mlx.launch, run specdec generate or sweep"),
-    ("refuse_chat", 2, "specdec chat runs in one process: under mlx.launch, run specdec generate or sweep"),
+    ("refuse_serve_exact", 2, "--exact is not built for a target sharded under mlx.launch yet"),
+    ("refuse_chat", 2, "specdec chat runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
     ("disagree", 1, "rank 1 and rank 0 disagree on the options: every rank must run the same command"),
 ])
 def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
@@ -377,8 +377,8 @@ def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_pat
         capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
     )
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
-    assert errors == ["error: specdec chat runs in one process: under mlx.launch, run specdec generate or sweep "
-                      "(a chat sharded over several machines is not built yet); start specdec chat without "
+    assert errors == ["error: specdec chat runs in one process: under mlx.launch, run specdec generate, sweep or "
+                      "serve (a chat sharded over several machines is not built yet); start specdec chat without "
                       "mlx.launch"], done.stderr
     # The launcher's own line for rank 0 carries the refusal's exit code (not 130 or -15: ended early).
     assert "Node with rank 0 exited with code 2" in done.stderr, done.stderr
