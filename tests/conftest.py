@@ -75,6 +75,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "cache/test_rollback.py": FAST,
     "core/test_sampling.py": FAST,
     "core/test_shapes.py": FAST,  # bucketed verify shapes (issue 42)
+    "serve/test_lockstep.py": FAST,  # the sharded server's passes on a group of one rank, in-process
     "serve/test_scheduler.py": FAST,  # the generation thread in-process: no server process
     "core/test_seeded_sampling.py": FAST,
     "serve/test_serve.py": SERVER,
@@ -269,6 +270,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     # In the distributed file, the tests that launch nothing (one watchdog process at most).
     "model/test_distributed.py::test_checksum_sees_order_and_content": FAST,
     "model/test_distributed.py::test_settle_takes_rank_0s_decision_and_raises_on_other_inputs": FAST,
+    "model/test_distributed.py::test_settle_rows_takes_rank_0s_decision_per_row_and_names_the_row_fed_otherwise": FAST,
     "model/test_distributed.py::test_heads_must_divide_by_the_ranks": FAST,
     "model/test_distributed.py::test_a_family_that_cannot_pipeline_is_refused_naming_those_that_can": FAST,
     "model/test_distributed.py::test_what_a_sharded_target_cannot_do_is_refused_before_loading": FAST,

@@ -60,7 +60,8 @@ Op = Any  # Open | Leave | Fresh
 
 @dataclass
 class Pass:
-    """One loop pass of rank 0's scheduler: its ops, then a prefill chunk and an engine block (``stop``: the end)."""
+    """One loop pass of rank 0's scheduler: its ops, then a prefill chunk and an engine block (``stop``: its ops,
+    then the end)."""
 
     ops: list = field(default_factory=list)
     stop: bool = False
@@ -78,6 +79,11 @@ class Lockstep:
         self.flights: dict[int, Flight] = {}
         self._queued: list[Op] = []
         self._next = 0
+
+    @property
+    def queued(self) -> bool:
+        """Whether ops wait for the next pass."""
+        return bool(self._queued)
 
     def new_id(self) -> int:
         self._next += 1
@@ -139,10 +145,10 @@ def follow(rows: Flights, ranks: distributed.Ranks) -> None:
         with ranks.watching():
             while True:
                 work: Pass = ranks.broadcast()
-                if work.stop:
-                    return
                 for op, error in steps.apply(work.ops, rows):
                     log.error("rank %d: %s failed: %s", ranks.rank, type(op).__name__, error)
+                if work.stop:
+                    return
                 try:
                     rows.prefill_step(rows.next_prefill())
                     if rows.engine.rows:

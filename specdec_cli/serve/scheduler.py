@@ -310,7 +310,8 @@ class Scheduler:
         if self._rows is not None:
             try:
                 if stopped:
-                    self._steps.send(stop=True)  # under ranks every rank ends with this one
+                    # Under ranks every rank ends with this pass, once it has done the leaves still queued.
+                    self._steps.apply(self._steps.send(stop=True), self._rows)
             finally:
                 self._rows.close()
 
@@ -353,7 +354,7 @@ class Scheduler:
             else:
                 try:
                     # Under ranks an idle pass still goes out now and then: the ranks' heartbeat.
-                    idle = not self._flights and not self._asks
+                    idle = not self._flights and not self._asks and not self._steps.queued
                     job = self._jobs.get(block=idle, timeout=HEARTBEAT_S if self.session.ranks else None)
                 except queue.Empty:
                     return True

@@ -69,6 +69,17 @@ def test_settle_takes_rank_0s_decision_and_raises_on_other_inputs():
         ranks.settle(mx.array([[2, 7, 11, 5, 3], [2, 7, 11, 6, 3]]))
 
 
+def test_settle_rows_takes_rank_0s_decision_per_row_and_names_the_row_fed_otherwise():
+    ranks = _ranks()
+    # Two rows of one block: (n, next, checksum, position, fed length) each, side by side per rank.
+    same = [2, 7, 11, 5, 3, 0, 9, 4, 8, 1]
+    assert ranks.settle_rows(mx.array([same, same]), 2) == [[2, 7], [0, 9]]
+    assert ranks.settle_rows(mx.array([same, [2, 7, 11, 5, 3, 1, 3, 4, 8, 1]]), 2) == [[2, 7], [0, 9]]
+    assert ranks.overridden == 1
+    with pytest.raises(RanksDisagree, match="rank 1 fed the target other tokens than rank 0 in row 1"):
+        ranks.settle_rows(mx.array([same, [2, 7, 11, 5, 3, 0, 9, 6, 8, 1]]), 2)
+
+
 def test_heads_must_divide_by_the_ranks():
     smollm2 = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}
     with pytest.raises(ShardingRefused, match=r"2 ranks do not divide .*num_attention_heads 9.*use 3 ranks"):

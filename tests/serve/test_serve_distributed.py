@@ -65,7 +65,7 @@ def _args(models: dict, name: str) -> list[str]:
 
 
 def _answers(url: str) -> list[str]:
-    """Eight requests at once (chat and text completions, one streamed, anthropic messages), greedy."""
+    """Nine requests at once (chat and text completions, one streamed, anthropic messages), greedy."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
 
@@ -86,8 +86,10 @@ def _answers(url: str) -> list[str]:
                                      messages=[{"role": "user", "content": prompt}])
         return "".join(b.text for b in out.content if b.type == "text")
 
+    # The last prompt's pass is larger than one collective carries whole (Ranks.broadcast's second).
     asks = [lambda p=p: text(p) for p in PROMPTS] + [lambda: chat(PROMPTS[0]), lambda: chat(PROMPTS[1], True),
-                                                     lambda: message(PROMPTS[2]), lambda: message(PROMPTS[3])]
+                                                     lambda: message(PROMPTS[2]), lambda: message(PROMPTS[3]),
+                                                     lambda: text(" ".join(PROMPTS * 6))]
     with ThreadPoolExecutor(len(asks)) as pool:
         return list(pool.map(lambda ask: ask(), asks))
 
