@@ -133,12 +133,13 @@ def fatal(error: BaseException) -> bool:
     return isinstance(error, distributed.DistributedError) or distributed.is_peer_error(error)
 
 
-def follow(rows: Flights, ranks: distributed.Ranks) -> None:
+def follow(rows: Flights, ranks: distributed.Ranks, after: Callable[[], None] = lambda: None) -> None:
     """A rank other than 0: do rank 0's passes until one says stop (or a peer is lost: that raises).
 
     Each pass: its ops, one prefill chunk of the oldest request prefilling, one block of the decoding rows, as
-    rank 0's scheduler does them. A fault in the prefill or the block is rank 0's too (the same work): it
-    decides what leaves, and this rank does that in the next pass.
+    rank 0's scheduler does them, then ``after()`` (this rank's own work, e.g. its disk writes). A fault in the
+    prefill or the block is rank 0's too (the same work): it decides what leaves, and this rank does that in the
+    next pass.
     """
     steps = Lockstep(ranks)
     try:
@@ -148,6 +149,7 @@ def follow(rows: Flights, ranks: distributed.Ranks) -> None:
                 for op, error in steps.apply(work.ops, rows):
                     log.error("rank %d: %s failed: %s", ranks.rank, type(op).__name__, error)
                 if work.stop:
+                    after()
                     return
                 try:
                     rows.prefill_step(rows.next_prefill())
@@ -157,6 +159,7 @@ def follow(rows: Flights, ranks: distributed.Ranks) -> None:
                     if fatal(e):
                         raise
                     log.error("rank %d: a pass failed: %s", ranks.rank, e)
+                after()
     finally:
         rows.close()
 

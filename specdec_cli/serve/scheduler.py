@@ -219,7 +219,10 @@ class Scheduler:
 
     def follow(self) -> None:
         """A rank other than 0 under ``mlx.launch``: do rank 0's loop passes on this thread until it stops."""
-        follow(Flights(self.session, planner=self._planner()), self.session.ranks)
+        try:
+            follow(Flights(self.session, planner=self._planner()), self.session.ranks, self.session.save_to_disk)
+        finally:
+            self.session.shutdown()  # this rank's disk writes, and the lookup corpus beside them
 
     # -- the thread ---------------------------------------------------------------------------------
 
@@ -312,6 +315,7 @@ class Scheduler:
                 if stopped:
                     # Under ranks every rank ends with this pass, once it has done the leaves still queued.
                     self._steps.apply(self._steps.send(stop=True), self._rows)
+                    self.session.save_to_disk()
             finally:
                 self._rows.close()
 

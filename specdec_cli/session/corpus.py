@@ -56,6 +56,14 @@ class Corpus:
             while self._tokens > self.max_tokens:
                 self._tokens -= len(self._items.popleft())
 
+    def replace(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Hold ``outputs`` (oldest first, within the bound) instead of what it held."""
+        with self._lock:
+            self._items.clear()
+            self._tokens = 0
+        for output in outputs:
+            self.add(output)
+
     def outputs(self) -> list[tuple[int, ...]]:
         """The outputs held, oldest first (a snapshot)."""
         with self._lock:

@@ -77,6 +77,9 @@ def key_parts(setup: Setup, taps=None) -> tuple[dict, Optional[dict], Optional[d
               "adapter": content_fingerprint(adapter) if adapter is not None else None,
               "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "specdec": __version__, **_device(),
               "exact": bool(opts.exact)}  # an --exact run's caches are computed otherwise: never another's
+    if setup.ranks is not None:
+        # Each rank's caches hold its own shard: a folder of its own within the folder (the key's).
+        target["shard"] = {"rank": setup.ranks.rank, "ranks": setup.ranks.size, "mode": setup.ranks.mode}
     draft = None
     if setup.draft is not None:
         draft = {"model": content_fingerprint(setup.draft.path), "dtype": setup.draft.dtype}
@@ -147,13 +150,12 @@ def open_disk_tier(setup: Setup, folder: Optional[str], gb: Optional[float], tap
                    ) -> tuple[Optional[DiskTier], Optional[str]]:
     """The disk tier ``--prompt-cache-dir`` / ``--prompt-cache-disk-gb`` ask for, or None, and a warning.
 
-    Off when ``gb`` is 0, under ranks (each holds a shard: the files would be one rank's), or when the
-    folder cannot be made (a warning then; the run goes on without it).
+    Off when ``gb`` is 0, or when the folder cannot be made (a warning then; the run goes on without it).
+    Under ranks each rank keys its own shard's files (a subfolder of its own, whether the ranks share the
+    folder or each machine has its own).
     """
     if gb is not None and gb <= 0:
         return None, None
-    if setup.ranks is not None:
-        return None, "the disk prompt cache is off for a sharded target"
     path = Path(folder).expanduser() if folder else default_dir()
     try:
         if not path.is_dir():

@@ -225,6 +225,8 @@ class Session:
         self.disk, warning = open_disk_tier(self.setup, folder, gb, self.tap_spec())
         if self.disk is not None and self.corpus is not None:
             self.corpus.load(self.disk.corpus_path)  # recent answers outlive the process too
+        if self.ranks is not None and self.corpus is not None:
+            self.corpus.replace(self.ranks.broadcast(self.corpus.outputs()))  # every rank drafts from rank 0's
         return warning
 
     def shutdown(self) -> None:
@@ -261,6 +263,8 @@ class Session:
         if self.disk is not None:
             held = self.prompt_cache.best(ids, taps) if self.prompt_cache is not None else 0
             hit = self.disk.load(ids, self.model, self.fresh_cache, draft, taps, more_than=held)
+            if self.ranks is not None and not self.ranks.same(hit.cached if hit is not None else 0):
+                hit = None  # a prefix one rank's disk lost (its own bound, its own files): used on no rank
             if hit is not None:
                 return hit
         if self.prompt_cache is None:

@@ -148,6 +148,28 @@ def test_a_client_that_goes_away_mid_stream_leaves_the_ranks_serving(models, sha
         alone.stop()
 
 
+def test_each_rank_keeps_its_shard_on_disk_and_a_restarted_server_resumes_from_it(models, sharded, tmp_path):
+    folder = tmp_path / "prompt-cache"
+    body = {"prompt": PROMPTS[0] * 3, "max_tokens": N, "temperature": 0}
+    expected = sharded.post("/v1/completions", body).json()["choices"][0]["text"]
+    for run in range(2):
+        server = Server(*_args(models, "llama_lookup"), "--prompt-cache-dir", folder, "--prompt-cache-disk-gb", "1",
+                        ranks=2)
+        try:
+            out = server.post("/v1/completions", body).json()
+        finally:
+            assert server.stop(signal.SIGINT) == 0, server.log
+            assert [p.returncode for p in server.others] == [0], server.other_lines
+        assert out["choices"][0]["text"] == expected
+        disk = out["usage"]["prompt_tokens_details"]["disk_tokens"]
+        assert (disk > 0) == (run == 1), out["usage"]
+    # One key folder per rank: each holds its own shard's files and the same lookup corpus.
+    keys = [d for d in folder.iterdir() if d.is_dir()]
+    assert len(keys) == 2
+    corpora = [json.loads((d / "lookup-corpus.json").read_text()) for d in keys]
+    assert corpora[0] == corpora[1] and corpora[0]["outputs"]
+
+
 def test_what_a_sharded_server_cannot_do_is_a_400(sharded):
     r = sharded.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "compare_alone": True})
     assert r.status_code == 400
