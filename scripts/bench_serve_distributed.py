@@ -6,49 +6,58 @@ ring backend over localhost; rank 0 serves HTTP), each tensor-parallel over
 the R ranks, on the bundled SmolLM2-135M-Instruct in float32 from the same
 files (``scripts/bench_serve.py``'s ``prepare``: ``mlx_lm.convert -d --dtype
 float32``), greedy, defaults otherwise. specdec runs its default drafter
-(prompt lookup, with its default answer corpus); mlx_lm.server refuses draft
-models when distributed, so it decodes plainly. Both get
-``--decode-concurrency`` as ``bench_serve.py --concurrency`` gives it (8 by
-default), both get the system OpenBLAS (specdec preloads it itself by
-re-executing; mlx_lm's ranks get it in ``LD_PRELOAD``) and both get
-``OPENBLAS_NUM_THREADS`` = cores // R, the value specdec's re-exec sets for
-ranks sharing one machine's cores (so mlx_lm's ranks get no more BLAS threads
-than specdec's).
+(prompt lookup, with its default corpus of recent answers); mlx_lm.server
+refuses draft models when distributed, so it decodes plainly. Both get
+``--decode-concurrency`` as ``bench_serve.py --concurrency`` gives them (8
+by default), both run on the system OpenBLAS (specdec preloads it itself by
+re-executing; mlx_lm's ranks get it in ``LD_PRELOAD``, as bench_serve gives
+it) and both get ``OPENBLAS_NUM_THREADS`` = cores // R, the value specdec's
+re-exec sets for ranks that share one machine's cores, so that mlx_lm's
+ranks run no more BLAS threads than specdec's.
 
-At each level of clients (``--concurrency``, e.g. 1,4,8) a workload is sent by
-that many clients at once (``bench_serve.workload``: each client takes the
+At each level of clients (``--concurrency``, e.g. 1,4,8) a workload is sent
+by that many clients at once (``bench_serve.workload``: each client takes the
 next request when its last one ends) to each server in turn, the server that
-goes first alternating from level to level. The workload is bench_serve.py's
-mixed one (open questions, a summary, an edit and a copy) with every
-``max_tokens`` set to ``--max-tokens``; it has ``max(--requests, clients)``
-requests (request i is the mixed workload's i mod 8), so that every client has
-one. Per level and server: aggregate tokens per second (completion tokens of
-the whole workload / its wall time), mean and worst latency, mean time to
-first token, the load average (``os.getloadavg``) before and after, whether the
-texts equal the same requests' at the first level (same server), and whether
-specdec's texts equal mlx_lm's (reported, not asserted: greedy, but sharded
-arithmetic can round a near-tie either way). specdec's own per-request counts
-(tokens drafted and accepted, tokens per block, from the ``timings`` of its
-streamed answers) are summed per level, and its start-up lines and /health
-(corpus, prompt cache, ranks) are kept.
+goes first alternating from level to level. By default each server is started
+for its turn and stopped after it (each turn then starts from a fresh server:
+its warm-up, an empty prompt cache and, for specdec, an empty answer corpus),
+because an idle sharded server is not idle: its ranks poll each other (measured
+here with 3 ranks: about 0.9 of the 2 cores for an idle mlx_lm.server, 0.6 for
+an idle specdec serve), which would slow whichever server is measured.
+``--together`` keeps both up for the whole run instead, as bench_serve does.
 
-Every launcher is started in a session of its own; at the end its whole
-process group gets SIGINT (Ctrl-C, as a terminal would send it to every rank),
-then SIGKILL for anything still alive after ``--stop-timeout`` seconds; the
-JSON says how each group ended and whether a process survived. ``mlx.launch``
+The workload is bench_serve.py's mixed one (open questions, a copy, a
+summary and an edit, in an order whose every prefix mixes the kinds: open,
+copy, summary, edit, then their variants) with every ``max_tokens`` set to
+``--max-tokens``; a level sends ``max(--requests, clients)`` requests (request
+i is the i-th of that order, cycled), so that every client has one. Per level
+and server: aggregate tokens per second (completion tokens of the whole
+workload / its wall time), mean and worst latency, mean time to first token,
+the load average (``os.getloadavg``) before and after, whether the texts
+equal the same requests' at the first level (same server), and how many of
+specdec's texts equal mlx_lm's (reported, not asserted: greedy, but sharded
+arithmetic can round a near-tie either way). specdec's own counts (tokens
+drafted and accepted, blocks, from the ``timings`` of its streamed answers)
+are summed per level; its log (start-up lines, one line per answer) and its
+/health (corpus, prompt cache, ranks) are kept.
+
+Every launcher is started in a session of its own and stopped with its whole
+process group: SIGINT (Ctrl-C, as a terminal sends it to every rank), then
+SIGKILL for anything still alive after ``--stop-timeout`` seconds; the JSON
+says how each group ended and whether any process survived. ``mlx.launch``
 exits 0 whatever its ranks return, so a rank's failure is read from its
-``[WARN] Node with rank N ...`` lines, which the JSON keeps.
+``[WARN] Node with rank N ...`` lines, kept with every error line of the log.
 
 A rank count that does not divide the model's heads (the bundled model has 9
 attention and 3 KV heads: 2 ranks do not divide 9) is still tried on both
-servers: what each does (a refusal at start-up, an error at the first request)
-is written to the JSON and the comparison is skipped, with no numbers.
+servers: what each does (a refusal at start-up, an error at the first
+request) goes into the JSON and the comparison is skipped, with no numbers.
 
-Usage (one machine; sharded decoding here is slow, ~0.3-0.5 tok/s a row, so
-keep the workload small)::
+Usage (one machine; sharded decoding here runs at ~0.3-0.5 tok/s a row, so the
+workload is small: the first command took 17 minutes here)::
 
-    python scripts/bench_serve_distributed.py --ranks 3 --concurrency 1,4,8 --max-tokens 48 \\
-        --requests 4 --out bench-results/serve-distributed-3.json
+    python scripts/bench_serve_distributed.py --ranks 3 --concurrency 1,4,8 --requests 4 --max-tokens 48 \\
+        --out bench-results/serve-distributed-3.json
     python scripts/bench_serve_distributed.py --ranks 2 --out bench-results/serve-distributed-2.json
 """
 
@@ -183,9 +192,13 @@ def trouble(log: Path) -> list[str]:
         return []
 
 
+# bench_serve's mixed workload in an order whose every prefix mixes the kinds: open, copy, summary, edit, ...
+ORDER = (0, 3, 1, 2, 4, 7, 5, 6)
+
+
 def requests_for(clients: int, count: int, max_tokens: int) -> list:
-    """``max(count, clients)`` requests of the mixed workload (cycled), each with ``max_tokens``."""
-    mixed = bench_serve.MIXED
+    """``max(count, clients)`` requests of the mixed workload (in ``ORDER``, cycled), each with ``max_tokens``."""
+    mixed = [bench_serve.MIXED[i] for i in ORDER]
     return [(kind, prompt, max_tokens) for kind, prompt, _ in
             (mixed[i % len(mixed)] for i in range(max(count, clients)))]
 
@@ -202,36 +215,134 @@ def specdec_counts(answers: list[dict]) -> dict:
             "draft_n": drafted, "draft_n_accepted": accepted,
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_block": predicted / sum(blocks) if blocks else None,
+            "blocks": round(sum(blocks)) if blocks else None,
             "cache_n": sum(t.get("cache_n") or 0 for t in timings),
             "drafter": sorted({t.get("drafter") for t in timings if t.get("drafter")})}
 
 
-def compare(ports: dict, levels: list[int], count: int, max_tokens: int) -> dict:
-    """Each level, each server in turn (who goes first alternates); texts held against each other."""
+class Servers:
+    """Each server's command line under mlx.launch, started and stopped as its process group."""
+
+    def __init__(self, args, model: Path, envs: dict, work: Path):
+        self.args, self.model, self.envs, self.work = args, model, envs, work
+        self.procs: dict = {}
+        self.ports: dict = {}
+        self.starts: list[dict] = []  # every start: server, tag, what happened, how it stopped, its log's trouble
+
+    def command(self, name: str, port: int) -> list[str]:
+        a = self.args
+        batch = ["--decode-concurrency", a.decode_concurrency] if a.decode_concurrency != "default" else []
+        if name == "mlx_lm":
+            cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model), "--port", str(port), *batch]
+        else:
+            cmd = [sys.executable, "-m", "specdec_cli", "serve", "--model", str(self.model), "--port", str(port),
+                   *batch, *a.specdec_args.split()]
+        return launched(cmd, a.ranks)
+
+    def up(self, name: str, tag: str) -> bool:
+        """Start ``name`` and send it the untimed warm-up (bench_serve's); False: it cannot serve."""
+        port = free_port()
+        log = self.work / f"{name}-{tag}.log"
+        cmd = self.command(name, port)
+        print(f"[{tag}] starting {name} under mlx.launch -n {self.args.ranks} (load {os.getloadavg()[0]:.1f}) ...",
+              flush=True)
+        proc, info = start(cmd, port, self.envs[name], log, self.args.start_timeout)
+        info.update(server=name, tag=tag, command=cmd, log=log)
+        self.starts.append(info)
+        if proc is None:
+            info["log_trouble"] = trouble(log)
+            print(f"{name} did not start: {info['why']}\n  " + "\n  ".join(info["log_tail"][-8:]), flush=True)
+            return False
+        self.procs[name], self.ports[name] = proc, port
+        print(f"{name} up in {info['start_s']:.0f} s", flush=True)
+        try:
+            t0 = time.monotonic()
+            out = bench_serve.ask(port, [{"role": "user", "content": "Hello"}], 8)
+            info["warmup_s"] = time.monotonic() - t0
+            info["warmup_answer"] = {k: out[k] for k in ("text", "completion_tokens")}
+            time.sleep(1)  # a rank's traceback reaches the launcher's stderr
+            failed = [line for line in trouble(log) if "Traceback" not in line]
+            if not out["completion_tokens"] or failed:
+                # A stream can end with nothing in it and no HTTP error (mlx_lm: its generation thread died).
+                raise RuntimeError(f"{out['completion_tokens']} tokens; the log says: {failed[-3:]}")
+        except Exception as e:  # noqa: BLE001  (a sharding that fails at its first forward)
+            info["warmup_error"] = f"{type(e).__name__}: {e}"
+            print(f"{name}'s first request failed: {info['warmup_error']}", flush=True)
+            self.down(name)
+            return False
+        if name == "specdec":
+            info["health"] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        return True
+
+    def down(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        info = next(s for s in reversed(self.starts) if s["server"] == name)
+        if name == "specdec":  # what it holds now, and again once its last rows have left
+            try:
+                info["health_at_end"] = httpx.get(f"http://127.0.0.1:{self.ports[name]}/health", timeout=10).json()
+                time.sleep(10)
+                info["health_10s_later"] = httpx.get(f"http://127.0.0.1:{self.ports[name]}/health",
+                                                     timeout=10).json()
+            except httpx.HTTPError as e:
+                info["health_error"] = f"{type(e).__name__}: {e}"
+        info["stopped"] = stop(proc, self.args.stop_timeout)
+        info["log_trouble"] = trouble(info["log"])
+        if name == "specdec":  # its start-up lines and one line per answer
+            info["log_lines"] = tail(info["log"], 1000)
+        else:
+            info["log_tail"] = tail(info["log"], 15)
+
+    def down_all(self) -> None:
+        for name in list(self.procs):
+            self.down(name)
+
+
+def measure(servers: Servers, server: str, requests: list, clients: int) -> dict:
+    load_before = os.getloadavg()
+    del _ANSWERS[:]
+    got = workload(servers.ports[server], requests, clients)
+    got["load_before"] = load_before
+    got["load_after"] = os.getloadavg()
+    # Each server's own usage count (in order of finishing): mlx_lm's appears to count a stop token, specdec's not.
+    got["completion_tokens"] = [a["completion_tokens"] for a in _ANSWERS]
+    if server == "specdec":
+        got["specdec_counts"] = specdec_counts(list(_ANSWERS))
+    return got
+
+
+def compare(servers: Servers, levels: list[int], count: int, max_tokens: int, alone: bool) -> Optional[dict]:
+    """Each level, each server in turn (who goes first alternates); texts held against each other.
+
+    ``alone``: each server is started for its turn and stopped after it, so that the other's idle ranks
+    (which poll each other) take no CPU from it. None: a server could not serve.
+    """
     results: dict = {}
     first_texts: dict = {}
     for n, level in enumerate(levels):
         requests = requests_for(level, count, max_tokens)
         order = SERVERS if n % 2 == 0 else SERVERS[::-1]
-        row: dict = {"requests": len(requests), "order": list(order)}
+        row: dict = {"requests": len(requests), "kinds": [r[0] for r in requests], "order": list(order)}
         for server in order:
-            load_before = os.getloadavg()
-            del _ANSWERS[:]
-            got = workload(ports[server], requests, level)
-            got["load_before"] = load_before
-            got["load_after"] = os.getloadavg()
+            if alone and not servers.up(server, f"x{level}"):
+                if n == 0 and server == order[0]:  # say what the other one does too
+                    if servers.up(order[1], f"x{level}"):
+                        servers.down(order[1])
+                return None
+            got = measure(servers, server, requests, level)
+            if alone:
+                servers.down(server)
             earlier = first_texts.setdefault(server, got["texts"])
             common = min(len(earlier), len(got["texts"]))
             got["same_as_first_level"] = got["texts"][:common] == earlier[:common]
-            if server == "specdec":
-                got["specdec_counts"] = specdec_counts(list(_ANSWERS))
             row[server] = got
         row["tok_s_ratio"] = row["specdec"]["tok_s"] / row["mlx_lm"]["tok_s"]
         pairs = list(zip(row["specdec"]["texts"], row["mlx_lm"]["texts"]))
         row["texts_equal"] = sum(a == b for a, b in pairs)
         row["texts_compared"] = len(pairs)
         row["texts_equal_across_servers"] = row["texts_equal"] == len(pairs)
-        row["load_avg_1min"] = [row[s]["load_before"][0] for s in order] + [row[order[-1]]["load_after"][0]]
+        row["load_avg_1min"] = {s: [row[s]["load_before"][0], row[s]["load_after"][0]] for s in order}
         results[level] = row
         counts = row["specdec"]["specdec_counts"]
         print(f"x{level}: specdec {row['specdec']['tok_s']:.3f} tok/s, mlx_lm {row['mlx_lm']['tok_s']:.3f} tok/s "
@@ -239,7 +350,7 @@ def compare(ports: dict, levels: list[int], count: int, max_tokens: int) -> dict
               f"texts equal {row['texts_equal']}/{row['texts_compared']}; same as first level: specdec "
               f"{row['specdec']['same_as_first_level']}, mlx_lm {row['mlx_lm']['same_as_first_level']}; "
               f"specdec tokens/block {counts['tokens_per_block']}, accepted {counts['draft_n_accepted']}/"
-              f"{counts['draft_n']}; load {', '.join(f'{x:.1f}' for x in row['load_avg_1min'])}", flush=True)
+              f"{counts['draft_n']}; load {row['load_avg_1min']}", flush=True)
     return results
 
 
@@ -257,6 +368,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4,
                     help="requests in the workload at each level (at least as many as clients)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--together", action="store_true",
+                    help="keep both servers up for the whole run (bench_serve.py's way) instead of starting each "
+                         "for its turn: the idle one's ranks then poll each other on the same cores")
     ap.add_argument("--decode-concurrency", default="8",
                     help="both servers' --decode-concurrency, as bench_serve.py --concurrency gives it, or "
                          "'default': each server's own")
@@ -274,83 +388,52 @@ def main() -> None:
     model, env, peer_env, library = prepare(work, args.dtype)
     # As specdec's re-exec sets it for ranks sharing this machine's cores (model/blas.py rank_threads).
     threads = str(max(1, (os.cpu_count() or 1) // args.ranks))
-    env = {**env, "OPENBLAS_NUM_THREADS": threads}
-    peer_env = {**peer_env, "OPENBLAS_NUM_THREADS": threads}
-    ports = {name: free_port() for name in SERVERS}
-    batch = ["--decode-concurrency", args.decode_concurrency] if args.decode_concurrency != "default" else []
-    commands = {
-        "mlx_lm": launched([sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port",
-                            str(ports["mlx_lm"]), *batch], args.ranks),
-        "specdec": launched([sys.executable, "-m", "specdec_cli", "serve", "--model", str(model), "--port",
-                             str(ports["specdec"]), *batch, *args.specdec_args.split()], args.ranks),
-    }
-    envs = {"mlx_lm": peer_env, "specdec": env}
-    logs = {name: work / f"{name}.log" for name in SERVERS}
+    envs = {"mlx_lm": {**peer_env, "OPENBLAS_NUM_THREADS": threads},
+            "specdec": {**env, "OPENBLAS_NUM_THREADS": threads}}
+    servers = Servers(args, model, envs, work)
     results: dict = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
         "blas": str(library) if library else "bundled reference BLAS", "openblas_num_threads": threads,
         "settings": vars(args), "model": divisible(args.ranks, model),
-        "commands": {k: [str(c) for c in v] for k, v in commands.items()}, "servers": {}}
+        "env": {name: {k: e.get(k) for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "HF_HUB_OFFLINE",
+                                             "SPECDEC_PROMPT_CACHE_DISK_GB", "SPECDEC_NO_REEXEC")}
+                for name, e in envs.items()}}
     print(f"{args.ranks} ranks; heads {results['model']['heads']} "
-          f"{'divide' if results['model']['divides'] else 'do NOT divide'} by {args.ranks}", flush=True)
-
-    procs: dict = {}
+          f"{'divide' if results['model']['divides'] else 'do NOT divide'} by {args.ranks}; "
+          f"{'both servers up together' if args.together else 'each server up for its turn only'}", flush=True)
     try:
-        for name in SERVERS:
-            print(f"starting {name} under mlx.launch -n {args.ranks} ...", flush=True)
-            proc, info = start(commands[name], ports[name], envs[name], logs[name], args.start_timeout)
-            results["servers"][name] = info
-            if proc is None:
-                print(f"{name} did not start: {info['why']}\n  " + "\n  ".join(info["log_tail"][-8:]), flush=True)
-                continue
-            procs[name] = proc
-            print(f"{name} up in {info['start_s']:.0f} s", flush=True)
-            try:  # the untimed warm-up, as bench_serve's
-                t0 = time.monotonic()
-                out = bench_serve.ask(ports[name], [{"role": "user", "content": "Hello"}], 8)
-                info["warmup_s"] = time.monotonic() - t0
-                info["warmup_answer"] = {k: out[k] for k in ("text", "completion_tokens")}
-                time.sleep(1)  # a rank's traceback reaches the launcher's stderr
-                failed = [line for line in trouble(logs[name]) if "Traceback" not in line]
-                if not out["completion_tokens"] or failed:
-                    # A stream can end with nothing in it and no HTTP error (mlx_lm: its generation thread died).
-                    raise RuntimeError(f"{out['completion_tokens']} tokens; the log says: {failed[-3:]}")
-            except Exception as e:  # noqa: BLE001  (a sharding that fails at its first forward)
-                info["warmup_error"] = f"{type(e).__name__}: {e}"
-                print(f"{name}'s first request failed: {info['warmup_error']}", flush=True)
-                info["stopped"] = stop(procs.pop(name), args.stop_timeout)
-        if len(procs) == len(SERVERS):
-            health = httpx.get(f"http://127.0.0.1:{ports['specdec']}/health", timeout=10).json()
-            results["specdec_health_at_start"] = health
-            results["levels"] = compare(ports, levels, args.requests, args.max_tokens)
-            results["specdec_health_at_end"] = httpx.get(f"http://127.0.0.1:{ports['specdec']}/health",
-                                                         timeout=10).json()
+        levels_out = None
+        if args.together:
+            ok = [servers.up(name, "together") for name in SERVERS]
+            if all(ok):
+                levels_out = compare(servers, levels, args.requests, args.max_tokens, alone=False)
         else:
-            results["skipped"] = (f"not compared: {', '.join(n for n in SERVERS if n not in procs)} could not "
-                                  f"serve the model over {args.ranks} ranks (see servers)")
+            levels_out = compare(servers, levels, args.requests, args.max_tokens, alone=True)
+        if levels_out is None:
+            failed = sorted({s["server"] for s in servers.starts if not s.get("started") or "warmup_error" in s})
+            results["skipped"] = (f"not compared: {', '.join(failed)} could not serve the model over {args.ranks} "
+                                  f"ranks (see starts)")
             print(results["skipped"], flush=True)
+        else:
+            results["levels"] = levels_out
     finally:
-        for name, proc in procs.items():
-            results["servers"][name]["stopped"] = stop(proc, args.stop_timeout)
-        for name in SERVERS:
-            info = results["servers"].setdefault(name, {})
-            info["log_trouble"] = trouble(logs[name])
-            if name == "specdec":
-                try:
-                    info["log_head"] = logs[name].read_text(errors="replace").splitlines()[:40]
-                except OSError:
-                    pass
+        servers.down_all()
+        for info in servers.starts:
+            info.setdefault("log_trouble", trouble(info["log"]))
+            info["log"] = str(info["log"])  # removed below with the model files
+        results["starts"] = servers.starts
         results["wall_s"] = time.monotonic() - t_run
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {args.out} ({results['wall_s']:.0f} s)", flush=True)
     if "levels" in results:
-        print("\n| clients | specdec tok/s | mlx_lm tok/s | ratio | texts equal | load avg (1 min) |\n|---|---|---|---|---|---|")
+        print("\n| clients | requests | specdec tok/s | mlx_lm tok/s | ratio | texts equal | load avg (1 min) |\n"
+              "|---|---|---|---|---|---|---|")
         for level, row in results["levels"].items():
-            print(f"| {level} | {row['specdec']['tok_s']:.3f} | {row['mlx_lm']['tok_s']:.3f} | "
-                  f"{row['tok_s_ratio']:.2f}x | {row['texts_equal']}/{row['texts_compared']} | "
-                  f"{', '.join(f'{x:.1f}' for x in row['load_avg_1min'])} |")
+            load = "; ".join(f"{s} {a:.1f}->{b:.1f}" for s, (a, b) in row["load_avg_1min"].items())
+            print(f"| {level} | {row['requests']} | {row['specdec']['tok_s']:.3f} | {row['mlx_lm']['tok_s']:.3f} | "
+                  f"{row['tok_s_ratio']:.2f}x | {row['texts_equal']}/{row['texts_compared']} | {load} |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ stderr, and is stopped with SIGTERM (then killed, as a hang guard).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -63,7 +64,7 @@ class Server:
         self.other_lines: list[list[str]] = []
         if ranks > 1:
             hosts = Path(tempfile.mkdtemp(prefix="specdec-ranks-")) / "hosts.json"
-            hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
+            hosts.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]))
             run_env["MLX_HOSTFILE"] = str(hosts)
             for rank in range(1, ranks):
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -139,6 +140,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` consecutive free ports below the kernel's ephemeral range (mlx.launch's --starting-port takes the
+    ones after it): no client connection is handed one of them meanwhile, as one of 0's might be."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - n)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 # --- a tiny model that calls a tool --------------------------------------------------

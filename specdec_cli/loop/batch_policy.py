@@ -48,6 +48,10 @@ _REPEATS = 3
 # past the budget: what is not measured is extrapolated (a server's first batch waits for it).
 _SLOW_FORWARD_S = 0.25
 MEASURE_BUDGET_S = 3.0
+# A slow row count still gets one wide forward measured, past the budget: its cost by width is then a line
+# through two points, not a guess (priced as separate forwards, a sharded target's verify, which pays its
+# collectives once whatever its width, would look 8x too dear and never draft).
+SECOND_WIDTH = 8
 # How much one block's time moves a cell of the table.
 _LEARN = 0.2
 # A wider block must promise this much more than a plain one (W = 1) to be chosen: near the
@@ -102,7 +106,8 @@ class CostTable:
 
         Widths grow while a forward stays under ``_SLOW_FORWARD_S`` and the
         whole measurement under ``budget`` seconds; each row count's first
-        (narrowest) width is always measured. Each cell is the fastest of
+        (narrowest) width is always measured, and so is its ``SECOND_WIDTH``
+        (or the widest below it) once it was slow. Each cell is the fastest of
         ``repeats`` forwards, or one forward where that one took longer than
         ``_SLOW_FORWARD_S``. The caches are throwaway. Under ``mlx.launch``, ``clock`` (``Ranks.clock``)
         makes every timing rank 0's, so that every rank runs the same forwards and keeps the same table.
@@ -126,8 +131,12 @@ class CostTable:
         slow: set[int] = set()
         # Narrow widths of every row count first (what blocks use most), then wider ones while time remains.
         order = sorted(((b, w) for b in caches for w in set(widths)), key=lambda bw: (bw[1] > 8, bw[1], bw[0]))
+        second = max([w for w in widths if w <= SECOND_WIDTH], default=min(widths))
         for b, w in order:
-            if b in slow or (cells and spent > budget):
+            if b in slow:
+                if w != second or (b, w) in cells:
+                    continue
+            elif cells and spent > budget:
                 continue
             cache = caches[b]
             x = mx.ones((b, w) if b > 1 else (w,), dtype=mx.uint32)

@@ -146,8 +146,9 @@ class Opening:
             self.rest, settings.prefill_step_size, tapped, self.parts, seconds=settings.prefill_seconds,
             sizes=settings.prefill_chunks, agree=settings.agree, stops=stops)
         # Whether its prompt may be prefilled in one forward with other requests' (Flights.prefill_together):
-        # nothing fed yet, no hidden states to hand a drafter, no checkpoints, no ranks, layers that trim.
-        self.joinable = (tapped is None and not stops and settings.agree is None and not self.cache.recurrent
+        # nothing fed yet, no hidden states to hand a drafter, no checkpoints, layers that trim. Under ranks too:
+        # which requests join is decided from token counts alone, alike on every rank.
+        self.joinable = (tapped is None and not stops and not self.cache.recurrent
                          and not settings.quantized_kv and len(self.rest) > 0)
 
     @property

@@ -386,7 +386,14 @@ def world():
     """MLX's global group, initialised once per process (size 1 outside ``mlx.launch``)."""
     global _WORLD
     if _WORLD is None:
-        _WORLD = mx.distributed.init()
+        try:
+            _WORLD = mx.distributed.init()
+        except RuntimeError as e:
+            if "bind" not in str(e):
+                raise
+            raise DistributedError(f"MLX's distributed backend could not take its port ({e}): another process holds "
+                                   "it; give mlx.launch another --starting-port, or another port in the hostfile") \
+                from None
     return _WORLD
 
 

@@ -100,6 +100,10 @@ class Session:
         # Entries kept since the last save_to_disk: copied to the disk once their answer is out.
         self._unsaved: list[Entry] = []
         opts = setup.options
+        if setup.ranks is not None:
+            # Sharded, every forward pays its collectives whatever its size: chunks sized by time would shrink
+            # to the smallest and pay them once per 32 tokens. Chunks are --prefill-step-size, as mlx-lm's.
+            prefill_seconds = None
         # What every request opens with (auto's rollback choice among them: measured once per block size).
         self.settings = OpenSettings(
             numerics=setup.numerics, prefill_step_size=opts.prefill_step_size, prefill_seconds=prefill_seconds,

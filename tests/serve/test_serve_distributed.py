@@ -27,7 +27,7 @@ import pytest
 
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
-from server import READY, Server, env, free_port
+from server import READY, Server, env, free_ports
 
 HANG_GUARD_S = 300
 PROMPTS = ["The quick brown fox jumps over the lazy dog, twice: the quick brown fox.", "abc abc abc abc abc",
@@ -234,10 +234,10 @@ def test_the_readme_command_serves_three_ranks_under_mlx_launch_and_ctrl_c_ends_
     finally:
         alone.stop()
     # A session of its own, as a terminal's foreground job: Ctrl-C there reaches the launcher and every rank.
-    proc = subprocess.Popen([launcher, "--backend", "ring", "-n", "3", "--starting-port", str(free_port()), "--",
+    proc = subprocess.Popen([launcher, "--backend", "ring", "-n", "3", "--starting-port", str(free_ports(3)[0]), "--",
                              sys.executable, "-m", "specdec_cli", "serve", "--port", "0", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(), cwd=tmp_path,
-                            start_new_session=True)
+                            start_new_session=True, stdin=subprocess.PIPE)  # on /dev/null its copy loop spins
     lines: list[str] = []
     try:
         found = None
