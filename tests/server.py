@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,6 +141,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_bin() -> str:
+    """MLX's ``mlx.launch``: beside this Python, else on the PATH."""
+    found = Path(sys.executable).with_name("mlx.launch")
+    return str(found) if found.exists() else shutil.which("mlx.launch")
 
 
 def free_ports(n: int) -> list[int]:

@@ -16,7 +16,6 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import bundled, distributed
-from ..model.distributed import peer_errors
 from .commands import join
 from .display import print_loading, print_stderr
 from ..defaults import KNEE_GAIN
@@ -118,7 +117,7 @@ def concurrency_line(rows: int, steps: dict[int, float]) -> str:
 
 def serve_command(opts: ServeOptions) -> int:
     """Run ``specdec serve``; returns the exit code (under ``mlx.launch``, on every rank: rank 0 serves HTTP)."""
-    with peer_errors():
+    with distributed.peer_errors():
         return _serve(opts)
 
 

@@ -337,15 +337,8 @@ class Ranks:
         return out
 
     def share_lists(self, lists: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Rank 0's lists of ints on every rank (two collectives: the lengths, then the values)."""
-        count = self.share_one(len(lists))
-        lengths = self.share([len(x) for x in lists] if self.primary else [0] * count)
-        flat = self.share([t for x in lists for t in x] if self.primary else [0] * sum(lengths))
-        out, start = [], 0
-        for n in lengths:
-            out.append(flat[start:start + n])
-            start += n
-        return out
+        """Rank 0's lists of ints on every rank (a :meth:`broadcast`; what other ranks pass is ignored)."""
+        return self.broadcast([[int(t) for t in x] for x in lists] if self.primary else None)
 
     def handshake(self, parts: dict[str, Any]) -> None:
         """Refuse ranks that differ in any of ``parts`` (name -> value), naming what differs.

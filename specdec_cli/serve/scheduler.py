@@ -209,8 +209,7 @@ class Scheduler:
             self._jobs.put_nowait(None)  # wakes the thread if it waits for work
         except queue.Full:
             pass
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self.wait(timeout)
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for the generation thread to end (under ranks: it tells the others to stop)."""

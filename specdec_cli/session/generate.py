@@ -230,7 +230,7 @@ class Session:
         if self.disk is not None and self.corpus is not None:
             self.corpus.load(self.disk.corpus_path)  # recent answers outlive the process too
         if self.ranks is not None and self.corpus is not None:
-            self.corpus.replace(self.ranks.broadcast(self.corpus.outputs()))  # every rank drafts from rank 0's
+            self.corpus.replace(self.ranks.share_lists(self.corpus.outputs()))  # every rank drafts from rank 0's
         return warning
 
     def shutdown(self) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +24,8 @@ from specdec_cli.model.distributed import Ranks, RanksDisagree, ShardingRefused,
 from specdec_cli.errors import OptionError
 from specdec_cli.session import ModelOptions, check_distributed_options
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
+
+from server import free_port, launch_bin
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
 HANG_GUARD_S = 900
@@ -158,17 +158,6 @@ def test_the_watchdog_ends_a_process_whose_peers_stopped_answering():
 
 # --- under mlx.launch: one launch, many commands -------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_bin() -> str:
-    found = Path(sys.executable).with_name("mlx.launch")
-    return str(found) if found.exists() else shutil.which("mlx.launch")
-
-
 def _tied_qwen35() -> dict:
     # Tied embeddings: mlx-lm's qwen3_5 shard splits an untied lm_head by vocabulary (259 does not divide by 2).
     config = json.loads(json.dumps(TINY_CONFIGS["qwen3_5"]))
@@ -236,7 +225,7 @@ def _launch(tmp: Path, spec: dict, env: dict) -> dict:
     """Runs ``spec``'s commands under ``mlx.launch --backend ring -n 2``: each rank's results by run name."""
     (tmp / "spec.json").write_text(json.dumps(spec))
     done = subprocess.run(
-        [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
+        [launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
          sys.executable, str(DRIVER), str(tmp / "spec.json")],
         capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp,
     )
@@ -383,7 +372,7 @@ def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_pat
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": path}
     done = subprocess.run(
-        [_launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), "--",
+        [launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
          sys.executable, "slow_rank_0.py", "chat", "--model", str(model)],
         capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
     )
@@ -399,7 +388,7 @@ def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_pat
 
 def _pair(tmp: Path, args: list[str], env: dict) -> list[subprocess.Popen]:
     hosts = tmp / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]]))
+    hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     base = {**os.environ, "SPECDEC_NO_REEXEC": "1", "MLX_HOSTFILE": str(hosts), **env}
     return [subprocess.Popen([sys.executable, "-m", "specdec_cli", *args], env={**base, "MLX_RANK": str(rank)},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp) for rank in (0, 1)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import pytest
 
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
-from server import READY, Server, env, free_ports
+from server import READY, Server, env, free_ports, launch_bin
 
 HANG_GUARD_S = 300
 PROMPTS = ["The quick brown fox jumps over the lazy dog, twice: the quick brown fox.", "abc abc abc abc abc",
@@ -225,8 +224,6 @@ def _group_alive(group: int) -> list[int]:
 
 
 def test_the_readme_command_serves_three_ranks_under_mlx_launch_and_ctrl_c_ends_them_all(models, tmp_path):
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    launcher = str(launcher) if launcher.exists() else shutil.which("mlx.launch")
     args = ["--model", str(models["llama6"]), "--decode-concurrency", "4"]
     alone = Server(*args)
     try:
@@ -234,7 +231,7 @@ def test_the_readme_command_serves_three_ranks_under_mlx_launch_and_ctrl_c_ends_
     finally:
         alone.stop()
     # A session of its own, as a terminal's foreground job: Ctrl-C there reaches the launcher and every rank.
-    proc = subprocess.Popen([launcher, "--backend", "ring", "-n", "3", "--starting-port", str(free_ports(3)[0]), "--",
+    proc = subprocess.Popen([launch_bin(), "--backend", "ring", "-n", "3", "--starting-port", str(free_ports(3)[0]), "--",
                              sys.executable, "-m", "specdec_cli", "serve", "--port", "0", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(), cwd=tmp_path,
                             start_new_session=True, stdin=subprocess.PIPE)  # on /dev/null its copy loop spins
