@@ -139,6 +139,19 @@ def test_ring_noise_is_recognised_and_nothing_else():
         assert not noise.match(line)
 
 
+def test_a_backends_lost_peer_becomes_one_line_and_other_errors_pass(monkeypatch):
+    monkeypatch.setattr(distributed, "_CURRENT", _ranks(rank=1))
+    with pytest.raises(distributed.PeerLost, match=r"^rank 1 lost its connection to the other ranks \(\[ring\] "
+                                                    r"Socket 5 was closed by the peer\): another rank stopped"):
+        with distributed.peer_errors():
+            raise RuntimeError("[ring] Socket 5 was closed by the peer")
+    with pytest.raises(RuntimeError, match="^shapes do not match$"):
+        with distributed.peer_errors():
+            raise RuntimeError("shapes do not match")
+    monkeypatch.setattr(distributed, "_CURRENT", None)  # one process: no peers to lose
+    assert not distributed.is_peer_error(RuntimeError("[ring] Socket 5 was closed by the peer"))
+
+
 def test_pipeline_alone_is_refused(monkeypatch):
     monkeypatch.setattr(distributed, "_WORLD", _Group(0, 1))
     with pytest.raises(OptionError, match="start them with mlx.launch"):
@@ -423,7 +436,10 @@ def test_a_killed_rank_ends_the_others_with_one_line(long_run):
     code, err = _when_rank_0_writes(_pair(tmp, args, {}), signal.SIGKILL)
     assert code == 1, err
     lines = err.splitlines()
-    assert len(lines) == 1 and "lost its connection to the other ranks" in lines[0], err
+    # Either end is one line and exit 1. The ring usually reports the closed socket; once, on a
+    # loaded CI machine, it waited instead and rank 0's watchdog ended it at the default 20 s.
+    assert len(lines) == 1 and ("lost its connection to the other ranks" in lines[0]
+                                or "no answer from the other ranks for 20 s" in lines[0]), err
 
 
 def test_a_rank_that_stops_answering_ends_the_others_by_the_deadline(long_run):
