@@ -24,7 +24,9 @@ import httpx
 import openai
 import pytest
 
-from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
+from specdec_cli.session.synthetic import TINY_CONFIGS, dflash_config, make_model_dir, save_dflash_dir
+
+from mtp_fixtures import fitted_head, hf_checkpoint
 
 from server import READY, Server, env, free_ports, launch_bin
 
@@ -48,6 +50,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "llama-draft": make_model_dir(tmp / "llama-draft", "llama", noise=0.05),
             "qwen35": make_model_dir(tmp / "qwen35", _tied_qwen35()),
             "qwen35-draft": make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3),
+            # The same family with an MTP head (fitted to its own text), and a DFlash drafter for it.
+            "qwen35-mtp": hf_checkpoint(tmp / "qwen35-mtp", "qwen3_5_tied", fitted_head("qwen3_5_tied")),
+            "qwen35-dflash": save_dflash_dir(tmp / "qwen35-dflash", dflash_config(
+                _tied_qwen35(), layers=2, block_size=6, layer_types=["sliding_attention", "full_attention"],
+                sliding_window=8), seed=3),
             # Six heads over three KV heads and a hidden width of 96: shards over 3 ranks (and 2).
             "llama6": make_model_dir(tmp / "llama6", {**TINY_CONFIGS["llama"], "hidden_size": 48,
                                                       "num_attention_heads": 6, "num_key_value_heads": 3,
@@ -60,6 +67,8 @@ def _args(models: dict, name: str) -> list[str]:
             "llama_draft": ["--model", models["llama"], "--draft-model", models["llama-draft"]],
             "qwen35_draft": ["--model", models["qwen35"], "--draft-model", models["qwen35-draft"]],
             "qwen35_pipeline_ngram": ["--model", models["qwen35"], "--drafter", "ngram", "--pipeline"],
+            "qwen35_mtp": ["--model", models["qwen35-mtp"], "--drafter", "mtp"],
+            "qwen35_dflash": ["--model", models["qwen35"], "--draft-model", models["qwen35-dflash"]],
             }[name]
 
 
@@ -101,7 +110,8 @@ def sharded(models):
     server.stop()
 
 
-@pytest.mark.parametrize("name", ["llama_lookup", "llama_draft", "qwen35_draft", "qwen35_pipeline_ngram"])
+@pytest.mark.parametrize("name", ["llama_lookup", "llama_draft", "qwen35_draft", "qwen35_pipeline_ngram",
+                                  "qwen35_mtp", "qwen35_dflash"])
 def test_served_answers_equal_a_one_process_servers(models, sharded, name):
     args = [*_args(models, name), "--decode-concurrency", "4"]
     alone = Server(*[a for a in args if a != "--pipeline"])
@@ -119,6 +129,13 @@ def test_served_answers_equal_a_one_process_servers(models, sharded, name):
         health = httpx.get(f"{server.url}/health", timeout=30).json()
         assert health["distributed"] == {"ranks": 2, "mode": mode, "backend": "ring"}
         assert "up to 4 requests decoded together" in server.log
+        # The drafter drafted on the sharded target (llama.cpp's timings names).
+        timings = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": PROMPTS[0], "max_tokens": N, "temperature": 0}).json()["timings"]
+        assert timings["draft_n"] > 0, timings
+        assert timings["drafter"].split(" (")[0] == {"llama_lookup": "lookup", "llama_draft": "model", "qwen35_draft": "model",
+                                      "qwen35_pipeline_ngram": "ngram", "qwen35_mtp": "mtp",
+                                      "qwen35_dflash": "dflash"}[name], timings
     finally:
         if server is not sharded:
             assert server.stop(signal.SIGINT) == 0, server.log
@@ -173,6 +190,13 @@ def test_what_a_sharded_server_cannot_do_is_a_400(sharded):
     r = sharded.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "compare_alone": True})
     assert r.status_code == 400
     assert "compare_alone is not built for a server sharded under mlx.launch" in r.json()["error"]["message"]
+    # A prompt over the context is refused on rank 0 before it is queued: the ranks never see it, serve on.
+    with pytest.raises(openai.BadRequestError) as e:
+        sharded.client().chat.completions.create(model="default_model", max_tokens=3,
+                                                 messages=[{"role": "user", "content": "x" * 5000}])
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    assert sharded.client().completions.create(model="default_model", prompt=PROMPTS[1], max_tokens=4,
+                                               temperature=0).choices[0].text
 
 
 def test_a_killed_rank_ends_the_server_with_one_line_and_no_hung_process(models):
