@@ -614,10 +614,10 @@ class ModelCache:
             if sizes is not None and len(self.chunks) < len(sizes):
                 size = sizes[len(self.chunks)]
             size = max(1, min(size, n - start))
-            if agree is not None:
-                size = agree(size)
+            # Rank 0's size for this chunk only (it may cap a first chunk); the schedule goes on from ``size``.
+            this = size if agree is None else agree(size)
             # A stop ends this chunk early; the schedule goes on from there.
-            cut = min(size, pending[0] - start) if pending else size
+            cut = min(this, pending[0] - start) if pending else this
             t0 = time.perf_counter()
             if tap is not None:
                 tap.clear()  # rows other forwards left (a server's blocks between chunks) are not this prompt's

@@ -190,7 +190,7 @@ def _fresh(model: nn.Module, prompt_ids: Sequence[int], prefill_step_size: int,
     layers = make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else None
     cache = ModelCache(model, layers)
     cache.prefill(prompt_ids[:-1], prefill_step_size, sizes=prefill_chunks or None,
-                  agree=None if sync is None else sync.share_one)
+                  agree=None if sync is None else sync.prefill_chunk)
     return cache
 
 

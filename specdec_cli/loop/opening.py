@@ -63,7 +63,8 @@ class OpenSettings:
         rollback: The recurrent rollback asked for (``auto``: measured, once per block size).
         rollback_memory_cap: Most extra bytes ``capture`` may hold per verify.
         quantized_kv: The target's KV cache is quantized (its rows cannot be prefilled together).
-        agree: Under ``mlx.launch``, rank 0's value for every rank (chunk sizes, the rollback choice).
+        agree: Under ``mlx.launch``, rank 0's value for every rank (the rollback choice).
+        chunk: Under ``mlx.launch``, rank 0's size for each prefill chunk (``Ranks.prefill_chunk``).
         choices: The rollback chosen per block size, measured once for the run and reused.
     """
 
@@ -75,6 +76,7 @@ class OpenSettings:
     rollback_memory_cap: Optional[int] = None
     quantized_kv: bool = False
     agree: Optional[Callable[[int], int]] = None
+    chunk: Optional[Callable[[int], int]] = None
     choices: dict = field(default_factory=dict, compare=False)
 
 
@@ -144,7 +146,7 @@ class Opening:
         tapped = tap if self.drafter is not None else None
         self._chunks = self.cache.prefill_chunks(
             self.rest, settings.prefill_step_size, tapped, self.parts, seconds=settings.prefill_seconds,
-            sizes=settings.prefill_chunks, agree=settings.agree, stops=stops)
+            sizes=settings.prefill_chunks, agree=settings.chunk, stops=stops)
         # Whether its prompt may be prefilled in one forward with other requests' (Flights.prefill_together):
         # nothing fed yet, no hidden states to hand a drafter, no checkpoints, layers that trim. Under ranks too:
         # which requests join is decided from token counts alone, alike on every rank.

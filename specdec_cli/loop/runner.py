@@ -133,7 +133,7 @@ def run(
         return
     settings = OpenSettings(numerics or Numerics.resolve("auto"), prefill_step_size, prefill_seconds, prefill_chunks,
                             rollback, rollback_memory_cap, kv_bits is not None,
-                            None if sync is None else sync.share_one)
+                            None if sync is None else sync.share_one, None if sync is None else sync.prefill_chunk)
     plan = RowPlan(policy if policy is not None else FixedLength(num_draft_tokens), None, drafter, sampling,
                    tuple(processors), frozenset(eos_ids))
     flights = Flights(_One(model, sync, plan, cache, settings, hidden_prefix, marks, choice), timed=timed)
@@ -180,7 +180,7 @@ def _plain(cache: ModelCache, prompt_ids: Sequence[int], *, max_tokens: int, eos
     try:
         start = time.perf_counter()
         cache.prefill(prompt_ids[cached:-1], prefill_step_size, None, seconds=prefill_seconds, sizes=prefill_chunks,
-                      stops=[m - cached for m in marks], agree=None if sync is None else sync.share_one,
+                      stops=[m - cached for m in marks], agree=None if sync is None else sync.prefill_chunk,
                       cancelled=cancelled)
         yield Prefilled(len(prompt_ids), time.perf_counter() - start, None, tuple(cache.chunks), cached,
                         tuple(cache.marks), "exact")

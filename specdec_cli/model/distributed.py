@@ -58,6 +58,11 @@ from ..errors import OptionError, SpecdecError, UnsupportedModelError
 # rank gives up on the others (the issue's bound is 30 s from a peer's death).
 DEADLINE_S = 20.0
 DEADLINE_ENV = "SPECDEC_DISTRIBUTED_TIMEOUT"
+# A prefill chunk may take longer than the deadline (a long chunk of a large model): it is allowed this many
+# times its expected time on top, from the slowest recent chunk's seconds per token. A process's first chunk
+# is at most FIRST_CHUNK tokens, so that the rate is measured before a long one is allowed for.
+CHUNK_MARGIN = 4.0
+FIRST_CHUNK = 128
 MODES = ("tensor", "pipeline")
 # Config keys holding head counts that tensor parallelism splits over the ranks.
 HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
@@ -138,16 +143,32 @@ class Watchdog:
         self.rank, self.seconds, self.fd = rank, seconds, fd
         self._depth = 0
         self._last = time.monotonic()
+        self._extra = 0.0  # the running chunk's allowance, until the next agreement
+        self._chunk: Optional[tuple[float, int]] = None  # (start, tokens) of a chunk not yet timed
+        self.rate: Optional[float] = None  # seconds per prefill token, the slowest recent chunk's
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
     def tick(self) -> None:
-        """An agreement completed: the other ranks are there."""
-        self._last = time.monotonic()
+        """An agreement completed: the other ranks are there (and a chunk started before it has ended)."""
+        now = time.monotonic()
+        if self._chunk is not None:
+            start, tokens = self._chunk
+            # Decays by half a chunk at most: one slow chunk does not set the allowance for good.
+            self.rate = max((now - start) / tokens, (self.rate or 0.0) / 2)
+            self._chunk = None
+        self._last, self._extra = now, 0.0
+
+    def chunk(self, tokens: int) -> None:
+        """A prefill chunk of ``tokens`` starts: allowed its expected time on top of the deadline, until the
+        next agreement (which also times it)."""
+        self._extra = CHUNK_MARGIN * tokens * self.rate if self.rate is not None else 0.0
+        self._chunk = (time.monotonic(), tokens)
 
     def waited(self) -> float:
-        """Seconds since the last agreement while armed (0 when not armed)."""
-        return time.monotonic() - self._last if self._depth else 0.0
+        """Seconds since the last agreement, beyond what a running chunk is allowed, while armed (0 when not
+        armed)."""
+        return max(0.0, time.monotonic() - self._last - self._extra) if self._depth else 0.0
 
     @contextmanager
     def armed(self) -> Iterator[None]:
@@ -168,7 +189,7 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.seconds / 4))
-            if self._depth and time.monotonic() - self._last > self.seconds:
+            if self._depth and time.monotonic() - self._last - self._extra > self.seconds:
                 line = (f"error: rank {self.rank}: no answer from the other ranks for {self.seconds:g} s (one of "
                         "them stopped or lost its network): giving up\n")
                 try:
@@ -328,6 +349,15 @@ class Ranks:
     def share_one(self, value: int) -> int:
         """Rank 0's ``value``."""
         return self.share([value])[0]
+
+    def prefill_chunk(self, tokens: int) -> int:
+        """Rank 0's size for the next prefill chunk (its first in this process at most ``FIRST_CHUNK``), which
+        the watchdog then allows for: a long chunk is not a rank that stopped answering."""
+        if self.primary and self.watchdog.rate is None:
+            tokens = min(tokens, FIRST_CHUNK)
+        tokens = self.share_one(tokens)
+        self.watchdog.chunk(tokens)
+        return tokens
 
     def clock(self, seconds: float) -> float:
         """Rank 0's measured ``seconds``, so that time-steered decisions are the same on every rank."""

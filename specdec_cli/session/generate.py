@@ -108,7 +108,8 @@ class Session:
         self.settings = OpenSettings(
             numerics=setup.numerics, prefill_step_size=opts.prefill_step_size, prefill_seconds=prefill_seconds,
             prefill_chunks=prefill_chunks, rollback=opts.rollback, rollback_memory_cap=opts.rollback_memory_cap_bytes,
-            quantized_kv=opts.kv_bits is not None, agree=None if setup.ranks is None else setup.ranks.share_one)
+            quantized_kv=opts.kv_bits is not None, agree=None if setup.ranks is None else setup.ranks.share_one,
+            chunk=None if setup.ranks is None else setup.ranks.prefill_chunk)
         # The backend's rounding, as the batch check measured it (None until rows were checked for a batch):
         # what a batched row's verdict against its request alone holds a rounding tie to.
         self.rounding: Optional[Rounding] = None

@@ -169,6 +169,71 @@ def test_the_watchdog_ends_a_process_whose_peers_stopped_answering():
         "giving up"]
 
 
+# A prefill chunk allowed ~4 s (its expected time, CHUNK_MARGIN x tokens x rate) outlasts the 0.5 s deadline;
+# once an agreement ends it, the deadline alone holds again.
+LONG_CHUNK = """
+import sys, time
+from specdec_cli.model.distributed import Watchdog
+w = Watchdog(1, 0.5, 2)
+with w.armed():
+    w.rate = 0.01
+    w.chunk(100)
+    time.sleep(1.5)
+    w.tick()
+    print("survived", w.rate, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_long_prefill_chunk_is_allowed_for_and_a_stop_after_it_is_not():
+    done = subprocess.run([sys.executable, "-c", LONG_CHUNK], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 1
+    word, rate = done.stdout.split()
+    assert word == "survived" and float(rate) >= 0.015  # the chunk's own seconds per token, timed at the tick
+    assert done.stderr.strip().splitlines() == [
+        "error: rank 1: no answer from the other ranks for 0.5 s (one of them stopped or lost its network): "
+        "giving up"]
+
+
+def test_a_processs_first_chunk_is_short_then_rank_0s_sizes_are_allowed_for(monkeypatch):
+    ranks = _ranks(rank=0)
+    shared = []
+    monkeypatch.setattr(ranks, "share", lambda values: shared.append(list(values)) or list(values))
+    assert ranks.prefill_chunk(2048) == distributed.FIRST_CHUNK  # no rate yet: measured on a short chunk
+    assert ranks.watchdog.rate is None and ranks.watchdog.waited() == 0.0
+    with ranks.watching():
+        ranks.watchdog.tick()  # the next agreement times the chunk
+        assert ranks.watchdog.rate > 0
+        assert ranks.prefill_chunk(2048) == 2048
+        extra = ranks.watchdog._extra
+        assert extra == pytest.approx(distributed.CHUNK_MARGIN * 2048 * ranks.watchdog.rate)
+        # /health's stall counts only the time beyond that allowance.
+        assert ranks.watchdog.waited() == 0.0
+        ranks.watchdog.tick()
+        assert ranks.watchdog._extra == 0.0
+    assert shared == [[distributed.FIRST_CHUNK], [2048]]
+    # Another rank takes rank 0's size, whatever its own.
+    other = _ranks(rank=1)
+    monkeypatch.setattr(other, "share", lambda values: [distributed.FIRST_CHUNK])
+    assert other.prefill_chunk(2048) == distributed.FIRST_CHUNK
+
+
+def test_a_capped_first_chunk_does_not_cap_the_rest():
+    from specdec_cli.cache.caches import ModelCache
+    from specdec_cli.session.synthetic import build_model
+
+    model = build_model(TINY_CONFIGS["llama"], seed=0)
+    asked = []
+
+    def agree(size):
+        asked.append(size)
+        return min(size, 5) if len(asked) == 1 else size
+
+    cache = ModelCache(model)
+    cache.prefill(list(range(40)), 16, agree=agree)
+    assert cache.chunks == [5, 16, 16, 3] and asked == [16, 16, 16, 3]
+
+
 # --- under mlx.launch: one launch, many commands -------------------------------------------------
 
 def _tied_qwen35() -> dict:
