@@ -6,7 +6,7 @@ template (Qwen3.5's, Gemma 3's: see ``tests/agents.py``), behind an API key,
 and must end with exit 0 and the answer. `.ci/run` installs the pinned agents
 (and sets SPECDEC_REQUIRE_AGENTS, so a missing agent fails there); elsewhere
 the tests are skipped when they are not installed (README's Development section
-has the npm line that installs them into ``.agents/``).
+has the npm line that installs them into ``.agents/``). One server is sharded over 2 ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from server import Server
 KEY = "agent-key"
 # Hang guard only: an agent's run takes 10-30 s here.
 RUN_TIMEOUT_S = 300
-TEMPLATES = ["qwen3_5", "gemma3"]
+# Each template's server in one process; Qwen3.5's also sharded over 2 ranks (as mlx.launch starts them).
+SERVERS = [("qwen3_5", 1), ("gemma3", 1), ("qwen3_5", 2)]
 
 
 def _agent(name: str) -> Path:
@@ -37,11 +38,12 @@ def _agent(name: str) -> Path:
     return exe
 
 
-@pytest.fixture(scope="module", params=TEMPLATES)
+@pytest.fixture(scope="module", params=SERVERS, ids=lambda p: p[0] if p[1] == 1 else f"{p[0]}-{p[1]}-ranks")
 def server(request, tmp_path_factory):
-    model = hello_model_dir(tmp_path_factory.mktemp(request.param) / "m", request.param)
-    started = Server("--model", model, "--api-key", KEY)
-    started.template = request.param
+    template, ranks = request.param
+    model = hello_model_dir(tmp_path_factory.mktemp(template) / "m", template)
+    started = Server("--model", model, "--api-key", KEY, ranks=ranks)
+    started.template = template
     yield started
     started.stop()
 
