@@ -154,7 +154,7 @@ class Watchdog:
         now = time.monotonic()
         if self._chunk is not None:
             start, tokens = self._chunk
-            # Decays by half a chunk at most: one slow chunk does not set the allowance for good.
+            # Falls by half at most per chunk timed: one slow chunk does not set the allowance for good.
             self.rate = max((now - start) / tokens, (self.rate or 0.0) / 2)
             self._chunk = None
         self._last, self._extra = now, 0.0

@@ -39,8 +39,8 @@ from ..session.setup import MemoryLimitError
 from ..session.reply import Piece, Reply
 
 log = logging.getLogger("specdec.serve")
-# Seconds without a completed pass, under ranks, after which /health says the ranks stalled (a pass is a
-# prefill chunk of ~0.5 s and a block; an idle server passes every HEARTBEAT_S).
+# Seconds without a completed pass, under ranks, after which /health says the ranks stalled (past a prefill
+# chunk's allowance, Watchdog.waited; an idle server passes every HEARTBEAT_S).
 STALLED_S = 5.0
 
 
