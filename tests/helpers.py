@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import mlx.core as mx
@@ -20,6 +21,14 @@ PROMPT = list(b"The quick brown fox jumps over the lazy dog, twice: the quick br
 GEN = 40
 # Relative weight noise that gives the drafter a mix of accepts and rejects.
 NOISE = {"gemma3_text": 0.02}
+
+
+def tied_qwen35(config: dict = TINY_CONFIGS["qwen3_5"]) -> dict:
+    """A Qwen3.5-style ``config`` with tied embeddings: what a sharded target can be made of over 2 ranks (mlx-lm's
+    qwen3_5 shard splits an untied lm_head by vocabulary, and the tiny 259 does not divide by 2)."""
+    out = copy.deepcopy(config)
+    out["text_config"]["tie_word_embeddings"] = True
+    return out
 
 
 @functools.cache

@@ -28,6 +28,8 @@ from specdec_cli.loop.runner import run
 from specdec_cli.session.synthetic import EOS_ID, TINY_CONFIGS, VOCAB_SIZE, build_model, write_tokenizer
 from specdec_cli.model.taps import HiddenTap, TapSpec, target_parts
 
+from helpers import tied_qwen35
+
 QWEN3_NEXT = {
     "model_type": "qwen3_next",
     "vocab_size": VOCAB_SIZE,
@@ -63,10 +65,8 @@ QWEN3_5["text_config"]["mtp_num_hidden_layers"] = 1
 QWEN3_5_MOE = {"model_type": "qwen3_5_moe", "text_config": {
     **QWEN3_5["text_config"], "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "norm_topk_prob": True}}
-# Tied embeddings: a head a sharded target can draft through (mlx-lm's qwen3_5 shard splits an untied
-# lm_head by vocabulary, and 259 does not divide by 2).
-QWEN3_5_TIED = copy.deepcopy(QWEN3_5)
-QWEN3_5_TIED["text_config"]["tie_word_embeddings"] = True
+# Tied embeddings: a head a target sharded over 2 ranks can draft through.
+QWEN3_5_TIED = tied_qwen35(QWEN3_5)
 CONFIGS = {"qwen3_5": QWEN3_5, "qwen3_next": QWEN3_NEXT, "qwen3_5_moe": QWEN3_5_MOE, "qwen3_5_tied": QWEN3_5_TIED}
 FAMILY = {"qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5", "qwen3_5_tied": "qwen3_5"}
 PROMPT = list(b"The quick brown fox jumps over the lazy dog, twice: the quick brown fox.")

@@ -25,6 +25,7 @@ from specdec_cli.errors import OptionError
 from specdec_cli.session import ModelOptions, check_distributed_options
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
+from helpers import tied_qwen35
 from server import free_port, launch_bin
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
@@ -236,18 +237,11 @@ def test_a_capped_first_chunk_does_not_cap_the_rest():
 
 # --- under mlx.launch: one launch, many commands -------------------------------------------------
 
-def _tied_qwen35() -> dict:
-    # Tied embeddings: mlx-lm's qwen3_5 shard splits an untied lm_head by vocabulary (259 does not divide by 2).
-    config = json.loads(json.dumps(TINY_CONFIGS["qwen3_5"]))
-    config["text_config"]["tie_word_embeddings"] = True
-    return config
-
-
 def _models(tmp: Path) -> tuple[Path, Path, Path, Path]:
     """A dense target and its draft model, a hybrid one and its (one with partial accepts)."""
     return (make_model_dir(tmp / "llama", "llama"), make_model_dir(tmp / "llama-draft", "llama", noise=0.05),
-            make_model_dir(tmp / "qwen35", _tied_qwen35()),
-            make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3))
+            make_model_dir(tmp / "qwen35", tied_qwen35()),
+            make_model_dir(tmp / "qwen35-draft", tied_qwen35(), noise=0.3))
 
 
 def _llama3() -> dict:

@@ -26,8 +26,8 @@ import pytest
 
 from specdec_cli.session.synthetic import TINY_CONFIGS, dflash_config, make_model_dir, save_dflash_dir
 
+from helpers import tied_qwen35
 from mtp_fixtures import fitted_head, hf_checkpoint
-
 from server import READY, Server, env, free_ports, launch_bin
 
 HANG_GUARD_S = 300
@@ -36,24 +36,17 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog, twice: the quick brown 
 N = 32
 
 
-def _tied_qwen35() -> dict:
-    # Tied embeddings: mlx-lm's qwen3_5 shard splits an untied lm_head by vocabulary (259 does not divide by 2).
-    config = json.loads(json.dumps(TINY_CONFIGS["qwen3_5"]))
-    config["text_config"]["tie_word_embeddings"] = True
-    return config
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("sharded-serve")
     return {"llama": make_model_dir(tmp / "llama", "llama"),
             "llama-draft": make_model_dir(tmp / "llama-draft", "llama", noise=0.05),
-            "qwen35": make_model_dir(tmp / "qwen35", _tied_qwen35()),
-            "qwen35-draft": make_model_dir(tmp / "qwen35-draft", _tied_qwen35(), noise=0.3),
+            "qwen35": make_model_dir(tmp / "qwen35", tied_qwen35()),
+            "qwen35-draft": make_model_dir(tmp / "qwen35-draft", tied_qwen35(), noise=0.3),
             # The same family with an MTP head (fitted to its own text), and a DFlash drafter for it.
             "qwen35-mtp": hf_checkpoint(tmp / "qwen35-mtp", "qwen3_5_tied", fitted_head("qwen3_5_tied")),
             "qwen35-dflash": save_dflash_dir(tmp / "qwen35-dflash", dflash_config(
-                _tied_qwen35(), layers=2, block_size=6, layer_types=["sliding_attention", "full_attention"],
+                tied_qwen35(), layers=2, block_size=6, layer_types=["sliding_attention", "full_attention"],
                 sliding_window=8), seed=3),
             # Six heads over three KV heads and a hidden width of 96: shards over 3 ranks (and 2).
             "llama6": make_model_dir(tmp / "llama6", {**TINY_CONFIGS["llama"], "hidden_size": 48,
