@@ -14,7 +14,7 @@
 # gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,962-token prompt's prefill with
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
 # generate configuration N times); GEN_ARGS adds options to
-# every generate run (e.g. "--shapes exact"); BUDGET_S (default 420) bounds the whole run: a step that
+# every generate run (e.g. "--shapes exact"); TESTS_S (180) and TESTS_N (4 workers) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +36,10 @@ stage() {
   pipdl .dev/last "mlx==$MLX" "mlx-lm==$MLXLM" || exit 1
   # Not on the device's image (it has numpy, transformers, typer, rich, httpx, jinja2, pytest, pytest-xdist);
   # fastapi there also needs opentelemetry-api. Versions as installed here where they are.
+  # anthropic (test_serve_gpu_like imports it) brings docstring-parser and httpx2 (httpcore2, truststore).
   for p in fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection uvicorn \
-           llguidance opentelemetry-api openai distro jiter sniffio; do
+           llguidance opentelemetry-api openai distro jiter sniffio anthropic docstring-parser httpx2 httpcore2 \
+           truststore; do
     v=$(python3 -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}')
     for n in 39 35 34 31 28 27 24 17; do
       pipdl .dev/last --platform "manylinux_2_${n}_x86_64" --platform manylinux2014_x86_64 "$p${v:+==$v}" \
@@ -150,11 +152,11 @@ run_checks() {
     serve4) step serve4 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype 4bit --out "$OUT/serve4.json" ;;
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
-      step tests 180 bash -c "$py -m pytest --maxfail=10 -q -p no:cacheprovider -m 'not distributed' \
+      step tests ${TESTS_S:-180} bash -c "$py -m pytest -q -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-4} --dist loadfile --durations=15 \
         tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_pipeline.py tests/loop/test_batch.py \
         tests/serve/test_scheduler.py \
         tests/session/test_disk_tier.py tests/session/test_exact.py tests/serve/test_serve_gpu_like.py \
-        2>&1 | tail -60 > $OUT/tests.txt" ;;
+        > $OUT/tests.txt 2>&1" ;;
     *) echo "unknown step $s" | tee -a "$LOG" ;;
   esac; done
   echo "done in $SECONDS s" | tee -a "$LOG"
