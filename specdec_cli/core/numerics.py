@@ -19,8 +19,10 @@ instead of an option string:
 - ``pipeline``: a single row's block that drafted nothing queues its next
   forward before reading its token back, as plain decoding does
   (:mod:`specdec_cli.loop.engine`); on where the device computes apart from the
-  host (GPUs). On this project's 2-core CPU, where the host is the device, it
-  measured 10-15% slower (``scripts/gpu_matrix.py --pairs 5 --pipeline on,off``).
+  host, except CUDA. On this project's 2-core CPU, where the host is the device, it
+  measured 10-15% slower (``scripts/gpu_matrix.py --pairs 5 --pipeline on,off``); on
+  an H200 (bf16, 3 pairs in one process) too: open 0.60x against 0.69x, a summary
+  0.62x against 0.77x (docs/GPU-CHECK.md). Apple's GPUs: not measured.
 """
 
 from __future__ import annotations
@@ -92,8 +94,10 @@ class Numerics:
 
 
 def apart() -> bool:
-    """Whether MLX's default device computes apart from the host (a GPU), so that work queued ahead overlaps it."""
-    return mx.default_device() != mx.cpu
+    """Whether MLX's default device computes apart from the host (a GPU), so that work queued ahead overlaps it,
+    and queuing it measured no slower there (not CUDA: see the module docstring)."""
+    cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
+    return mx.default_device() != mx.cpu and not cuda
 
 
 __all__ = ["Numerics", "apart"]
