@@ -407,6 +407,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{file}: not in tests/conftest.py's FILES")
         for mark in tier(file, item.nodeid.split("::", 1)[-1]):
             item.add_marker(mark)
+        if getattr(item, "callspec", None) and item.callspec.params.get("arithmetic") == "gpu-like":
+            item.add_marker("slow")  # the fast tier keeps each such test's run on this CPU's own arithmetic
 
 
 # --- the GPU-like backend (tests/gpu_like.py) -------------------------------------------------------------
@@ -431,3 +433,31 @@ def backend(request):
         return
     with module.installed():
         yield request.param
+
+
+# Files whose tests run twice (those that take neither ``gpu_like`` nor ``backend``): on this CPU's own
+# arithmetic and on the GPU-like backend, each asserting what is promised there: bit identity where the
+# kernels agree; elsewhere plain decoding's text up to a rounding tie and caches within rounding
+# (tests/helpers.py: kernels_agree, assert_text, assert_cache_built_by). scripts/gpu_check.sh's tests step
+# runs them on CUDA, where the own arithmetic is a GPU's.
+BOTH_BACKENDS = ("loop/test_engine.py", "loop/test_pipeline.py", "loop/test_batch.py", "serve/test_scheduler.py",
+                 "session/test_disk_tier.py")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    path = Path(metafunc.definition.path).resolve()
+    if (path.is_relative_to(HERE) and path.relative_to(HERE).as_posix() in BOTH_BACKENDS
+            and not {"gpu_like", "backend"} & set(metafunc.fixturenames)):
+        metafunc.parametrize("arithmetic", ["own", "gpu-like"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def arithmetic(request):
+    """The arithmetic a test of BOTH_BACKENDS runs on (every other test: the device's own)."""
+    if getattr(request, "param", "own") == "own":
+        yield "own"
+        return
+    import gpu_like as module
+
+    with module.installed():
+        yield "gpu-like"

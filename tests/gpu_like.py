@@ -61,9 +61,17 @@ def environment(env: dict | None = None) -> dict:
 # --- rounding --------------------------------------------------------------------------------------
 
 
+def _cleared(y: mx.array, mask: int) -> mx.array:
+    """float32 ``y`` with the bits outside ``mask`` cleared (toward zero). Gradients pass through as if nothing
+    were rounded (MLX has no gradient for a view), and the value is exact: ``y`` and its truncation are within
+    a factor of two, so their difference and the sum back are too (Sterbenz)."""
+    t = mx.stop_gradient((y.view(mx.uint32) & mx.array(mask, dtype=mx.uint32)).view(mx.float32))
+    return mx.where(mx.isfinite(y), y + mx.stop_gradient(t - y), t)
+
+
 def _truncate_to_bf16(y: mx.array) -> mx.array:
     """float32 ``y`` with its low 16 bits cleared: bfloat16's grid, rounded toward zero."""
-    return (y.view(mx.uint32) & mx.array(0xFFFF0000, dtype=mx.uint32)).view(mx.float32)
+    return _cleared(y, 0xFFFF0000)
 
 
 def _round(y: mx.array, out: mx.Dtype, cls: int) -> mx.array:
@@ -79,7 +87,7 @@ def _round(y: mx.array, out: mx.Dtype, cls: int) -> mx.array:
         return _truncate_to_bf16(y).astype(out)  # exactly representable: no second rounding
     if cls % 2 and out == mx.float16:
         # float16 keeps 10 of float32's 23 fraction bits: clear the other 13 (toward zero).
-        return (y.view(mx.uint32) & mx.array(0xFFFFE000, dtype=mx.uint32)).view(mx.float32).astype(out)
+        return _cleared(y, 0xFFFFE000).astype(out)
     return y.astype(out)
 
 

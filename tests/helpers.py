@@ -240,6 +240,38 @@ def assert_exact(model, dtype: str, blocks: list[Block], ref: list[int], prompt=
     assert d is None or d.verdict == TIE, d
 
 
+#: Where kernels round by shape, a cache built through other shapes may differ from the one its tokens build
+#: directly by this share of each array's largest value; a cache one token or one row off differs by the values.
+CACHE_ROUNDING = 2.0**-3
+
+
+def assert_cache_built_by(model, prompt, out, cache, dtype: str, tol: float = 0.0) -> None:
+    """``cache`` is the one plain decoding leaves after ``prompt`` and ``out`` (as far as ``cache.length``):
+    within ``tol`` where the kernels agree, else within :data:`CACHE_ROUNDING` (it was built in other shapes)."""
+    direct = fed(model, (list(prompt) + list(out))[: cache.length], prompt_len=len(prompt) - 1)
+    if kernels_agree(dtype):
+        assert max_cache_diff(cache, direct) <= tol
+    else:
+        assert cache_rel_diff(cache, direct) <= CACHE_ROUNDING
+
+
+def assert_text(model, dtype: str, out: list[int], ref: list[int], prompt=PROMPT, eos_ids=()) -> None:
+    """A run's text is plain decoding's (``ref``): bit for bit where the kernels agree, else identical up to a
+    rounding tie (held to the backend's rounding) after which the two may go on differently."""
+    assert_alone_or_tie(model, dtype, out, ref, prompt, eos_ids=eos_ids)
+
+
+def assert_served(loaded, got: list[int], prompt, max_tokens: int, want: list[int]) -> None:
+    """A served (or session's) answer is ``want``, its request's alone: bit for bit where the kernels agree, else
+    plain decoding's text up to a rounding tie (``loaded``: the target as ``load_setup`` loaded it)."""
+    if kernels_agree(loaded.dtype):
+        assert got == want
+        return
+    eos = tuple(loaded.tokenizer.eos_token_ids)
+    ref, _ = plain(loaded.model, max_tokens=max_tokens, prompt=list(prompt), eos_ids=eos)
+    assert_alone_or_tie(loaded.model, loaded.dtype, got, ref, list(prompt), eos_ids=eos)
+
+
 def rows_per_call(monkeypatch, owner, method: str) -> list[int]:
     """Notes how many rows each call of ``owner.method`` takes (its argument's length): a drafter group's
     ``propose`` (DraftBatch, MTPBatch, DFlashBatch), ``Flights.prefill_together``."""

@@ -77,7 +77,7 @@ class Rounding:
                 f"{self.yardstick:.2g}; rounding is held to {self.tolerance:.2g}")
 
 
-def _relative(got: mx.array, want: mx.array) -> float:
+def relative(got: mx.array, want: mx.array) -> float:
     """The largest over positions (rows of ``want``) of max |got - want| / max |want|."""
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     scale = mx.maximum(mx.abs(want).max(axis=-1), 1e-6)
@@ -120,8 +120,8 @@ def measure_rounding(model: nn.Module, fresh: Callable[[], ModelCache]) -> Round
         alone = cache.feed(x[b, :fed])
         cache.restore(snap)
         ones = mx.concatenate([cache.feed(x[b, t : t + 1]) for t in range(fed)])
-        yardstick = max(yardstick, _relative(ones, alone))
-        batched = max(batched, _relative(together[b, :fed], alone))
+        yardstick = max(yardstick, relative(ones, alone))
+        batched = max(batched, relative(together[b, :fed], alone))
     tolerance = FACTOR * max(yardstick, _EPS.get(dtype, 2.0**-23))
     return Rounding(dtype, yardstick, batched, tolerance)
 

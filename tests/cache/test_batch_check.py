@@ -57,11 +57,13 @@ def test_a_wrong_mask_position_or_row_is_refused(family, dtype, fault, backend, 
 
         def swapped(self, keys, values):
             k, v = real(self, keys, values)
-            return k[::-1], v[::-1]
+            # A copy, not a view with a negative stride: with that view, an H200 in bf16 and float16 refused
+            # for an error in the forward (no rounding measured), not for the fault.
+            return mx.concatenate([k[1:], k[:1]]), mx.concatenate([v[1:], v[:1]])
 
         monkeypatch.setattr(cls, "update_and_fetch", swapped)
     problem, rounding = check_batch(model, fresh(model))
-    assert rounding is not None and not rounding.ok, rounding
+    assert rounding is not None and not rounding.ok, (problem, rounding)
     assert "past rounding" in problem and f"{rounding.batched:.2g}" in problem
 
 

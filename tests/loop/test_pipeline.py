@@ -1,6 +1,6 @@
 """Blocks without drafts pipelined (``Numerics.pipeline``): the next forward queued before the token is read back.
 
-On by default where the device computes apart from the host (GPUs); these tests turn it on here. A single row's block that drafted nothing feeds its own token to the target before reading it, as plain decoding
+On by default where the device computes apart from the host, except CUDA (Apple's GPUs); these tests turn it on here. A single row's block that drafted nothing feeds its own token to the target before reading it, as plain decoding
 (mlx-lm's ``generate_step``) does; the next block verifies whatever the drafter then finds after that forward.
 Invariants: the text is plain decoding's, every block decides as it does unpipelined, and whatever ends the run
 (EOS, max tokens, an interrupt, a row joining) leaves the caches plain decoding leaves.
@@ -15,9 +15,10 @@ from helpers import (
     GEN,
     PROMPT,
     Interrupting,
+    assert_cache_built_by,
     assert_exact,
+    assert_text,
     kernels_agree,
-    max_cache_diff,
     plain,
     prefilled,
     target,
@@ -90,15 +91,16 @@ def test_pipelined_blocks_give_plain_decodings_text_and_caches(family, dtype, ro
     ref, ref_cache = plain(model)
     blocks, cache = gappy_run(model, ref, rollback=rollback)
     assert_exact(model, dtype, blocks, ref)
-    # Every transition happened: queued forwards with nothing drafted, drafts verified after a queued forward
-    # (some rejected), and blocks after drafts with no forward queued.
     assert any(b.ahead and not b.drafted for b in blocks)
-    assert any(b.ahead and b.drafted and 0 < b.accepted < b.drafted for b in blocks)
-    assert any(b.ahead and b.drafted and b.accepted == 0 for b in blocks)
-    assert any(b.ahead and b.drafted and b.accepted == b.drafted for b in blocks)
-    assert any(not b.ahead and b.drafted and b.accepted < b.drafted for b in blocks)
-    assert any(not b.ahead for b in blocks[1:])
-    assert max_cache_diff(cache, ref_cache) <= tolerance(dtype)
+    if tokens(blocks) == ref:  # (after a rounding tie the drafter's answer is another text's: few accepts)
+        # Every transition happened: queued forwards with nothing drafted, drafts verified after a queued
+        # forward (some rejected), and blocks after drafts with no forward queued.
+        assert any(b.ahead and b.drafted and 0 < b.accepted < b.drafted for b in blocks)
+        assert any(b.ahead and b.drafted and b.accepted == 0 for b in blocks)
+        assert any(b.ahead and b.drafted and b.accepted == b.drafted for b in blocks)
+        assert any(not b.ahead and b.drafted and b.accepted < b.drafted for b in blocks)
+        assert any(not b.ahead for b in blocks[1:])
+    assert_cache_built_by(model, PROMPT, tokens(blocks), cache, dtype, tolerance(dtype))
 
 
 @pytest.mark.parametrize("family,rollback", [("llama", "reforward"), ("gemma3_text", "reforward"),
@@ -109,7 +111,11 @@ def test_every_block_decides_as_it_does_unpipelined(family, rollback):
     on, _ = gappy_run(model, ref, rollback=rollback)
     off, _ = gappy_run(model, ref, rollback=rollback, numerics=OFF)
     assert not any(b.ahead for b in off) and any(b.ahead for b in on)
-    assert [(b.tokens, b.drafted, b.accepted) for b in on] == [(b.tokens, b.drafted, b.accepted) for b in off]
+    if kernels_agree("float32"):
+        assert [(b.tokens, b.drafted, b.accepted) for b in on] == [(b.tokens, b.drafted, b.accepted) for b in off]
+    else:  # a queued one-token forward and a verify round apart: each is plain decoding's text up to a tie
+        assert_exact(model, "float32", on, ref)
+        assert_exact(model, "float32", off, ref)
 
 
 def test_the_device_decides_unless_a_benchmark_forces_it(monkeypatch):
@@ -133,18 +139,18 @@ def test_between_blocks_the_queued_forward_leads_the_cache_by_the_last_token(fam
     model = target(family, "float32")
     ref, _ = plain(model)
     cache = prefilled(model)
-    emitted, leads = 0, []
+    out, leads = [], []
     gen = speculative_generate_step(PROMPT[-1], cache, Gappy(ref), num_draft_tokens=4, max_tokens=GEN,
                                     rollback="reforward", numerics=ON)
     for block in gen:
-        emitted += len(block.tokens)
+        out += block.tokens
         if block.finish_reason is None:
             # Prompt + every emitted token but the last is plain decoding's cache; a queued forward holds the last.
-            leads.append((block.drafted, cache.length - (len(PROMPT) + emitted - 1)))
+            leads.append((block.drafted, cache.length - (len(PROMPT) + len(out) - 1)))
     assert {lead for drafted, lead in leads if drafted == 0} == {1}
     assert {lead for drafted, lead in leads if drafted} == {0}
-    _, direct = plain(model, max_tokens=emitted)
-    assert cache.length == direct.length and max_cache_diff(cache, direct) <= 1e-5
+    assert cache.length == len(PROMPT) + len(out) - 1
+    assert_cache_built_by(model, PROMPT, out, cache, "float32", 1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "nemotron_h"])
@@ -161,13 +167,15 @@ def test_eos_and_max_tokens_right_after_a_queued_forward_leave_plain_decodings_c
     assert ends
     for max_tokens in ends[:4]:
         out, cache = gappy_run(model, ref, max_tokens=max_tokens)
-        assert tokens(out) == ref[:max_tokens]
-        assert max_cache_diff(cache, plain(model, max_tokens=max_tokens)[1]) <= tolerance("bfloat16")
+        assert_exact(model, "bfloat16", out, ref[:max_tokens])
+        assert_cache_built_by(model, PROMPT, tokens(out), cache, "bfloat16", tolerance("bfloat16"))
     pos = next(i for i in ends if ref[i - 1] not in ref[: i - 1])
     eos = ref[pos - 1]
     out, cache = gappy_run(model, ref, eos_ids=(eos,))
-    assert tokens(out) == ref[: pos - 1] and out[-1].finish_reason == "stop"
-    assert max_cache_diff(cache, plain(model, eos_ids=(eos,))[1]) <= tolerance("bfloat16")
+    assert_exact(model, "bfloat16", out, ref[: pos - 1], eos_ids=(eos,))
+    if tokens(out) == ref[: pos - 1]:  # (a text parted at a rounding tie may never meet that EOS)
+        assert out[-1].finish_reason == "stop"
+    assert_cache_built_by(model, PROMPT, tokens(out), cache, "bfloat16", tolerance("bfloat16"))
 
 
 @pytest.mark.parametrize("family,rollback", [("llama", "reforward"), ("qwen3_5", "carry"),
@@ -184,11 +192,11 @@ def test_an_interrupt_around_a_queued_forward_restores_the_caches_and_resumes_ex
                                                rollback=rollback, numerics=ON):
             out += block.tokens
     assert 0 < len(out) < GEN and drafter.emitted == len(out)
-    _, direct = plain(model, max_tokens=len(out))
-    assert cache.length == direct.length and max_cache_diff(cache, direct) <= tolerance("bfloat16")
+    assert cache.length == len(PROMPT) + len(out) - 1
+    assert_cache_built_by(model, PROMPT, out, cache, "bfloat16", tolerance("bfloat16"))
     rest = speculative_generate_step(out[-1], cache, drafter, num_draft_tokens=4, max_tokens=GEN - len(out),
                                      rollback=rollback, numerics=ON)
-    assert out + tokens(list(rest)) == ref
+    assert_text(model, "bfloat16", out + tokens(list(rest)), ref)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -213,12 +221,15 @@ def test_a_row_joining_one_whose_forward_is_queued_decodes_both_as_alone(family)
             if row.finish is not None or row.room <= 0:
                 caches[row.tag] = engine.remove(row)
     for i, p in enumerate(prompts):
-        assert out[i] == refs[i]
-        direct = plain(model, prompt=p)[1]
-        assert caches[i].length == direct.length and max_cache_diff(caches[i], direct) <= 1e-5
+        assert_text(model, "float32", out[i], refs[i], p)
+        assert caches[i].length == len(p) + len(out[i]) - 1
+        assert_cache_built_by(model, p, out[i], caches[i], "float32", 1e-5)
 
 
 def test_seeded_sampling_logprobs_and_penalties_are_plain_decodings_through_queued_forwards():
+    if not kernels_agree("float32"):
+        pytest.skip("bit identity of sampled tokens and log-probabilities: where kernels agree (the replay cannot "
+                    "prove a tie through a repetition penalty)")
     model = target("llama", "float32")
     sampling = SamplingParams(temp=0.9, top_k=20, seed=7)
 
@@ -245,16 +256,17 @@ def test_the_replay_recomputes_blocks_whose_last_came_ahead_and_catches_a_wrong_
     model = target(family, "float32")
     ref, _ = plain(model)
     blocks, _ = gappy_run(model, ref, rollback="reforward")
+    own = tokens(blocks)  # plain decoding's text, or (where kernels round by shape) parted from it at a tie
     assert any(b.ahead for b in blocks)
-    assert replay(model, PROMPT, ref, blocks, 3).mismatch is None
+    assert replay(model, PROMPT, own, blocks, 3).mismatch is None
     # A token of a block whose first row came ahead, changed: the replay's forwards pick another.
     at, bad = 0, None
     for b in blocks:
         if b.ahead and bad is None and at > 0:
             bad = at
         at += len(b.tokens)
-    wrong = list(ref)
-    wrong[bad] = ref[bad] - 1 if ref[bad] else 1
+    wrong = list(own)
+    wrong[bad] = own[bad] - 1 if own[bad] else 1
     assert replay(model, PROMPT, wrong, blocks, 3).mismatch == bad
 
 
