@@ -91,8 +91,28 @@ def _round(y: mx.array, out: mx.Dtype, cls: int) -> mx.array:
     return y.astype(out)
 
 
+# Where set (small_shapes_shared): matmuls of fewer rows than "rows", and one row's attention over at most
+# "queries" queries, share one kernel (class 1: toward zero), as a GPU's vector kernels serve a few rows alike.
+_SHARED = {"rows": 0, "queries": 0}
+
+
 def _rows_class(m: int) -> int:
-    return max(int(m), 1).bit_length() - 1
+    m = max(int(m), 1)
+    return 1 if m < _SHARED["rows"] else m.bit_length() - 1
+
+
+@contextmanager
+def small_shapes_shared(rows: int = 6, queries: int = 8) -> Iterator[None]:
+    """Inside: a matmul of fewer than ``rows`` rows, and one row's attention over at most ``queries`` queries,
+    round alike whatever their count (MLX's quantized matmul serves fewer than 6 rows with one vector kernel on
+    Apple's GPUs; on an H200 a 4-bit model's 1, 2 and 4 rows compiled as one family, 8 and 16 as another).
+    There one token at a time and a few at once give the same bits, while a batch of rows does not."""
+    before = dict(_SHARED)
+    _SHARED.update(rows=rows, queries=queries)
+    try:
+        yield
+    finally:
+        _SHARED.update(before)
 
 
 def _out_dtype(*dtypes) -> mx.Dtype:
@@ -157,7 +177,8 @@ def _attention(q, k, v, *args, **kwargs):
         kwargs["sinks"] = sinks.astype(mx.float32)
     y = _ORIGINAL["sdpa"](q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), *args, **kwargs)
     queries = q.shape[0] * q.shape[-2]
-    return _round(y, out, _rows_class(queries) + k.shape[-2] // 64)
+    cls = 1 if q.shape[0] == 1 and q.shape[-2] <= _SHARED["queries"] else _rows_class(queries)
+    return _round(y, out, cls + k.shape[-2] // 64)
 
 
 # --- switching it on and off -------------------------------------------------------------------------

@@ -7,15 +7,18 @@ and each rounds its own way, so there a batched row differs from itself alone
 by rounding: on an H200 in bfloat16, by up to 3.8% of the largest logit. A fixed
 tolerance cannot tell that from a wrong mask, position or cache row (1e-2 sat
 below bfloat16's own rounding there), so the check first measures the backend's
-rounding on the same rows: each row fed one token at a time against all at once,
-two computations that differ in nothing but their shape. The batched difference
+rounding on the same rows: each row fed one token at a time, and within a forward
+of as many rows as the batch's, against all at once: computations that differ in
+nothing but their shape. The batched difference
 is held to :data:`FACTOR` times that (or times the dtype's own precision, where
 the two agree bit for bit).
 
 Measured (issue 56): on an H200 the batched difference was up to 1.5 times the
 yardstick (row by row up to 2.7: bfloat16, float32 with and without TF32); on the test suite's GPU-like
-CPU 0.6-1.1 times. A planted wrong mask, position or cache row moved the tiny test
-models' logits by 7-100% of the largest, 5.2-119 times their yardstick.
+CPU 0.6-1.0 times. A planted wrong mask, position or cache row moved the tiny test
+models' logits by 7-100% of the largest, 5.2-714 times their yardstick. An H200 in 4-bit
+(float16) gave one token at a time and three at once the same bits, a batch of two rows 0.018
+of the largest logit apart: hence the yardstick's forward as wide as the batch's.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ _EPS = {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 # The probe: two rows of different lengths (so per-row positions and masks matter), verified together.
 _PROMPTS = (5, 2)
 _FED = (3, 2)
+# Rows the probe's batch computes in one forward (a row fed alone that wide rounds as the batch may).
+_WIDE = len(_FED) * max(_FED)
+
+
+def _prompt(n: int) -> list[int]:
+    return [(3 * i) % 11 + 1 for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,8 @@ class Rounding:
 
     Attributes:
         dtype: The logits' dtype.
-        yardstick: One token at a time against all at once: rounding alone.
+        yardstick: One token at a time, and within one forward as wide as the batch's, against all at once:
+            rounding alone.
         batched: A row verified in a batch against the same row alone.
         tolerance: What rounding may move a logit by here, as a share of the position's largest:
             :data:`FACTOR` times the yardstick, or times the dtype's precision where that is larger.
@@ -89,7 +99,7 @@ def _probe_rows(model: nn.Module, fresh: Callable[[], ModelCache]) -> tuple[list
     rows = []
     for n in _PROMPTS:
         cache = fresh()
-        cache.prefill([(3 * i) % 11 + 1 for i in range(n)])
+        cache.prefill(_prompt(n))
         rows.append(cache)
     batch = BatchCache(model, rows[0])
     for cache in rows[1:]:
@@ -120,7 +130,14 @@ def measure_rounding(model: nn.Module, fresh: Callable[[], ModelCache]) -> Round
         alone = cache.feed(x[b, :fed])
         cache.restore(snap)
         ones = mx.concatenate([cache.feed(x[b, t : t + 1]) for t in range(fed)])
-        yardstick = max(yardstick, relative(ones, alone))
+        # And in one forward of at least as many rows as the batch's: a GPU may serve a few rows with one
+        # kernel (one token at a time and three at once then agree bit for bit, as a 4-bit model's did on an
+        # H200) and a batch's rows with another.
+        # (Tokens after the row's own change none of its logits: attention is causal, recurrences run forward.)
+        cache.restore(snap)
+        after = mx.array([(7 * t) % 13 + 1 for t in range(_WIDE - fed)], dtype=mx.uint32)
+        wide = cache.feed(mx.concatenate([x[b, :fed], after]))[:fed]
+        yardstick = max(yardstick, relative(ones, alone), relative(wide, alone))
         batched = max(batched, relative(together[b, :fed], alone))
     tolerance = FACTOR * max(yardstick, _EPS.get(dtype, 2.0**-23))
     return Rounding(dtype, yardstick, batched, tolerance)

@@ -82,3 +82,35 @@ def test_a_forward_that_fails_on_rows_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(batch_cache.RowsKVCache, "make_mask", broken)
     problem, rounding = check_batch(model, fresh(model))
     assert rounding is None and "fails on rows of different lengths (TypeError: offset must be an int)" in problem
+
+
+def _quantized(family: str) -> "mx.nn.Module":
+    import mlx.nn as nn
+
+    from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
+
+    model = build_model(TINY_CONFIGS[family], seed=0, dtype=mx.float16)
+    nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_where_a_few_rows_share_a_kernel_the_yardstick_still_sees_the_batchs_rounding(family, gpu_like):
+    # An H200 in 4-bit: 1 to 3 rows gave the same bits (one vector kernel), a batch's 6 did not (0.018 of the
+    # largest logit), and a yardstick of 1 against 3 rows read 0: the server refused to batch. The yardstick
+    # also feeds a row more tokens at once than the batch holds rows (the batch's kernel class).
+    model = _quantized(family)
+    with gpu_like.small_shapes_shared():
+        rounding = measure_rounding(model, fresh(model))
+        assert rounding.batched > 0 and rounding.ok, rounding
+        cls = batch_cache.RowsKVCache
+        real = cls.update_and_fetch
+
+        def swapped(self, keys, values):
+            k, v = real(self, keys, values)
+            return mx.concatenate([k[1:], k[:1]]), mx.concatenate([v[1:], v[:1]])
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cls, "update_and_fetch", swapped)
+            problem, wrong = check_batch(model, fresh(model))
+        assert wrong is not None and not wrong.ok and "past rounding" in problem, (problem, wrong)
