@@ -4,7 +4,9 @@ For each op and dtype: are the T-row results bit-identical to the T one-row
 results (T = 2..16), the largest difference, and the time of one T-row call
 against T one-row calls, and of ``--exact``'s replacements (its linear and
 its attention). Then the same for whole models, with and without ``--exact``:
-the logits of a T-row forward against T one-token forwards over the same cache.
+the logits of a T-row forward against T one-token forwards over the same cache. And ``--exact``'s
+operations (and the norm and RoPE between them), a row in a batch against the row alone, and its load
+probe on the whole model: what differs where the probe refuses.
 
   python scripts/batch_invariance.py [--model DIR] [--json OUT]
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python scripts/batch_invariance.py
@@ -120,6 +122,56 @@ def exact_ops(dtype):
     return out
 
 
+def rows_vs_alone(f, x):
+    """``f`` over a batch of rows ``[B, ...]`` against each row alone ``[1, ...]``."""
+    batched = f(x)
+    alone = mx.concatenate([f(x[i: i + 1]) for i in range(x.shape[0])])
+    mx.eval(batched, alone)
+    return (mx.array_equal(batched, alone).item(),
+            mx.abs(batched.astype(mx.float32) - alone.astype(mx.float32)).max().item())
+
+
+def exact_batch_ops(dtype):
+    """``--exact``'s replacements and the ops between them, a row in a batch of 2 or 4 against the row alone
+    (its load probe refused on an H200 in bf16: "a row in a batch gives other logits than the same row
+    alone"): which op it is."""
+    from specdec_cli.model import exact
+
+    dt = getattr(mx, dtype)
+    k = mx.random.key(2)
+    layer = nn.Linear(576, 1536, bias=False)
+    layer.update({"weight": layer.weight.astype(dt)})
+    layer.__class__ = exact._exact_class(nn.Linear)
+    nw = mx.ones((576,), dtype=dt)
+    heads, d, past = 9, 64, 100
+    out = {}
+    for name, f, shape in (
+            ("exact linear", layer, (576,)),
+            ("rms_norm", lambda r: mx.fast.rms_norm(r, nw, 1e-5), (576,)),
+            ("rope", lambda r: mx.fast.rope(r.reshape(*r.shape[:2], heads, d).swapaxes(1, 2), d, traditional=False,
+                                            base=10000.0, scale=1.0, offset=past), (heads * d,))):
+        res = []
+        for b in (2, 4):
+            for t in (1, 3, 16):
+                x = mx.random.normal((b, t, *shape), key=mx.random.split(k, 40)[b * 8 + t]).astype(dt)
+                res.append(rows_vs_alone(f, x))
+        out[name] = {"all_same": all(s for s, _ in res), "max_diff": max(v for _, v in res)}
+    res = []
+    for b in (2, 4):
+        for t in (1, 3, 16):
+            k1, k2, k3 = mx.random.split(mx.random.key(b * 8 + t), 3)
+            q = mx.random.normal((b, heads, t, d), key=k1).astype(dt)
+            kv = [mx.random.normal((b, heads // 3, past + t, d), key=kk).astype(dt) for kk in (k2, k3)]
+            batched = exact.attention(q, *kv, d**-0.5, "causal")
+            alone = mx.concatenate([exact.attention(q[i: i + 1], kv[0][i: i + 1], kv[1][i: i + 1], d**-0.5, "causal")
+                                    for i in range(b)])
+            mx.eval(batched, alone)
+            res.append((mx.array_equal(batched, alone).item(),
+                        mx.abs(batched.astype(mx.float32) - alone.astype(mx.float32)).max().item()))
+    out["exact attention (GQA 9/3, causal)"] = {"all_same": all(s for s, _ in res), "max_diff": max(v for _, v in res)}
+    return out
+
+
 def model_check(path, dtype, exact_mode=False):
     from specdec_cli.cache.caches import ModelCache
     from specdec_cli.session.loading import load
@@ -163,6 +215,11 @@ def main():
         for name in ("exact linear", "exact attention (GQA 9/3, causal)"):
             r = report["ops"][dtype][name]
             print(f"{dtype:9} {name:48} {'same' if r['all_same'] else 'DIFFERENT'} (max diff {r['max_diff']:.3g})")
+        report["batch"] = report.get("batch", {})
+        report["batch"][dtype] = exact_batch_ops(dtype)
+        for name, r in report["batch"][dtype].items():
+            print(f"{dtype:9} {name + ', batch vs alone':48} {'same' if r['all_same'] else 'DIFFERENT'} "
+                  f"(max diff {r['max_diff']:.3g})")
     if args.model:
         for dtype in ("float32", "bfloat16", "as-shipped"):
             for exact_mode in (False, True):
@@ -170,6 +227,17 @@ def main():
                 r = report["models"][name] = model_check(args.model, dtype, exact_mode)
                 print(f"model {name:20} T-row logits vs one-token: {'same' if r['all_same'] else 'DIFFERENT'} "
                       f"(max diff {r['max_diff']:.3g}; same at T = {[x['T'] for x in r['by_T'] if x['same']]})")
+                if exact_mode:  # the load probe --exact runs: a batch of two rows against each alone too
+                    from specdec_cli.cache.batch_check import exact_problem
+                    from specdec_cli.cache.caches import ModelCache
+                    from specdec_cli.model import exact
+                    from specdec_cli.session.loading import load
+
+                    m = load(args.model, None if dtype == "as-shipped" else dtype).model
+                    exact.install(m)
+                    problem = exact_problem(m, lambda: ModelCache(m))
+                    print(f"model {name:20} --exact's load probe: {problem or 'bit for bit'}")
+                    r["exact_probe"] = problem
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

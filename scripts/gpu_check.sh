@@ -13,8 +13,9 @@
 # DISTILL_S seconds into $OUT/head; headcheck: that head (or HEAD=DIR) against lookup alone on held-out open prompts; qwarm-bg, qwait,
 # gen4: the 4-bit kernels compiled in the background, then the 4-bit matrix; prefill: a 1,962-token prompt's prefill with
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
-# generate configuration N times); GEN_ARGS adds options to
-# every generate run (e.g. "--shapes exact"); TESTS_S (180) and TESTS_N (4 workers) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
+# generate configuration N times; blocks: scripts/block_costs.py, a block's time split against a plain step's; invariance:
+# scripts/batch_invariance.py, which op rounds a batched row apart, with and without --exact); GEN_ARGS adds options to
+# every generate run (e.g. "--shapes exact"); TESTS_S (180), TESTS_N (8 workers) and TESTS_K (pytest -k) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -146,13 +147,20 @@ run_checks() {
           --timeout ${GEN_TIMEOUT:-40} --dtypes $d --prompts ${HEAD_PROMPTS:-open,why,advice,how,copy} \
           -- --draft-model ${HEAD:-$OUT/head} | tee -a $OUT/headcheck.md"
       done ;;
+    blocks)  # where a block's time goes against a plain step's (host build, device wait, drafter, the rest): issue 59
+      step blocks 200 bash -c "$py scripts/block_costs.py --dtype ${BLOCKS_DTYPE:-bfloat16} --prompt open --tokens 256 \
+        --repeats 3 --json $OUT/blocks.json | tee -a $OUT/blocks.md" ;;
+    invariance)  # which op gives a batched row other bits than the row alone, with and without --exact
+      step invariance 150 bash -c "$py scripts/batch_invariance.py --model specdec_cli/models/smollm2-135m-instruct \
+        --json $OUT/invariance.json | tee -a $OUT/invariance.md" ;;
     sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
     serve) step serve 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype bfloat16 --out "$OUT/serve.json" ;;
     serve4) step serve4 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype 4bit --out "$OUT/serve4.json" ;;
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
-      step tests ${TESTS_S:-180} bash -c "$py -m pytest -q -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-4} --dist loadfile --durations=15 \
+      # -k: the device's own arithmetic; the GPU-like runs on top of it are CI's (TESTS_K="" runs them too).
+      step tests ${TESTS_S:-180} bash -c "$py -m pytest -q -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-8} --dist loadfile --durations=15 -k '${TESTS_K-not gpu-like}' \
         tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_pipeline.py tests/loop/test_batch.py \
         tests/serve/test_scheduler.py \
         tests/session/test_disk_tier.py tests/session/test_exact.py tests/serve/test_serve_gpu_like.py \
