@@ -283,6 +283,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "model/test_distributed.py::test_a_long_prefill_chunk_is_allowed_for_and_a_stop_after_it_is_not": FAST,
     "model/test_distributed.py::test_a_processs_first_chunk_is_short_then_rank_0s_sizes_are_allowed_for": FAST,
     "model/test_distributed.py::test_a_capped_first_chunk_does_not_cap_the_rest": FAST,
+    "model/test_distributed.py::test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer": FAST,
+    "model/test_distributed.py::test_what_cannot_be_split_unevenly_is_named": FAST,
     # The agents against a server sharded over 2 ranks.
     "serve/test_agents.py::test_codex_exec_ends_with_the_answer[qwen3_5-2-ranks]": SERVER + DISTRIBUTED[:1],
     "serve/test_agents.py::test_claude_p_ends_with_the_answer[qwen3_5-2-ranks]": SERVER + DISTRIBUTED[:1],

@@ -53,6 +53,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import OptionError, SpecdecError, UnsupportedModelError
+from . import uneven
 
 # Seconds without a completed agreement, during a generation, after which a
 # rank gives up on the others (the bound is 30 s from a peer's death).
@@ -650,7 +651,15 @@ def shard(model, config: dict, ranks: Ranks) -> None:
                 f"mlx-lm cannot shard {family} tensor-parallel (its model has no shard()); families that can: "
                 f"{', '.join(shardable_families()['tensor'])}" + _other_way(family, "pipeline")
             )
-        check_heads(config, ranks.size)
+        try:
+            check_heads(config, ranks.size)
+        except ShardingRefused as refused:
+            # Whole KV heads per rank, unevenly, where the family allows it (the bundled model on 2 ranks).
+            why = uneven.problem(model, config, ranks.size)
+            if why is not None:
+                raise ShardingRefused(f"{refused}; nor can they be split unevenly: {why}") from None
+            uneven.shard(model, ranks.group)
+            return
         try:
             model.shard(ranks.group)
         except (AssertionError, ValueError) as e:

@@ -91,6 +91,66 @@ def test_heads_must_divide_by_the_ranks():
         check_heads(TINY_CONFIGS["qwen3_5"], 3)
 
 
+def _uneven_config() -> dict:
+    """Llama with 3 KV heads (6 query heads of 32): 2 ranks do not divide them; whole KV heads go 2 and 1."""
+    return {**TINY_CONFIGS["llama"], "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3}
+
+
+class _Group:
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits):
+    # The bundled model (9 query heads over 3 KV heads) on 2 ranks: rank 0 keeps 2 KV heads, rank 1 one. Each
+    # rank's attention and MLP, before their all-sums, add up to the unsharded layer's (4-bit: cut at heads).
+    import mlx.nn as nn
+
+    from specdec_cli.model import uneven
+    from specdec_cli.session.synthetic import build_model
+
+    def model():
+        m = build_model(_uneven_config(), seed=0, dtype=mx.float32)
+        if bits:
+            nn.quantize(m, group_size=32, bits=bits)
+        return m
+
+    whole = model()
+    assert uneven.problem(whole, _uneven_config(), 2) is None
+    x = mx.random.normal((1, 5, 192), key=mx.random.key(3))
+    want = [whole.model.layers[0].self_attn(x, mask="causal", cache=None), whole.model.layers[0].mlp(x)]
+    alone = mx.distributed.init()  # this process alone: each sharded layer's all-sum leaves its part as it is
+    got = [mx.zeros_like(w) for w in want]
+    for rank, (heads, kv) in enumerate([(4, 2), (2, 1)]):
+        m = model()
+        uneven.shard(m, _Group(2, rank))
+        for module in m.modules():
+            if hasattr(module, "group"):
+                module.group = alone
+        attn = m.model.layers[0].self_attn
+        assert (attn.n_heads, attn.n_kv_heads) == (heads, kv)
+        got = [got[0] + attn(x, mask="causal", cache=None), got[1] + m.model.layers[0].mlp(x)]
+    for g, w in zip(got, want):
+        assert mx.abs(g - w).max().item() <= 1e-5 * max(1.0, mx.abs(w).max().item())
+
+
+def test_what_cannot_be_split_unevenly_is_named():
+    from specdec_cli.model import uneven
+    from specdec_cli.session.synthetic import build_model
+
+    one_kv = {**TINY_CONFIGS["llama"], "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+    assert "1 KV head cannot be shared out over 2 ranks" in uneven.problem(build_model(one_kv), one_kv, 2)
+    assert "not qwen3_5" in uneven.problem(build_model(TINY_CONFIGS["qwen3_5"]), TINY_CONFIGS["qwen3_5"], 2)
+    assert uneven.split(3, 2) == [(0, 2), (2, 1)] and uneven.split(8, 3) == [(0, 3), (3, 3), (6, 2)]
+
+
 def test_a_family_that_cannot_pipeline_is_refused_naming_those_that_can(tmp_path):
     from mlx_lm.utils import load_model
 
@@ -248,6 +308,17 @@ def _llama3() -> dict:
     return {**TINY_CONFIGS["llama"], "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
 
 
+def _quantized_dir(path: Path, config: dict) -> Path:
+    """``config``'s model in 4-bit (groups of 32), saved as mlx-lm saves a quantized model."""
+    import mlx.nn as nn
+
+    from specdec_cli.session.synthetic import build_model, save_model_dir
+
+    model = build_model(config, seed=0, dtype=mx.float32)
+    nn.quantize(model, group_size=32, bits=4)
+    return save_model_dir(path, model, {**config, "quantization": {"group_size": 32, "bits": 4}})
+
+
 def _gen(model, *extra, m: int = 24) -> list[str]:
     return ["generate", "--model", str(model), "-p", PROMPT, "-m", str(m), "--ignore-chat-template", *extra]
 
@@ -258,6 +329,8 @@ def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed")
     llama, llama_draft, qwen, qwen_draft = _models(tmp)
     llama3 = make_model_dir(tmp / "llama3", _llama3())
+    uneven = make_model_dir(tmp / "uneven", _uneven_config())
+    uneven4 = _quantized_dir(tmp / "uneven4", _uneven_config())
     hybrid = ["--draft-model", str(qwen_draft), "--compare-ar", "--json"]
     sampled = _gen(llama, "--draft-model", str(llama_draft), "--temp", "0.8", "--seed", "7", "--json")
     schema = tmp / "schema.json"
@@ -266,6 +339,9 @@ def launched(tmp_path_factory):
                                   "required": ["a", "b"], "additionalProperties": False}))
     runs = [
         ("tp_llama_lookup", _gen(llama, "--compare-ar", "--json")),
+        # 3 KV heads over 2 ranks (the bundled model's case): split by whole KV heads, 2 and 1.
+        ("tp_uneven_lookup", _gen(uneven, "--compare-ar", "--json")),
+        ("tp_uneven_4bit_draft", _gen(uneven4, "--draft-model", str(uneven4), "--compare-ar", "--json")),
         ("tp_llama_draft", _gen(llama, "--draft-model", str(llama_draft), "--compare-ar", "--json")),
         ("tp_qwen35_capture", _gen(qwen, *hybrid, "--rollback", "capture")),
         ("tp_qwen35_tape", _gen(qwen, *hybrid, "--rollback", "tape")),
@@ -309,7 +385,7 @@ def _launch(tmp: Path, spec: dict, env: dict) -> dict:
     return out
 
 
-COMPARED = ["tp_llama_lookup", "tp_llama_draft", "tp_qwen35_capture", "tp_qwen35_tape", "tp_qwen35_carry",
+COMPARED = ["tp_llama_lookup", "tp_uneven_lookup", "tp_uneven_4bit_draft", "tp_llama_draft", "tp_qwen35_capture", "tp_qwen35_tape", "tp_qwen35_carry",
             "pp_qwen35_lookup", "pp_qwen35_draft", "tp_llama_penalty", "tp_qwen35_schema"]
 
 
@@ -407,6 +483,7 @@ def test_sweep_runs_sharded(launched):
 @pytest.mark.parametrize("name,code,words", [
     ("refuse_pipeline_llama", 1, "mlx-lm cannot pipeline llama (its model has no PipelineMixin); families that can:"),
     ("refuse_heads", 1, "2 ranks do not divide this model's heads (num_attention_heads 3, num_key_value_heads 1)"),
+    ("refuse_heads", 1, "nor can they be split unevenly: 1 KV head cannot be shared out over 2 ranks"),
     ("refuse_pipeline_mtp", 2, "--drafter mtp reads the target's hidden states, which pipeline parallelism keeps"),
     ("refuse_stdin", 2, "under mlx.launch stdin never ends"),
     ("refuse_serve_exact", 2, "--exact is not built for a target sharded under mlx.launch yet"),
