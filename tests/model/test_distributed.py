@@ -96,17 +96,6 @@ def _uneven_config() -> dict:
     return {**TINY_CONFIGS["llama"], "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3}
 
 
-class _Group:
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 @pytest.mark.parametrize("bits", [None, 4])
 def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits):
     # The bundled model (9 query heads over 3 KV heads) on 2 ranks: rank 0 keeps 2 KV heads, rank 1 one. Each
@@ -130,7 +119,7 @@ def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits):
     got = [mx.zeros_like(w) for w in want]
     for rank, (heads, kv) in enumerate([(4, 2), (2, 1)]):
         m = model()
-        uneven.shard(m, _Group(2, rank))
+        uneven.shard(m, _Group(rank, 2))
         for module in m.modules():
             if hasattr(module, "group"):
                 module.group = alone
