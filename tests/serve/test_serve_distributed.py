@@ -48,7 +48,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "qwen35-dflash": save_dflash_dir(tmp / "qwen35-dflash", dflash_config(
                 tied_qwen35(), layers=2, block_size=6, layer_types=["sliding_attention", "full_attention"],
                 sliding_window=8), seed=3),
-            # Six heads over three KV heads and a hidden width of 96: shards over 3 ranks (and 2).
+            # Six heads over three KV heads: shards over 3 ranks evenly, over 2 by whole KV heads (2 and 1).
             "llama6": make_model_dir(tmp / "llama6", {**TINY_CONFIGS["llama"], "hidden_size": 48,
                                                       "num_attention_heads": 6, "num_key_value_heads": 3,
                                                       "intermediate_size": 96})}
@@ -62,6 +62,8 @@ def _args(models: dict, name: str) -> list[str]:
             "qwen35_pipeline_ngram": ["--model", models["qwen35"], "--drafter", "ngram", "--pipeline"],
             "qwen35_mtp": ["--model", models["qwen35-mtp"], "--drafter", "mtp"],
             "qwen35_dflash": ["--model", models["qwen35"], "--draft-model", models["qwen35-dflash"]],
+            # 3 KV heads over 2 ranks (the bundled model's case): split unevenly by whole KV heads.
+            "llama6_uneven": ["--model", models["llama6"]],
             }[name]
 
 
@@ -104,7 +106,7 @@ def sharded(models):
 
 
 @pytest.mark.parametrize("name", ["llama_lookup", "llama_draft", "qwen35_draft", "qwen35_pipeline_ngram",
-                                  "qwen35_mtp", "qwen35_dflash"])
+                                  "qwen35_mtp", "qwen35_dflash", "llama6_uneven"])
 def test_served_answers_equal_a_one_process_servers(models, sharded, name):
     args = [*_args(models, name), "--decode-concurrency", "4"]
     alone = Server(*[a for a in args if a != "--pipeline"])
@@ -128,7 +130,7 @@ def test_served_answers_equal_a_one_process_servers(models, sharded, name):
         assert timings["draft_n"] > 0, timings
         assert timings["drafter"].split(" (")[0] == {"llama_lookup": "lookup", "llama_draft": "model", "qwen35_draft": "model",
                                       "qwen35_pipeline_ngram": "ngram", "qwen35_mtp": "mtp",
-                                      "qwen35_dflash": "dflash"}[name], timings
+                                      "qwen35_dflash": "dflash", "llama6_uneven": "lookup"}[name], timings
     finally:
         if server is not sharded:
             assert server.stop(signal.SIGINT) == 0, server.log
