@@ -316,20 +316,23 @@ def compare(servers: Servers, levels: list[int], count: int, max_tokens: int, al
     """Each level, each server in turn (who goes first alternates); texts held against each other.
 
     ``alone``: each server is started for its turn and stopped after it, so that the other's idle ranks
-    (which poll each other) take no CPU from it. None: a server could not serve.
+    (which poll each other) take no CPU from it. A server that cannot serve is left out from then on and
+    the other is measured alone (``mlx_lm.server`` over ranks that do not divide the heads). None: neither
+    could serve.
     """
     results: dict = {}
     first_texts: dict = {}
+    out_of_it: set = set()
     for n, level in enumerate(levels):
         requests = requests_for(level, count, max_tokens)
         order = SERVERS if n % 2 == 0 else SERVERS[::-1]
         row: dict = {"requests": len(requests), "kinds": [r[0] for r in requests], "order": list(order)}
         for server in order:
+            if server in out_of_it:
+                continue
             if alone and not servers.up(server, f"x{level}"):
-                if n == 0 and server == order[0]:  # say what the other one does too
-                    if servers.up(order[1], f"x{level}"):
-                        servers.down(order[1])
-                return None
+                out_of_it.add(server)
+                continue
             got = measure(servers, server, requests, level)
             if alone:
                 servers.down(server)
@@ -337,20 +340,29 @@ def compare(servers: Servers, levels: list[int], count: int, max_tokens: int, al
             common = min(len(earlier), len(got["texts"]))
             got["same_as_first_level"] = got["texts"][:common] == earlier[:common]
             row[server] = got
-        row["tok_s_ratio"] = row["specdec"]["tok_s"] / row["mlx_lm"]["tok_s"]
-        pairs = list(zip(row["specdec"]["texts"], row["mlx_lm"]["texts"]))
-        row["texts_equal"] = sum(a == b for a, b in pairs)
-        row["texts_compared"] = len(pairs)
-        row["texts_equal_across_servers"] = row["texts_equal"] == len(pairs)
-        row["load_avg_1min"] = {s: [row[s]["load_before"][0], row[s]["load_after"][0]] for s in order}
+        if len(out_of_it) == len(SERVERS):
+            return None
+        row["load_avg_1min"] = {s: [row[s]["load_before"][0], row[s]["load_after"][0]] for s in order if s in row}
         results[level] = row
-        counts = row["specdec"]["specdec_counts"]
-        print(f"x{level}: specdec {row['specdec']['tok_s']:.3f} tok/s, mlx_lm {row['mlx_lm']['tok_s']:.3f} tok/s "
-              f"({row['tok_s_ratio']:.2f}x); walls {row['specdec']['wall_s']:.0f}s vs {row['mlx_lm']['wall_s']:.0f}s; "
-              f"texts equal {row['texts_equal']}/{row['texts_compared']}; same as first level: specdec "
-              f"{row['specdec']['same_as_first_level']}, mlx_lm {row['mlx_lm']['same_as_first_level']}; "
-              f"specdec tokens/block {counts['tokens_per_block']}, accepted {counts['draft_n_accepted']}/"
-              f"{counts['draft_n']}; load {row['load_avg_1min']}", flush=True)
+        if "specdec" in row and "mlx_lm" in row:
+            row["tok_s_ratio"] = row["specdec"]["tok_s"] / row["mlx_lm"]["tok_s"]
+            pairs = list(zip(row["specdec"]["texts"], row["mlx_lm"]["texts"]))
+            row["texts_equal"] = sum(a == b for a, b in pairs)
+            row["texts_compared"] = len(pairs)
+            row["texts_equal_across_servers"] = row["texts_equal"] == len(pairs)
+        for name in ("specdec", "mlx_lm"):
+            if name not in row:
+                continue
+            extra = ""
+            if name == "specdec":
+                counts = row[name]["specdec_counts"]
+                extra = (f"; tokens/block {counts['tokens_per_block']}, accepted {counts['draft_n_accepted']}/"
+                         f"{counts['draft_n']}")
+            print(f"x{level}: {name} {row[name]['tok_s']:.3f} tok/s, wall {row[name]['wall_s']:.0f}s, same as first "
+                  f"level {row[name]['same_as_first_level']}{extra}", flush=True)
+        if "tok_s_ratio" in row:
+            print(f"x{level}: {row['tok_s_ratio']:.2f}x; texts equal {row['texts_equal']}/{row['texts_compared']}; "
+                  f"load {row['load_avg_1min']}", flush=True)
     return results
 
 
@@ -409,12 +421,12 @@ def main() -> None:
                 levels_out = compare(servers, levels, args.requests, args.max_tokens, alone=False)
         else:
             levels_out = compare(servers, levels, args.requests, args.max_tokens, alone=True)
-        if levels_out is None:
-            failed = sorted({s["server"] for s in servers.starts if not s.get("started") or "warmup_error" in s})
+        failed = sorted({s["server"] for s in servers.starts if not s.get("started") or "warmup_error" in s})
+        if failed:
             results["skipped"] = (f"not compared: {', '.join(failed)} could not serve the model over {args.ranks} "
                                   f"ranks (see starts)")
             print(results["skipped"], flush=True)
-        else:
+        if levels_out is not None:
             results["levels"] = levels_out
     finally:
         servers.down_all()
@@ -432,8 +444,10 @@ def main() -> None:
               "|---|---|---|---|---|---|---|")
         for level, row in results["levels"].items():
             load = "; ".join(f"{s} {a:.1f}->{b:.1f}" for s, (a, b) in row["load_avg_1min"].items())
-            print(f"| {level} | {row['requests']} | {row['specdec']['tok_s']:.3f} | {row['mlx_lm']['tok_s']:.3f} | "
-                  f"{row['tok_s_ratio']:.2f}x | {row['texts_equal']}/{row['texts_compared']} | {load} |")
+            tok = {s: f"{row[s]['tok_s']:.3f}" if s in row else "cannot serve" for s in SERVERS}
+            ratio = f"{row['tok_s_ratio']:.2f}x" if "tok_s_ratio" in row else "-"
+            same = f"{row['texts_equal']}/{row['texts_compared']}" if "texts_equal" in row else "-"
+            print(f"| {level} | {row['requests']} | {tok['specdec']} | {tok['mlx_lm']} | {ratio} | {same} | {load} |")
 
 
 if __name__ == "__main__":
