@@ -245,9 +245,13 @@ def assert_exact(model, dtype: str, blocks: list[Block], ref: list[int], prompt=
 CACHE_ROUNDING = 2.0**-3
 
 
-def assert_cache_built_by(model, prompt, out, cache, dtype: str, tol: float = 0.0) -> None:
-    """``cache`` is the one plain decoding leaves after ``prompt`` and ``out`` (as far as ``cache.length``):
-    within ``tol`` where the kernels agree, else within :data:`CACHE_ROUNDING` (it was built in other shapes)."""
+def assert_cache_built_by(model, prompt, out, cache, dtype: str, tol: float = 0.0, *, stopped: bool = False,
+                          drafter: bool = False) -> None:
+    """``cache`` is the one plain decoding leaves after ``prompt`` and ``out``: within ``tol`` where the kernels
+    agree, else within :data:`CACHE_ROUNDING` (it was built in other shapes). Its length is the prompt's and every
+    token but the last (all of them after an EOS: ``stopped``); a drafter's may lag (its caller says by how much)."""
+    if not drafter:
+        assert cache.length == len(prompt) + len(out) - (0 if stopped else 1), (cache.length, len(prompt), len(out))
     direct = fed(model, (list(prompt) + list(out))[: cache.length], prompt_len=len(prompt) - 1)
     if kernels_agree(dtype):
         assert max_cache_diff(cache, direct) <= tol

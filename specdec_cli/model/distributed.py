@@ -658,7 +658,10 @@ def shard(model, config: dict, ranks: Ranks) -> None:
             why = uneven.problem(model, config, ranks.size)
             if why is not None:
                 raise ShardingRefused(f"{refused}; nor can they be split unevenly: {why}") from None
-            uneven.shard(model, ranks.group)
+            try:
+                uneven.shard(model, ranks.group)
+            except (AssertionError, ValueError) as e:
+                raise ShardingRefused(f"{refused}; nor can they be split unevenly ({e})") from None
             return
         try:
             model.shard(ranks.group)

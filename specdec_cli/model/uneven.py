@@ -17,7 +17,8 @@ from typing import Any, Optional
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
-# Families whose decoder layers are llama's shape, tested under mlx.launch (tests/model/test_distributed.py).
+# Families whose decoder layers are llama's shape (mlx-lm reads mistral as llama; qwen2 adds q/k/v biases, qwen3
+# per-head norms). Tested (tests/model/test_distributed.py): llama under mlx.launch, llama and qwen3 layer by layer.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -67,12 +68,14 @@ def problem(model: nn.Module, config: dict, size: int) -> Optional[str]:
         hidden = mlp.gate_proj.weight.shape[0]
         if hidden % size:
             return f"its MLP's {hidden} features do not divide by {size}"
-        o = attn.o_proj
-        if isinstance(o, nn.QuantizedLinear):
-            head = _in_features(o) // attn.n_heads
-            # o's input columns are cut at head boundaries: whole quantization groups and whole packed words.
-            if head % o.group_size or (head * o.bits) % 32:
-                return f"its {o.bits}-bit attention output cannot be cut at a head ({head} features) by groups of {o.group_size}"
+        # A quantized layer's input columns are cut on whole quantization groups and whole packed words: o's
+        # at KV-head groups, down's at an even share.
+        cuts = ((attn.o_proj, _in_features(attn.o_proj) // attn.n_kv_heads, "attention output"),
+                (mlp.down_proj, hidden // size, "MLP output"))
+        for module, width, what in cuts:
+            if isinstance(module, nn.QuantizedLinear) and (width % module.group_size or (width * module.bits) % 32):
+                return (f"its {module.bits}-bit {what} cannot be cut every {width} features "
+                        f"(groups of {module.group_size})")
     return None if layers else "it has no decoder layers to split"
 
 

@@ -114,7 +114,7 @@ def test_rolled_back_cache_equals_cache_built_directly(family, dtype):
             # The drafter rolled back too: its cache equals one fed the same
             # committed tokens directly (minus any it has yet to see).
             assert drafter.cache.length + len(drafter._pending) == cache.length
-            assert_cache_built_by(draft, PROMPT, out, drafter.cache, dtype, tol)
+            assert_cache_built_by(draft, PROMPT, out, drafter.cache, dtype, tol, drafter=True)
             checked += 1
     assert checked >= 4
     expected = "reforward" if family in ("qwen3_5", "nemotron_h") else "trim"
@@ -157,7 +157,7 @@ def test_one_host_sync_per_block_unless_timed(family):
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 7, 11])
 def test_max_tokens_mid_block_truncates_and_leaves_consistent_caches(family, max_tokens):
     model = target(family, "bfloat16")
-    ref, ref_cache = plain(model, max_tokens=max_tokens)
+    ref, _ = plain(model, max_tokens=max_tokens)
     # Drafter == target: every block is a full accept of 5 drafts, so the
     # limit lands inside a block.
     blocks, cache, drafter = speculative(model, model, 5, max_tokens=max_tokens)
@@ -174,14 +174,15 @@ def test_eos_inside_an_accepted_block_ends_output(family):
     # Use a token that first appears mid-output as the EOS.
     pos = next(i for i in range(5, GEN) if ref[i] not in ref[:i])
     eos = ref[pos]
-    ref_eos, ref_cache = plain(model, eos_ids=(eos,))
+    ref_eos, _ = plain(model, eos_ids=(eos,))
     assert ref_eos == ref[:pos]
     for k in (3, 6):
         blocks, cache, _ = speculative(model, model, k, eos_ids=(eos,))
         assert_text(model, "bfloat16", tokens(blocks), ref_eos, eos_ids=(eos,))
         if tokens(blocks) == ref_eos:  # (a text parted at a rounding tie may never meet that EOS)
             assert blocks[-1].finish_reason == "stop"
-        assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16", cache_tolerance(family, "bfloat16"))
+        assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16", cache_tolerance(family, "bfloat16"),
+                              stopped=blocks[-1].finish_reason == "stop")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -237,7 +238,7 @@ RECURRENT = [(f, d) for f in ("qwen3_5", "nemotron_h") for d in DTYPES]
 @pytest.mark.parametrize("family,dtype", RECURRENT)
 def test_carry_equals_plain_with_partial_accepts(family, dtype):
     model, draft = target(family, dtype), noisy_drafter(family, dtype)
-    ref, ref_cache = plain(model)
+    ref, _ = plain(model)
     for k in KS:
         blocks, cache, _ = speculative(model, draft, k, rollback="carry")
         assert_exact(model, dtype, blocks, ref)
@@ -251,17 +252,18 @@ def test_carry_equals_plain_with_partial_accepts(family, dtype):
 @pytest.mark.parametrize("max_tokens", [1, 3, 7, 11])
 def test_carry_max_tokens_and_eos_leave_consistent_caches(family, max_tokens):
     model, draft = target(family, "bfloat16"), noisy_drafter(family, "bfloat16")
-    ref, ref_cache = plain(model, max_tokens=max_tokens)
+    ref, _ = plain(model, max_tokens=max_tokens)
     blocks, cache, drafter = speculative(model, draft, 4, max_tokens=max_tokens, rollback="carry")
     assert_text(model, "bfloat16", tokens(blocks), ref)
     assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16", cache_tolerance(family, "bfloat16"))
     assert drafter.cache.length + len(drafter._pending) == cache.length
     full, _ = plain(model)
     eos = full[6]
-    ref_eos, eos_cache = plain(model, eos_ids=(eos,))
+    ref_eos, _ = plain(model, eos_ids=(eos,))
     blocks, cache, _ = speculative(model, draft, 4, eos_ids=(eos,), rollback="carry")
     assert_text(model, "bfloat16", tokens(blocks), ref_eos, eos_ids=(eos,))
-    assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16", cache_tolerance(family, "bfloat16"))
+    assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16", cache_tolerance(family, "bfloat16"),
+                          stopped=blocks[-1].finish_reason == "stop")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])

@@ -88,7 +88,7 @@ CASES = [(f, d, r) for f in FAMILIES for d in ("float32", "bfloat16")
 @pytest.mark.parametrize("family,dtype,rollback", CASES)
 def test_pipelined_blocks_give_plain_decodings_text_and_caches(family, dtype, rollback):
     model = target(family, dtype)
-    ref, ref_cache = plain(model)
+    ref, _ = plain(model)
     blocks, cache = gappy_run(model, ref, rollback=rollback)
     assert_exact(model, dtype, blocks, ref)
     assert any(b.ahead and not b.drafted for b in blocks)
@@ -175,7 +175,8 @@ def test_eos_and_max_tokens_right_after_a_queued_forward_leave_plain_decodings_c
     assert_exact(model, "bfloat16", out, ref[: pos - 1], eos_ids=(eos,))
     if tokens(out) == ref[: pos - 1]:  # (a text parted at a rounding tie may never meet that EOS)
         assert out[-1].finish_reason == "stop"
-    assert_cache_built_by(model, PROMPT, tokens(out), cache, "bfloat16", tolerance("bfloat16"))
+    assert_cache_built_by(model, PROMPT, tokens(out), cache, "bfloat16", tolerance("bfloat16"),
+                          stopped=out[-1].finish_reason == "stop")
 
 
 @pytest.mark.parametrize("family,rollback", [("llama", "reforward"), ("qwen3_5", "carry"),
@@ -257,6 +258,8 @@ def test_the_replay_recomputes_blocks_whose_last_came_ahead_and_catches_a_wrong_
     ref, _ = plain(model)
     blocks, _ = gappy_run(model, ref, rollback="reforward")
     own = tokens(blocks)  # plain decoding's text, or (where kernels round by shape) parted from it at a tie
+    if kernels_agree("float32"):
+        assert own == ref
     assert any(b.ahead for b in blocks)
     assert replay(model, PROMPT, own, blocks, 3).mismatch is None
     # A token of a block whose first row came ahead, changed: the replay's forwards pick another.

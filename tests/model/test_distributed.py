@@ -91,13 +91,15 @@ def test_heads_must_divide_by_the_ranks():
         check_heads(TINY_CONFIGS["qwen3_5"], 3)
 
 
-def _uneven_config() -> dict:
-    """Llama with 3 KV heads (6 query heads of 32): 2 ranks do not divide them; whole KV heads go 2 and 1."""
-    return {**TINY_CONFIGS["llama"], "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3}
+def _uneven_config(family: str = "llama") -> dict:
+    """3 KV heads (6 query heads of 32): 2 ranks do not divide them; whole KV heads go 2 and 1."""
+    return {**TINY_CONFIGS[family], "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3,
+            "head_dim": 32}
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("bits", [None, 4])
-def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits):
+def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits, family):
     # The bundled model (9 query heads over 3 KV heads) on 2 ranks: rank 0 keeps 2 KV heads, rank 1 one. Each
     # rank's attention and MLP, before their all-sums, add up to the unsharded layer's (4-bit: cut at heads).
     import mlx.nn as nn
@@ -106,13 +108,13 @@ def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits):
     from specdec_cli.session.synthetic import build_model
 
     def model():
-        m = build_model(_uneven_config(), seed=0, dtype=mx.float32)
+        m = build_model(_uneven_config(family), seed=0, dtype=mx.float32)
         if bits:
             nn.quantize(m, group_size=32, bits=bits)
         return m
 
     whole = model()
-    assert uneven.problem(whole, _uneven_config(), 2) is None
+    assert uneven.problem(whole, _uneven_config(family), 2) is None
     x = mx.random.normal((1, 5, 192), key=mx.random.key(3))
     want = [whole.model.layers[0].self_attn(x, mask="causal", cache=None), whole.model.layers[0].mlp(x)]
     alone = mx.distributed.init()  # this process alone: each sharded layer's all-sum leaves its part as it is
@@ -138,6 +140,13 @@ def test_what_cannot_be_split_unevenly_is_named():
     assert "1 KV head cannot be shared out over 2 ranks" in uneven.problem(build_model(one_kv), one_kv, 2)
     assert "not qwen3_5" in uneven.problem(build_model(TINY_CONFIGS["qwen3_5"]), TINY_CONFIGS["qwen3_5"], 2)
     assert uneven.split(3, 2) == [(0, 2), (2, 1)] and uneven.split(8, 3) == [(0, 3), (3, 3), (6, 2)]
+    # A 4-bit MLP whose even share (96 features) is not whole groups of 64.
+    import mlx.nn as nn
+
+    wide = {**_uneven_config(), "intermediate_size": 192}
+    m = build_model(wide)
+    nn.quantize(m, group_size=64, bits=4)
+    assert "4-bit MLP output cannot be cut every 96 features (groups of 64)" in uneven.problem(m, wide, 2)
 
 
 def test_a_family_that_cannot_pipeline_is_refused_naming_those_that_can(tmp_path):
