@@ -190,7 +190,7 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.seconds / 4))
-            if self._depth and time.monotonic() - self._last - self._extra > self.seconds:
+            if self.waited() > self.seconds:
                 line = (f"error: rank {self.rank}: no answer from the other ranks for {self.seconds:g} s (one of "
                         "them stopped or lost its network): giving up\n")
                 try:

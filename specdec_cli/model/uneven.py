@@ -12,7 +12,7 @@ computes more of the attention.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
@@ -42,10 +42,6 @@ def split(n: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _attention(layer) -> Any:
-    return getattr(layer, "self_attn", None)
-
-
 def _in_features(module: nn.Module) -> int:
     return module.weight.shape[1] * 32 // module.bits if isinstance(module, nn.QuantizedLinear) else module.weight.shape[1]
 
@@ -57,7 +53,7 @@ def problem(model: nn.Module, config: dict, size: int) -> Optional[str]:
         return f"an uneven split is made for {', '.join(FAMILIES)}, not {family}"
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     for layer in layers:
-        attn, mlp = _attention(layer), getattr(layer, "mlp", None)
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not all(
                 hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads")) \
                 or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
@@ -80,8 +76,8 @@ def problem(model: nn.Module, config: dict, size: int) -> Optional[str]:
 
 
 def _cut(module: nn.Module, start: int, stop: int, axis: int) -> nn.Module:
-    """``module`` (a linear or quantized linear) keeping output features (``axis`` 0) or input features (1)
-    ``start:stop``, as a new module of its type."""
+    """``module`` (a linear or quantized linear) cut down, in place, to output features (``axis`` 0) or input
+    features (1) ``start:stop``."""
     params = dict(module.parameters())
     if axis == 0:
         for name in params:
