@@ -427,23 +427,28 @@ def gpu_like():
         yield backend
 
 
+def _on(arithmetic: str):
+    """Yields ``arithmetic`` with forwards computed on it: ``own`` (the device's) or ``gpu-like``."""
+    if arithmetic == "own":
+        yield arithmetic
+        return
+    import gpu_like as module
+
+    with module.installed():
+        yield arithmetic
+
+
 @pytest.fixture(params=["own", "gpu-like"])
 def backend(request):
     """The test runs twice: on the device's own arithmetic (this CPU's: bit-identical rows) and on the GPU-like
     backend."""
-    import gpu_like as module
-
-    if request.param == "own":
-        yield request.param
-        return
-    with module.installed():
-        yield request.param
+    yield from _on(request.param)
 
 
 # Files whose tests run twice (those that take neither ``gpu_like`` nor ``backend``): on this CPU's own
 # arithmetic and on the GPU-like backend, each asserting what is promised there: bit identity where the
 # kernels agree; elsewhere plain decoding's text up to a rounding tie and caches within rounding
-# (tests/helpers.py: kernels_agree, assert_text, assert_cache_built_by). scripts/gpu_check.sh's tests step
+# (tests/helpers.py: kernels_agree, assert_alone_or_tie, assert_cache_built_by). scripts/gpu_check.sh's tests step
 # runs them on CUDA, where the own arithmetic is a GPU's.
 BOTH_BACKENDS = ("loop/test_engine.py", "loop/test_pipeline.py", "loop/test_batch.py", "serve/test_scheduler.py",
                  "session/test_disk_tier.py")
@@ -459,10 +464,4 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(autouse=True)
 def arithmetic(request):
     """The arithmetic a test of BOTH_BACKENDS runs on (every other test: the device's own)."""
-    if getattr(request, "param", "own") == "own":
-        yield "own"
-        return
-    import gpu_like as module
-
-    with module.installed():
-        yield "gpu-like"
+    yield from _on(getattr(request, "param", "own"))

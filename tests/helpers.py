@@ -6,6 +6,7 @@ import copy
 import functools
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from specdec_cli.cache.caches import ModelCache, WindowKVCache
 from specdec_cli.drafters import ModelDrafter
@@ -29,6 +30,13 @@ def tied_qwen35(config: dict = TINY_CONFIGS["qwen3_5"]) -> dict:
     out = copy.deepcopy(config)
     out["text_config"]["tie_word_embeddings"] = True
     return out
+
+
+def quantized(config: dict, dtype=mx.float32, group_size: int = 32, bits: int = 4):
+    """``config``'s tiny model (seed 0) with its linear layers quantized, as ``mlx_lm.convert -q`` quantizes them."""
+    model = build_model(config, seed=0, dtype=dtype)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    return model
 
 
 @functools.cache
@@ -257,12 +265,6 @@ def assert_cache_built_by(model, prompt, out, cache, dtype: str, tol: float = 0.
         assert max_cache_diff(cache, direct) <= tol
     else:
         assert cache_rel_diff(cache, direct) <= CACHE_ROUNDING
-
-
-def assert_text(model, dtype: str, out: list[int], ref: list[int], prompt=PROMPT, eos_ids=()) -> None:
-    """A run's text is plain decoding's (``ref``): bit for bit where the kernels agree, else identical up to a
-    rounding tie (held to the backend's rounding) after which the two may go on differently."""
-    assert_alone_or_tie(model, dtype, out, ref, prompt, eos_ids=eos_ids)
 
 
 def assert_served(loaded, got: list[int], prompt, max_tokens: int, want: list[int]) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from helpers import DTYPES, FAMILIES, kernels_agree, target
+from helpers import DTYPES, FAMILIES, kernels_agree, quantized, target
 from specdec_cli.cache import batch_cache
 from specdec_cli.cache.batch_check import FACTOR, Rounding, batch_problem, check_batch, measure_rounding
 from specdec_cli.cache.caches import ModelCache
+from specdec_cli.session.synthetic import TINY_CONFIGS
 
 CASES = [(f, d) for f in FAMILIES for d in (*DTYPES, "float16")]
 
@@ -43,6 +44,15 @@ def _peek_ahead(real):
     return make_mask
 
 
+def _rows_swapped(real):
+    def update_and_fetch(self, keys, values):
+        k, v = real(self, keys, values)
+        # A copy, not a view with a negative stride: with that view, an H200 in bf16 and float16 refused for
+        # an error in the forward (no rounding measured), not for the fault.
+        return mx.concatenate([k[1:], k[:1]]), mx.concatenate([v[1:], v[:1]])
+    return update_and_fetch
+
+
 @pytest.mark.parametrize("fault", ["mask", "position", "row"])
 @pytest.mark.parametrize("family,dtype", CASES)
 def test_a_wrong_mask_position_or_row_is_refused(family, dtype, fault, backend, monkeypatch):
@@ -53,15 +63,7 @@ def test_a_wrong_mask_position_or_row_is_refused(family, dtype, fault, backend, 
     elif fault == "position":  # RoPE one position on
         monkeypatch.setattr(cls, "offset", property(lambda self: mx.array([n + 1 for n in self.lengths], mx.int32)))
     else:  # each row reads the other's keys and values
-        real = cls.update_and_fetch
-
-        def swapped(self, keys, values):
-            k, v = real(self, keys, values)
-            # A copy, not a view with a negative stride: with that view, an H200 in bf16 and float16 refused
-            # for an error in the forward (no rounding measured), not for the fault.
-            return mx.concatenate([k[1:], k[:1]]), mx.concatenate([v[1:], v[:1]])
-
-        monkeypatch.setattr(cls, "update_and_fetch", swapped)
+        monkeypatch.setattr(cls, "update_and_fetch", _rows_swapped(cls.update_and_fetch))
     problem, rounding = check_batch(model, fresh(model))
     assert rounding is not None and not rounding.ok, (problem, rounding)
     assert "past rounding" in problem and f"{rounding.batched:.2g}" in problem
@@ -84,33 +86,17 @@ def test_a_forward_that_fails_on_rows_is_a_reason_not_a_crash(monkeypatch):
     assert rounding is None and "fails on rows of different lengths (TypeError: offset must be an int)" in problem
 
 
-def _quantized(family: str) -> "mx.nn.Module":
-    import mlx.nn as nn
-
-    from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
-
-    model = build_model(TINY_CONFIGS[family], seed=0, dtype=mx.float16)
-    nn.quantize(model, group_size=32, bits=4)
-    return model
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_where_a_few_rows_share_a_kernel_the_yardstick_still_sees_the_batchs_rounding(family, gpu_like):
     # An H200 in 4-bit: 1 to 3 rows gave the same bits (one vector kernel), a batch's 6 did not (0.018 of the
     # largest logit), and a yardstick of 1 against 3 rows read 0: the server refused to batch. The yardstick
     # also feeds a row more tokens at once than the batch holds rows (the batch's kernel class).
-    model = _quantized(family)
+    model = quantized(TINY_CONFIGS[family], mx.float16)
     with gpu_like.small_shapes_shared():
         rounding = measure_rounding(model, fresh(model))
         assert rounding.batched > 0 and rounding.ok, rounding
         cls = batch_cache.RowsKVCache
-        real = cls.update_and_fetch
-
-        def swapped(self, keys, values):
-            k, v = real(self, keys, values)
-            return mx.concatenate([k[1:], k[:1]]), mx.concatenate([v[1:], v[:1]])
-
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cls, "update_and_fetch", swapped)
+            mp.setattr(cls, "update_and_fetch", _rows_swapped(cls.update_and_fetch))
             problem, wrong = check_batch(model, fresh(model))
         assert wrong is not None and not wrong.ok and "past rounding" in problem, (problem, wrong)

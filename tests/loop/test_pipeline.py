@@ -15,9 +15,9 @@ from helpers import (
     GEN,
     PROMPT,
     Interrupting,
+    assert_alone_or_tie,
     assert_cache_built_by,
     assert_exact,
-    assert_text,
     kernels_agree,
     plain,
     prefilled,
@@ -149,7 +149,6 @@ def test_between_blocks_the_queued_forward_leads_the_cache_by_the_last_token(fam
             leads.append((block.drafted, cache.length - (len(PROMPT) + len(out) - 1)))
     assert {lead for drafted, lead in leads if drafted == 0} == {1}
     assert {lead for drafted, lead in leads if drafted} == {0}
-    assert cache.length == len(PROMPT) + len(out) - 1
     assert_cache_built_by(model, PROMPT, out, cache, "float32", 1e-5)
 
 
@@ -193,11 +192,10 @@ def test_an_interrupt_around_a_queued_forward_restores_the_caches_and_resumes_ex
                                                rollback=rollback, numerics=ON):
             out += block.tokens
     assert 0 < len(out) < GEN and drafter.emitted == len(out)
-    assert cache.length == len(PROMPT) + len(out) - 1
     assert_cache_built_by(model, PROMPT, out, cache, "bfloat16", tolerance("bfloat16"))
     rest = speculative_generate_step(out[-1], cache, drafter, num_draft_tokens=4, max_tokens=GEN - len(out),
                                      rollback=rollback, numerics=ON)
-    assert_text(model, "bfloat16", out + tokens(list(rest)), ref)
+    assert_alone_or_tie(model, "bfloat16", out + tokens(list(rest)), ref, PROMPT)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -222,8 +220,7 @@ def test_a_row_joining_one_whose_forward_is_queued_decodes_both_as_alone(family)
             if row.finish is not None or row.room <= 0:
                 caches[row.tag] = engine.remove(row)
     for i, p in enumerate(prompts):
-        assert_text(model, "float32", out[i], refs[i], p)
-        assert caches[i].length == len(p) + len(out[i]) - 1
+        assert_alone_or_tie(model, "float32", out[i], refs[i], p)
         assert_cache_built_by(model, p, out[i], caches[i], "float32", 1e-5)
 
 

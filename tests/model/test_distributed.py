@@ -25,7 +25,7 @@ from specdec_cli.errors import OptionError
 from specdec_cli.session import ModelOptions, check_distributed_options
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
-from helpers import tied_qwen35
+from helpers import quantized, tied_qwen35
 from server import free_port, launch_bin
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
@@ -102,16 +102,11 @@ def _uneven_config(family: str = "llama") -> dict:
 def test_an_uneven_split_by_kv_heads_sums_to_the_whole_layer(bits, family):
     # The bundled model (9 query heads over 3 KV heads) on 2 ranks: rank 0 keeps 2 KV heads, rank 1 one. Each
     # rank's attention and MLP, before their all-sums, add up to the unsharded layer's (4-bit: cut at heads).
-    import mlx.nn as nn
-
     from specdec_cli.model import uneven
     from specdec_cli.session.synthetic import build_model
 
     def model():
-        m = build_model(_uneven_config(family), seed=0, dtype=mx.float32)
-        if bits:
-            nn.quantize(m, group_size=32, bits=bits)
-        return m
+        return quantized(_uneven_config(family), bits=bits) if bits else build_model(_uneven_config(family))
 
     whole = model()
     assert uneven.problem(whole, _uneven_config(family), 2) is None
@@ -141,11 +136,8 @@ def test_what_cannot_be_split_unevenly_is_named():
     assert "not qwen3_5" in uneven.problem(build_model(TINY_CONFIGS["qwen3_5"]), TINY_CONFIGS["qwen3_5"], 2)
     assert uneven.split(3, 2) == [(0, 2), (2, 1)] and uneven.split(8, 3) == [(0, 3), (3, 3), (6, 2)]
     # A 4-bit MLP whose even share (96 features) is not whole groups of 64.
-    import mlx.nn as nn
-
     wide = {**_uneven_config(), "intermediate_size": 192}
-    m = build_model(wide)
-    nn.quantize(m, group_size=64, bits=4)
+    m = quantized(wide, group_size=64)
     assert "4-bit MLP output cannot be cut every 96 features (groups of 64)" in uneven.problem(m, wide, 2)
 
 
@@ -308,13 +300,9 @@ def _llama3() -> dict:
 
 def _quantized_dir(path: Path, config: dict) -> Path:
     """``config``'s model in 4-bit (groups of 32), saved as mlx-lm saves a quantized model."""
-    import mlx.nn as nn
+    from specdec_cli.session.synthetic import save_model_dir
 
-    from specdec_cli.session.synthetic import build_model, save_model_dir
-
-    model = build_model(config, seed=0, dtype=mx.float32)
-    nn.quantize(model, group_size=32, bits=4)
-    return save_model_dir(path, model, {**config, "quantization": {"group_size": 32, "bits": 4}})
+    return save_model_dir(path, quantized(config), {**config, "quantization": {"group_size": 32, "bits": 4}})
 
 
 def _gen(model, *extra, m: int = 24) -> list[str]:
