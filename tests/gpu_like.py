@@ -12,7 +12,7 @@ in float32 and rounds its output by a rule picked by its shape:
   1, 2-3, 4-7, 8-15, ...;
 - an attention by its queries (batch x positions) and its key length (a new
   class each 64 keys, as a split-K kernel's split count grows);
-- a batched ``mx.matmul`` by each matrix's rows and columns;
+- a batched ``mx.matmul`` by each matrix's rows and columns and by the number of matrices;
 
 each class rounding to bfloat16 to nearest, truncating to bfloat16, or (float32
 models only) keeping float32. The amounts are a GPU's (a bfloat16 ulp per op,
@@ -161,10 +161,15 @@ def _as_linear(self, x):
 
 
 def _batched_matmul(a, b, *args, **kwargs):
-    """``mx.matmul`` (batched matmuls, ``--exact``'s attention): by each matrix's rows and columns."""
+    """``mx.matmul`` (batched matmuls, ``--exact``'s attention): by each matrix's rows and columns, and by how
+    many matrices the call holds (an H200 rounded a row's exact attention apart in a batch of 2 and 4 rows:
+    a GEMM's split over its inner dimension is chosen to fill the GPU, so by the batch's size too)."""
     out = _out_dtype(a.dtype, b.dtype)
     y = _ORIGINAL["matmul"](a.astype(mx.float32), b.astype(mx.float32), *args, **kwargs)
-    return _round(y, out, _rows_class(a.shape[-2]) + b.shape[-1] // 64)
+    count = 1
+    for n in y.shape[:-2]:
+        count *= n
+    return _round(y, out, _rows_class(a.shape[-2]) + b.shape[-1] // 64 + count.bit_length())
 
 
 def _attention(q, k, v, *args, **kwargs):

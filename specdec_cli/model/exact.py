@@ -12,7 +12,7 @@ shape and one order:
   :data:`ROWS` rows per call, the last call padded: one kernel shape, however
   many rows the forward has;
 - attention runs each :data:`QUERIES` query rows as one matrix (padded) against
-  the keys :data:`KEYS` at a time, left to right, folding each block of keys
+  the keys :data:`KEYS` at a time, :data:`MATRICES` matrices per call, left to right, folding each block of keys
   into a running maximum, sum and weighted values (an online softmax): the
   order of the reduction over the keys depends on the keys' positions alone,
   and a block of keys a row cannot see (padding past its length in a batch)
@@ -51,6 +51,8 @@ ROWS = 16
 QUERIES = 16
 #: Keys folded into the running softmax per step.
 KEYS = 256
+#: Matrices an attention's batched matmul computes per call.
+MATRICES = 16
 
 _ATTRIBUTE = "_specdec_exact"
 
@@ -96,6 +98,19 @@ def _exact_class(cls: type) -> type:
 
 
 # --- attention: fixed shapes, a fixed-order reduction over the keys ------------------------------------
+
+
+def _in_matrices(a: mx.array, b: mx.array) -> mx.array:
+    """``a @ b`` over ``[N, m, k]`` and ``[N, k, n]``, :data:`MATRICES` matrices per call (padded, then dropped):
+    a GPU's batched GEMM splits its inner dimension by how many matrices it holds (an H200 rounded a row in a
+    batch of 2 and 4 apart from itself alone when the count followed the batch)."""
+    n = a.shape[0]
+    pad = (-n) % MATRICES
+    if pad:
+        a = mx.pad(a, [(0, pad), (0, 0), (0, 0)])
+        b = mx.pad(b, [(0, pad), (0, 0), (0, 0)])
+    return mx.concatenate([mx.matmul(a[i : i + MATRICES], b[i : i + MATRICES])
+                           for i in range(0, n + pad, MATRICES)])[:n]
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -149,11 +164,15 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     top = mx.full((B, Hk, rep, nq, QUERIES, 1), -mx.inf, dtype=mx.float32)
     total = mx.zeros((B, Hk, rep, nq, QUERIES, 1), dtype=mx.float32)
     acc = mx.zeros((B, Hk, rep, nq, QUERIES, values.shape[-1]), dtype=mx.float32)
+    lead = (B, Hk, rep, nq)
+    count = B * Hk * rep * nq
+    qf = q.astype(mx.float32).reshape(count, QUERIES, D)
     for b in range(nk):
         cols = slice(b * KEYS, (b + 1) * KEYS)
-        kb = k[:, :, None, None, cols].astype(mx.float32)
-        vb = v[:, :, None, None, cols].astype(mx.float32)
-        scores = mx.matmul(q.astype(mx.float32), kb.swapaxes(-1, -2)) * scale
+        kb = mx.broadcast_to(k[:, :, None, None, cols], (*lead, KEYS, D)).astype(mx.float32)
+        vb = mx.broadcast_to(v[:, :, None, None, cols], (*lead, KEYS, values.shape[-1])).astype(mx.float32)
+        kb, vb = kb.reshape(count, KEYS, D).swapaxes(-1, -2), vb.reshape(count, KEYS, -1)
+        scores = _in_matrices(qf, kb).reshape(*lead, QUERIES, KEYS) * scale
         if add is not None:
             scores = scores + add[..., cols]
         seen = visible[..., cols]
@@ -165,7 +184,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         weights = mx.where(seen, mx.exp(scores - safe), 0.0)
         carried = mx.where(top == -mx.inf, 0.0, mx.exp(top - safe))
         total = total * carried + mx.sum(weights, axis=-1, keepdims=True)
-        acc = acc * carried + mx.matmul(weights, vb)
+        acc = acc * carried + _in_matrices(weights.reshape(count, QUERIES, KEYS), vb).reshape(acc.shape)
         top = new_top
     out = acc / mx.where(total == 0, 1.0, total)
     out = out.reshape(B, Hq, nq * QUERIES, values.shape[-1])[:, :, :T]
