@@ -39,12 +39,18 @@ SHARED_ENV = "SPECDEC_TEST_SESSION_DIR"
 STOP_TIMEOUT_S = 30
 
 
+def python_path(*first) -> str:
+    """``first``, the checkout, then this process's PYTHONPATH: a lent GPU's MLX is installed on a path of
+    its own (scripts/gpu_check.sh: /tmp/site), which a server started with the checkout alone could not import."""
+    return os.pathsep.join(str(p) for p in (*first, ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
 def env(**extra: str) -> dict:
     out = dict(os.environ)
     # MLX's bundled BLAS, as in the tests' own process: a T-row forward then gives the bits of T one-row
     # ones, so served text and log-probabilities are held to plain decoding's bit for bit (with OpenBLAS,
     # which the CLI preloads, float32 matmuls round by row count).
-    out.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "SPECDEC_NO_REEXEC": "1", **extra})
+    out.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": python_path(), "SPECDEC_NO_REEXEC": "1", **extra})
     return out
 
 

@@ -138,10 +138,10 @@ def test_a_dropped_non_streamed_request_stops_while_it_decodes(server):
 
 def test_a_dropped_request_stops_during_its_prefill_and_one_dropped_in_the_queue_never_runs(dirs, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(SLOW_SITECUSTOMIZE)
-    from server import ROOT
+    from server import python_path
     # One request decodes at a time, so the second one waits in the queue.
     slow = Server("--model", dirs["long"], "--decode-concurrency", "1",
-                  extra_env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+                  extra_env={"PYTHONPATH": python_path(tmp_path)})
     try:
         long_prompt = {"messages": [{"role": "user", "content": "w" * 100_000}], "max_tokens": 5}
         first = raw_request(slow, long_prompt)

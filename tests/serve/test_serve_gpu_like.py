@@ -9,14 +9,14 @@ alone or part from it at a rounding tie; on this CPU's own arithmetic, identical
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
 import anthropic
 import httpx
 import pytest
 
 import gpu_like
-from server import ROOT, Server
+from helpers import kernels_agree
+from server import Server, python_path
 from specdec_cli.session.synthetic import make_model_dir
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog, twice: the quick brown fox.", "abc abc abc abc abc",
@@ -26,7 +26,7 @@ OK = {"identical", "rounding tie"}
 
 
 def gpu_like_env() -> dict:
-    return {gpu_like.ENV: gpu_like.NAME, "PYTHONPATH": os.pathsep.join([str(gpu_like.SITE), str(ROOT)])}
+    return {gpu_like.ENV: gpu_like.NAME, "PYTHONPATH": python_path(gpu_like.SITE)}
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +80,19 @@ def test_compare_alone_with_sampling_needs_a_seed(server):
     assert answer["timings"]["compare"]["verdict"] in OK
 
 
-def test_on_this_cpus_own_arithmetic_the_answers_are_identical(model):
-    cpu = Server("--model", model, "--decode-concurrency", "4")
+def test_on_the_devices_own_arithmetic_the_answers_are_identical_where_its_kernels_agree(model):
+    own = Server("--model", model, "--decode-concurrency", "4")
     try:
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            answers = list(pool.map(lambda p: ask(cpu, p), PROMPTS))
+            answers = list(pool.map(lambda p: ask(own, p), PROMPTS))
     finally:
-        cpu.stop()
-    assert [a["timings"]["compare"]["verdict"] for a in answers] == ["identical"] * len(PROMPTS)
-    assert "a row in a batch differs" not in cpu.log  # bit for bit here: nothing to say
+        own.stop()
+    verdicts = [a["timings"]["compare"]["verdict"] for a in answers]
+    if kernels_agree("float32"):  # this CPU: bit for bit, and nothing to say at start-up
+        assert verdicts == ["identical"] * len(PROMPTS)
+        assert "a row in a batch differs" not in own.log
+    else:  # a GPU's own arithmetic (scripts/gpu_check.sh): the promise the GPU-like backend holds
+        assert set(verdicts) <= OK, verdicts
 
 
 def test_with_exact_every_answer_is_the_same_text_alone_and_eight_at_a_time(model):

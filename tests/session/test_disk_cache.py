@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import max_cache_diff, noisy_drafter, target
+from server import python_path
 from specdec_cli.cache.caches import ModelCache, make_cache
 from specdec_cli.model.taps import Hidden
 from specdec_cli.cache.codec import decode as _decode
@@ -469,7 +470,7 @@ def test_two_processes_saving_into_one_folder_leave_only_files_that_load_exactly
     kept = [prefill(model, p, stops=[len(p) // 2]) for p in prompts]
     one = store(tmp_path / "probe").save(prompts[-1], kept[-1][1])
     code = _PROCESS.format(PARTS=PARTS, B=B, STEP=STEP, PROMPTS=prompts)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "shared"), str(4 * one), order],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for order in ("forward", "backward")]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from helpers import PROMPT, assert_served
+from helpers import PROMPT, assert_alone_or_tie, assert_served, kernels_agree
 from specdec_cli.cli.app import app
 from specdec_cli.core.sampling import SamplingParams
 from specdec_cli.loop.events import Prefilled, Step
@@ -169,7 +169,10 @@ def test_kv_bits_resumes_its_own_files_exactly_and_never_the_others(tmp_path):
     _, pre, _ = turn(quant, folder, second)
     assert pre.cached == 0
     out, pre, _ = turn(quant, folder, second)
-    assert pre.disk > 0 and out == gen(Session(quant, 8), second)[0]
+    assert pre.disk > 0
+    # Its prefix was computed in other shapes: bit for bit where the kernels agree, else up to a rounding tie.
+    assert_alone_or_tie(quant.target.model, "float32", out, gen(Session(quant, 8), second)[0], second,
+                        eos_ids=quant.eos_ids, kv_bits=8, kv_group_size=32)
 
 
 def test_a_folder_that_cannot_be_made_is_a_warning_and_the_run_goes_on(setups, tmp_path, monkeypatch):
@@ -266,7 +269,12 @@ def test_a_restarted_server_answers_the_next_turn_from_disk_as_a_cacheless_one(d
     assert server.health["lookup_corpus_tokens"] == first.usage.completion_tokens == 16
     assert server.health["prompt_cache_disk_bytes"] > 0 and server.health["prompt_cache_dir"] == str(tmp_path)
     cold, _ = served(["--prompt-cache-size", "0", "--prompt-cache-disk-gb", "0"], turn2)
-    assert again.choices[0].text == cold.choices[0].text
+    if kernels_agree("float32"):
+        assert again.choices[0].text == cold.choices[0].text
+    else:  # a GPU's own arithmetic: the resumed answer is its request alone up to a rounding tie (as the server says)
+        checked, _ = served(disk, turn2, extra_body={"compare_alone": True})
+        assert checked.usage.prompt_tokens_details.cached_tokens > 0
+        assert checked.model_extra["timings"]["compare"]["verdict"] in {"identical", "rounding tie"}
 
 
 def test_an_mtp_head_resumes_from_the_hidden_states_on_disk_and_drafts_as_from_memory(tmp_path):
