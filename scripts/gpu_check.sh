@@ -15,7 +15,7 @@
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
 # generate configuration N times; blocks: scripts/block_costs.py, a block's time split against a plain step's; invariance:
 # scripts/batch_invariance.py, which op rounds a batched row apart, with and without --exact); GEN_ARGS adds options to
-# every generate run (e.g. "--shapes exact"); TESTS_S (180), TESTS_N (8 workers) and TESTS_K (pytest -k) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
+# every generate run (e.g. "--shapes exact"); TESTS_S (300), SERVE4_S (280), TESTS_N (8 workers) and TESTS_K (pytest -k) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,7 +85,8 @@ step() {
   [ "$left" -lt "$box" ] && box=$left
   echo "## $name (box ${box} s) $(date -u +%T)" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout -k 5 "$box" "$@" >> "$LOG" 2>&1; local rc=$?
+  # SIGINT first: pytest then prints what failed so far, a benchmark stops its servers.
+  timeout -s INT -k 10 "$box" "$@" >> "$LOG" 2>&1; local rc=$?
   echo "## $name: rc $rc in $(( SECONDS - t0 )) s" | tee -a "$LOG"
 }
 
@@ -156,11 +157,12 @@ run_checks() {
     sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
     serve) step serve 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype bfloat16 --out "$OUT/serve.json" ;;
-    serve4) step serve4 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
+    serve4) step serve4 ${SERVE4_S:-280} $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype 4bit --out "$OUT/serve4.json" ;;
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
       # -k: the device's own arithmetic; the GPU-like runs on top of it are CI's (TESTS_K="" runs them too).
-      step tests ${TESTS_S:-180} bash -c "$py -m pytest -q -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-8} --dist loadfile --durations=15 -k '${TESTS_K-not gpu-like}' \
+      # -v --dist load: each test's verdict as it ends, and no file (test_engine's 77 tests) on one worker alone.
+      step tests ${TESTS_S:-300} bash -c "exec $py -m pytest -v -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-8} --dist load --durations=15 -k '${TESTS_K-not gpu-like}' \
         tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_pipeline.py tests/loop/test_batch.py \
         tests/serve/test_scheduler.py \
         tests/session/test_disk_tier.py tests/session/test_exact.py tests/serve/test_serve_gpu_like.py \

@@ -19,10 +19,13 @@ instead of an option string:
 - ``pipeline``: a single row's block that drafted nothing queues its next
   forward before reading its token back, as plain decoding does
   (:mod:`specdec_cli.loop.engine`); on where the device computes apart from the
-  host, except CUDA. On this project's 2-core CPU, where the host is the device, it
-  measured 10-15% slower (``scripts/gpu_matrix.py --pairs 5 --pipeline on,off``); on
-  an H200 (bf16, 3 pairs in one process) too: open 0.60x against 0.69x, a summary
-  0.62x against 0.77x (docs/GPU-CHECK.md). Apple's GPUs: not measured.
+  host (a GPU). On this project's 2-core CPU, where the host is the device, it
+  measured 10-15% slower (``scripts/gpu_matrix.py --pairs 5 --pipeline on,off``). On
+  an H200 (bf16, ``scripts/block_costs.py``: the same blocks in one process, median
+  of 3) a block without drafts took 4.92 ms pipelined against 6.02 ms not (a plain
+  step 4.42 ms), lookup's blocks 5.79 against 6.14 ms a token; earlier pairs there
+  read it slower (open 0.60x against 0.69x), but their texts parted at rounding
+  ties and their drafts with them (docs/GPU-CHECK.md). Apple's GPUs: not measured.
 """
 
 from __future__ import annotations
@@ -94,10 +97,8 @@ class Numerics:
 
 
 def apart() -> bool:
-    """Whether MLX's default device computes apart from the host (a GPU), so that work queued ahead overlaps it,
-    and queuing it measured no slower there (not CUDA: see the module docstring)."""
-    cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
-    return mx.default_device() != mx.cpu and not cuda
+    """Whether MLX's default device computes apart from the host (a GPU), so that work queued ahead overlaps it."""
+    return mx.default_device() != mx.cpu
 
 
 __all__ = ["Numerics", "apart"]

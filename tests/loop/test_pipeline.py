@@ -1,6 +1,6 @@
 """Blocks without drafts pipelined (``Numerics.pipeline``): the next forward queued before the token is read back.
 
-On by default where the device computes apart from the host, except CUDA (Apple's GPUs); these tests turn it on here. A single row's block that drafted nothing feeds its own token to the target before reading it, as plain decoding
+On by default where the device computes apart from the host (a GPU); these tests turn it on here. A single row's block that drafted nothing feeds its own token to the target before reading it, as plain decoding
 (mlx-lm's ``generate_step``) does; the next block verifies whatever the drafter then finds after that forward.
 Invariants: the text is plain decoding's, every block decides as it does unpipelined, and whatever ends the run
 (EOS, max tokens, an interrupt, a row joining) leaves the caches plain decoding leaves.
