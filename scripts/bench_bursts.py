@@ -24,7 +24,15 @@ burst's wall time), mean and worst latency, mean time to first token, and
 whether the two servers' texts are the same. Ratios are specdec / mlx_lm.
 Results go to ``bench-results/serve-bursts.json``.
 
+With ``--start once`` (a lent GPU, where a start costs 15-30 s) both servers
+start once for the whole run: the first burst at each number of clients is
+then the first time that many rows decode together on that server (new shapes,
+compiled then), not the first work after start, and is named ``first`` (the
+second, ``later``). ``--dtype`` picks the files (``bfloat16`` on a GPU, ``4bit``:
+the bundled files as shipped).
+
 Usage: python scripts/bench_bursts.py [--concurrency 1,2,4,8,16] [--workloads mixed,open] [--specdec-args '--block-size 1']
+       python scripts/bench_bursts.py --start once --dtype bfloat16 --concurrency 1,4,8,16 --workloads mixed
 """
 
 from __future__ import annotations
@@ -112,37 +120,52 @@ def main() -> None:
     ap.add_argument("--workloads", default="mixed,open")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "serve-bursts.json"))
     ap.add_argument("--specdec-args", default="", help="more options for specdec serve (default: none, its defaults)")
+    ap.add_argument("--dtype", default="float32", help="the files both servers load (bench_serve's --dtype)")
+    ap.add_argument("--start", choices=("per-level", "once"), default="per-level",
+                    help="start both servers afresh for each number of clients (cold bursts), or once for the run")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
 
     work = Path(tempfile.mkdtemp(prefix="bench-bursts-"))
-    f32, env, peer_env, library = prepare(work)
+    f32, env, peer_env, library = prepare(work, args.dtype)
     prompts = Prompts()
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                     "blas": str(library) if library else "bundled reference BLAS",
-                     "specdec_args": args.specdec_args, "workloads": {}}
+                     "blas": str(library) if library else "bundled reference BLAS", "dtype": args.dtype,
+                     "start": args.start, "specdec_args": args.specdec_args, "workloads": {}}
+    running: dict = {}
+
+    def server_port(server: str) -> int:
+        """The server's port: started now (and its untimed "Hello" answered), or still running under --start once."""
+        if server in running:
+            return running[server][1]
+        port = free_port()
+        cmd = ([sys.executable, "-m", "mlx_lm", "server"] if server == "mlx_lm" else
+               [sys.executable, "-m", "specdec_cli", "serve"])
+        extra = shlex.split(args.specdec_args) if server == "specdec" else []
+        proc = start([*cmd, "--model", str(f32), "--port", str(port), *extra], port,
+                     peer_env if server == "mlx_lm" else env, work / f"{server}.log")
+        running[server] = (proc, port)
+        ask(port, [{"role": "user", "content": "Hello"}], 8)  # untimed, one request alone
+        return port
+
     try:
         for kind in args.workloads.split(","):
             for level in levels:
                 cold, warm = prompts.burst(kind, level), prompts.burst(kind, level)
                 row: dict = {"load_before": os.getloadavg()}
                 for server in ("mlx_lm", "specdec"):
-                    port = free_port()
-                    cmd = ([sys.executable, "-m", "mlx_lm", "server"] if server == "mlx_lm" else
-                           [sys.executable, "-m", "specdec_cli", "serve"])
-                    extra = shlex.split(args.specdec_args) if server == "specdec" else []
-                    proc = start([*cmd, "--model", str(f32), "--port", str(port), *extra], port,
-                                 peer_env if server == "mlx_lm" else env, work / f"{server}.log")
                     try:
-                        ask(port, [{"role": "user", "content": "Hello"}], 8)  # untimed, one request alone
+                        port = server_port(server)
                         row[server] = {"cold": burst(port, cold), "warm": burst(port, warm)}
                     finally:
-                        stop(proc)
+                        if args.start == "per-level" and server in running:
+                            stop(running.pop(server)[0])
                 for phase in ("cold", "warm"):
                     s, m = row["specdec"][phase], row["mlx_lm"][phase]
                     row[f"{phase}_ratio"] = s["tok_s"] / m["tok_s"]
                     row[f"{phase}_same_text"] = sum(a == b for a, b in zip(s["texts"], m["texts"]))
-                    print(f"{kind:5s} x{level:<2d} {phase}: specdec {s['tok_s']:6.1f} tok/s, mlx_lm "
+                    label = phase if args.start == "per-level" else {"cold": "first", "warm": "later"}[phase]
+                    print(f"{kind:5s} x{level:<2d} {label}: specdec {s['tok_s']:6.1f} tok/s, mlx_lm "
                           f"{m['tok_s']:6.1f} ({row[f'{phase}_ratio']:.2f}x); mean latency "
                           f"{s['mean_latency_s']:.1f} / {m['mean_latency_s']:.1f} s; TTFT {s['mean_ttft_s']:.2f} / "
                           f"{m['mean_ttft_s']:.2f} s; same text {row[f'{phase}_same_text']}/{level}", flush=True)
@@ -150,6 +173,8 @@ def main() -> None:
                 results["workloads"].setdefault(kind, {})[level] = row
                 Path(args.out).write_text(json.dumps(results, indent=2))  # what is measured so far survives
     finally:
+        for proc, _ in running.values():
+            stop(proc)
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {args.out}")
 

@@ -16,7 +16,8 @@
 # generate configuration N times; blocks: scripts/block_costs.py, a block's time split against a plain step's; invariance:
 # scripts/batch_invariance.py, which op rounds a batched row apart, with and without --exact); GEN_ARGS adds options to
 # every generate run (e.g. "--shapes exact"); TESTS_S (300), SERVE4_S (280), TESTS_N (8 workers) and TESTS_K (pytest -k) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
-# would start with less than its time box left is skipped and says so.
+# would start with less than its time box left is skipped and says so. bursts, bursts4: scripts/bench_bursts.py against
+# mlx_lm.server, bf16 and 4-bit, new requests in every burst (BURSTS_S, 240 s each; serve and serve4 repeat theirs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MLX=${MLX_VERSION:-0.32.4}; MLXLM=${MLX_LM_VERSION:-0.32.2}
@@ -157,6 +158,10 @@ run_checks() {
     sweep) step sweep 90 bash -c "$py -m specdec_cli sweep \"\$($py scripts/gpu_matrix.py --print copy)\" --dtype bfloat16 --block-sizes 4,8,16 --repeats 3 --json > $OUT/sweep.json" ;;
     serve) step serve 200 $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype bfloat16 --out "$OUT/serve.json" ;;
+    bursts|bursts4)  # bursts of new requests (none sent twice: no prompt cache or lookup corpus helps), servers started once
+      dt=bfloat16; [ "$s" = bursts4 ] && dt=4bit
+      step "$s" ${BURSTS_S:-240} $py scripts/bench_bursts.py --start once --dtype $dt --concurrency ${SERVE_CLIENTS:-1,4,8,16} \
+        --workloads ${BURSTS_WORKLOADS:-mixed} --out "$OUT/$s.json" ;;
     serve4) step serve4 ${SERVE4_S:-280} $py scripts/bench_serve.py --concurrency ${SERVE_CLIENTS:-1,4,8,16} --workloads mixed \
       --repeats 1 --decode-concurrency default --dtype 4bit --out "$OUT/serve4.json" ;;
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
