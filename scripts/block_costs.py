@@ -11,7 +11,9 @@ token, and most blocks drafted nothing. This splits each loop's time, in one pro
 
 Loops: mlx-lm's ``generate_step`` (the peer), specdec's plain decoding, and specdec's blocks with prompt
 lookup (the default drafter) and with a drafter that never drafts (every block an open prompt's worst case),
-each with blocks without drafts pipelined and not. Milliseconds per emitted token and per block.
+each with blocks without drafts pipelined and not (and pipelined with the block's pick sent to the device only
+as the next forward's input, as before ``engine.PICK_FIRST``). Milliseconds per emitted token and per block;
+the model's forwards and MLX's evals (``eval`` and ``async_eval``) per block.
 
   python scripts/block_costs.py [--dtype bfloat16] [--prompt open] [--tokens 256] [--repeats 3] [--json OUT]
 """
@@ -43,6 +45,7 @@ class Clock:
 
     def __init__(self):
         self.spent = dict.fromkeys(BUCKETS, 0.0)
+        self.calls = dict.fromkeys(BUCKETS, 0)
         self._inside = False
 
     def timed(self, bucket: str, fn):
@@ -50,6 +53,7 @@ class Clock:
             if self._inside:
                 return fn(*args, **kwargs)
             self._inside = True
+            self.calls[bucket] += 1
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -94,6 +98,7 @@ def main() -> None:
     from specdec_cli.core.adaptive import MatchLength
     from specdec_cli.drafters import no_draft
     from specdec_cli.drafters.suffix import SuffixDrafter
+    from specdec_cli.loop import engine
     from specdec_cli.loop.engine import speculative_generate_step
     from specdec_cli.loop.plain import plain_generate_step
     from specdec_cli.model.bundled import NAME
@@ -139,8 +144,9 @@ def main() -> None:
             out += len(block.tokens)
         return out, out
 
-    def blocks(drafter_cls, pipeline):
+    def blocks(drafter_cls, pipeline, pick_first=True):
         def run():
+            engine.PICK_FIRST = pick_first
             policy = MatchLength(k_max=64)  # the default drafter's: prompt lookup, sized by the match
             drafter = SuffixDrafter(policy.size) if drafter_cls is SuffixDrafter else drafter_cls()
             drafter.prefill(ids[:-1])
@@ -149,11 +155,13 @@ def main() -> None:
                                                    numerics=Numerics(pipeline=pipeline)):
                 out += len(block.tokens)
                 count += 1
+            engine.PICK_FIRST = True
             return out, count
         return run
 
     loops = {"mlx_lm generate_step": peer, "specdec plain": plain,
              "blocks, nothing drafted": blocks(Nothing, False), "blocks, nothing drafted, pipelined": blocks(Nothing, True),
+             "blocks, nothing drafted, pipelined, pick in the next forward": blocks(Nothing, True, pick_first=False),
              "blocks, lookup": blocks(SuffixDrafter, False), "blocks, lookup, pipelined": blocks(SuffixDrafter, True)}
     rows = {name: [] for name in loops}
     for name, loop in loops.items():  # warm: every shape compiled, every kernel loaded
@@ -165,10 +173,11 @@ def main() -> None:
                 t = time.perf_counter()
                 tokens, count = loop()
                 total = time.perf_counter() - t
-            rows[name].append({"total": total, "tokens": tokens, "blocks": count, **clock.spent})
+            rows[name].append({"total": total, "tokens": tokens, "blocks": count, **clock.spent,
+                               "calls": dict(clock.calls)})
     print(f"{mx.default_device()}, {args.dtype}, prompt {args.prompt!r}, {n} tokens, median of {args.repeats}")
-    print("| loop | ms/token | ms/block | build | eval | draft | other (ms/block) | tokens/block |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| loop | ms/token | ms/block | build | eval | draft | other (ms/block) | tokens/block | forwards, evals /block |")
+    print("|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for name, runs in rows.items():
         runs.sort(key=lambda x: x["total"])
@@ -177,7 +186,8 @@ def main() -> None:
         per["other"] = per["total"] - sum(per[k] for k in BUCKETS)
         summary[name] = {**m, "per_block_ms": per}
         print(f"| {name} | {1e3 * m['total'] / m['tokens']:.2f} | {per['total']:.2f} | {per['build']:.2f} | "
-              f"{per['eval']:.2f} | {per['draft']:.2f} | {per['other']:.2f} | {m['tokens'] / m['blocks']:.2f} |")
+              f"{per['eval']:.2f} | {per['draft']:.2f} | {per['other']:.2f} | {m['tokens'] / m['blocks']:.2f} | "
+              f"{m['calls']['build'] / m['blocks']:.2f}, {m['calls']['eval'] / m['blocks']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(mx.default_device()), "dtype": args.dtype,
                                                "prompt": args.prompt, "tokens": n, "loops": summary}, indent=1))

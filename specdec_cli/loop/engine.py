@@ -52,6 +52,9 @@ TARGET_REACH = 1
 # None: as the run's numerics say (Numerics.pipeline: on GPUs); True or False: always or never (benchmarks
 # compare the two in one process).
 PIPELINE: Optional[bool] = None
+# A pipelined block sends its own pick to the device before queuing the next forward (scripts/block_costs.py turns
+# it off to measure what it saves).
+PICK_FIRST = True
 
 
 @dataclass(eq=False)
@@ -414,6 +417,10 @@ class Engine:
                 # Queued before the read below, as plain decoding queues its next step: the device computes the
                 # token after this block's while the host reads this one and asks the drafter for the next block.
                 p = pending[0]
+                # This block's pick goes to the device on its own first, as plain decoding's is queued with its
+                # step: scheduled only as the next forward's input, reading it could wait on that whole forward.
+                if PICK_FIRST:
+                    mx.async_eval(p.n_acc, p.nxt)
                 p.queued = _Ahead(None, cache.snapshot())
                 p.queued.logits = cache.feed_rows(p.nxt.reshape(1, 1).astype(mx.uint32))
                 mx.async_eval(p.queued.logits)
