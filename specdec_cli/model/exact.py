@@ -52,7 +52,7 @@ QUERIES = 16
 #: Keys folded into the running softmax per step.
 KEYS = 256
 #: Matrices an attention's batched matmul computes per call.
-MATRICES = 16
+MATRICES = 64
 
 _ATTRIBUTE = "_specdec_exact"
 
@@ -100,17 +100,17 @@ def _exact_class(cls: type) -> type:
 # --- attention: fixed shapes, a fixed-order reduction over the keys ------------------------------------
 
 
-def _in_matrices(a: mx.array, b: mx.array) -> mx.array:
-    """``a @ b`` over ``[N, m, k]`` and ``[N, k, n]``, :data:`MATRICES` matrices per call (padded, then dropped):
-    a GPU's batched GEMM splits its inner dimension by how many matrices it holds (an H200 rounded a row in a
-    batch of 2 and 4 apart from itself alone when the count followed the batch)."""
-    n = a.shape[0]
-    pad = (-n) % MATRICES
-    if pad:
-        a = mx.pad(a, [(0, pad), (0, 0), (0, 0)])
-        b = mx.pad(b, [(0, pad), (0, 0), (0, 0)])
-    return mx.concatenate([mx.matmul(a[i : i + MATRICES], b[i : i + MATRICES])
-                           for i in range(0, n + pad, MATRICES)])[:n]
+def _in_matrices(a: mx.array, b: mx.array, heads: mx.array, transpose: bool) -> mx.array:
+    """``a[i] @ b[heads[i]]`` (``.T`` with ``transpose``) for ``a`` ``[N, m, k]``, :data:`MATRICES` matrices per
+    call, each call's ``b`` gathered afresh: one shape and one memory layout per call whatever ``N`` (a GPU's
+    batched GEMM splits its inner dimension by how many matrices it holds, and may pick its kernel by the
+    operands' strides: an H200 rounded a row in a batch of 2 and 4 apart from itself alone when the count
+    followed the batch). ``a`` and ``heads`` come padded to a multiple of :data:`MATRICES`."""
+    out = []
+    for i in range(0, a.shape[0], MATRICES):
+        rhs = mx.take(b, heads[i : i + MATRICES], axis=0)
+        out.append(mx.matmul(a[i : i + MATRICES], rhs.swapaxes(-1, -2) if transpose else rhs))
+    return mx.concatenate(out)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -128,6 +128,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     """
     B, Hq, T, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
+    if B == 0 or T == 0:
+        return mx.zeros((B, Hq, T, values.shape[-1]), dtype=queries.dtype)
     rep = Hq // Hk
     nq = -(-T // QUERIES)
     nk = -(-S // KEYS)
@@ -164,15 +166,19 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     top = mx.full((B, Hk, rep, nq, QUERIES, 1), -mx.inf, dtype=mx.float32)
     total = mx.zeros((B, Hk, rep, nq, QUERIES, 1), dtype=mx.float32)
     acc = mx.zeros((B, Hk, rep, nq, QUERIES, values.shape[-1]), dtype=mx.float32)
+    # The matrices: one per (row, query head, query block), each against its KV head's keys, gathered per call
+    # (never every head's copy at once: a long prefill would hold them all). Padding matrices read head 0.
     lead = (B, Hk, rep, nq)
     count = B * Hk * rep * nq
-    qf = q.astype(mx.float32).reshape(count, QUERIES, D)
+    padded = count + (-count) % MATRICES
+    heads = mx.arange(padded) // (rep * nq)
+    heads = mx.where(heads < B * Hk, heads, 0)
+    qf = mx.pad(q.astype(mx.float32).reshape(count, QUERIES, D), [(0, padded - count), (0, 0), (0, 0)])
+    kf = k.astype(mx.float32).reshape(B * Hk, nk * KEYS, D)
+    vf = v.astype(mx.float32).reshape(B * Hk, nk * KEYS, values.shape[-1])
     for b in range(nk):
         cols = slice(b * KEYS, (b + 1) * KEYS)
-        kb = mx.broadcast_to(k[:, :, None, None, cols], (*lead, KEYS, D)).astype(mx.float32)
-        vb = mx.broadcast_to(v[:, :, None, None, cols], (*lead, KEYS, values.shape[-1])).astype(mx.float32)
-        kb, vb = kb.reshape(count, KEYS, D).swapaxes(-1, -2), vb.reshape(count, KEYS, -1)
-        scores = _in_matrices(qf, kb).reshape(*lead, QUERIES, KEYS) * scale
+        scores = _in_matrices(qf, kf[:, cols], heads, True)[:count].reshape(*lead, QUERIES, KEYS) * scale
         if add is not None:
             scores = scores + add[..., cols]
         seen = visible[..., cols]
@@ -184,7 +190,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         weights = mx.where(seen, mx.exp(scores - safe), 0.0)
         carried = mx.where(top == -mx.inf, 0.0, mx.exp(top - safe))
         total = total * carried + mx.sum(weights, axis=-1, keepdims=True)
-        acc = acc * carried + _in_matrices(weights.reshape(count, QUERIES, KEYS), vb).reshape(acc.shape)
+        w = mx.pad(weights.reshape(count, QUERIES, KEYS), [(0, padded - count), (0, 0), (0, 0)])
+        acc = acc * carried + _in_matrices(w, vf[:, cols], heads, False)[:count].reshape(acc.shape)
         top = new_top
     out = acc / mx.where(total == 0, 1.0, total)
     out = out.reshape(B, Hq, nq * QUERIES, values.shape[-1])[:, :, :T]
