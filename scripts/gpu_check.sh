@@ -15,7 +15,7 @@
 # cuDNN's attention on and off; ptx: the size of MLX's kernel cache; PIN="taskset -c 0-7"; GEN_REPEAT=N runs each
 # generate configuration N times; blocks: scripts/block_costs.py, a block's time split against a plain step's; invariance:
 # scripts/batch_invariance.py, which op rounds a batched row apart, with and without --exact); GEN_ARGS adds options to
-# every generate run (e.g. "--shapes exact"); TESTS_S (300), SERVE4_S (280), TESTS_N (8 workers) and TESTS_K (pytest -k) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
+# every generate run (e.g. "--shapes exact"); TESTS_S (300), SERVE4_S (280), TESTS_N (12 workers of the 16 cores) and TESTS_K (pytest -k) size the tests step; BUDGET_S (default 420) bounds the whole run: a step that
 # would start with less than its time box left is skipped and says so. bursts, bursts4: scripts/bench_bursts.py against
 # mlx_lm.server, bf16 and 4-bit, new requests in every burst (BURSTS_S, 240 s each; serve and serve4 repeat theirs).
 set -uo pipefail
@@ -167,7 +167,7 @@ run_checks() {
     tests)  # the suite's exactness tests on CUDA: the device's own rounding, and the GPU-like backend on top of it
       # -k: the device's own arithmetic; the GPU-like runs on top of it are CI's (TESTS_K="" runs them too).
       # -v --dist load: each test's verdict as it ends, and no file (test_engine's 77 tests) on one worker alone.
-      step tests ${TESTS_S:-300} bash -c "exec $py -m pytest -v -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-8} --dist load --durations=15 -k '${TESTS_K-not gpu-like}' \
+      step tests ${TESTS_S:-300} bash -c "exec $py -m pytest -v -rfE -p no:cacheprovider -m 'not distributed' -n ${TESTS_N:-12} --dist load --durations=15 -k '${TESTS_K-not gpu-like}' \
         tests/cache/test_batch_check.py tests/loop/test_engine.py tests/loop/test_pipeline.py tests/loop/test_batch.py \
         tests/serve/test_scheduler.py \
         tests/session/test_disk_tier.py tests/session/test_exact.py tests/serve/test_serve_gpu_like.py \
