@@ -157,7 +157,7 @@ def exact_batch_ops(dtype):
                 res.append(rows_vs_alone(f, x))
         out[name] = {"all_same": all(s for s, _ in res), "max_diff": max(v for _, v in res)}
     res = []
-    # 9 query heads over 3 (the bundled model's), and 8 over 2 in a batch of 8: its 64 matrices fill a call
+    # 9 query heads over 3 (the bundled model's), and 8 over 2 in a batch of 8: its 64 matrices fill whole calls
     # (exact.MATRICES) where the row alone pads its 8.
     for b, hq, hk in ((2, 9, 3), (4, 9, 3), (8, 8, 2)):
         for t in (1, 3, 16):

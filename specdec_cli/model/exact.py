@@ -52,7 +52,7 @@ QUERIES = 16
 #: Keys folded into the running softmax per step.
 KEYS = 256
 #: Matrices an attention's batched matmul computes per call.
-MATRICES = 64
+MATRICES = 16
 
 _ATTRIBUTE = "_specdec_exact"
 
@@ -110,7 +110,12 @@ def _in_matrices(a: mx.array, b: mx.array, heads: mx.array, transpose: bool) -> 
     for i in range(0, a.shape[0], MATRICES):
         rhs = mx.take(b, heads[i : i + MATRICES], axis=0)
         out.append(mx.matmul(a[i : i + MATRICES], rhs.swapaxes(-1, -2) if transpose else rhs))
-    return mx.concatenate(out)
+    return out[0] if len(out) == 1 else mx.concatenate(out)
+
+
+def _padded(x: mx.array, n: int) -> mx.array:
+    """``x`` with zero matrices after its own, ``n`` in all."""
+    return x if x.shape[0] == n else mx.pad(x, [(0, n - x.shape[0]), (0, 0), (0, 0)])
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -173,7 +178,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     padded = count + (-count) % MATRICES
     heads = mx.arange(padded) // (rep * nq)
     heads = mx.where(heads < B * Hk, heads, 0)
-    qf = mx.pad(q.astype(mx.float32).reshape(count, QUERIES, D), [(0, padded - count), (0, 0), (0, 0)])
+    qf = _padded(q.astype(mx.float32).reshape(count, QUERIES, D), padded)
     kf = k.astype(mx.float32).reshape(B * Hk, nk * KEYS, D)
     vf = v.astype(mx.float32).reshape(B * Hk, nk * KEYS, values.shape[-1])
     for b in range(nk):
@@ -190,7 +195,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         weights = mx.where(seen, mx.exp(scores - safe), 0.0)
         carried = mx.where(top == -mx.inf, 0.0, mx.exp(top - safe))
         total = total * carried + mx.sum(weights, axis=-1, keepdims=True)
-        w = mx.pad(weights.reshape(count, QUERIES, KEYS), [(0, padded - count), (0, 0), (0, 0)])
+        w = _padded(weights.reshape(count, QUERIES, KEYS), padded)
         acc = acc * carried + _in_matrices(w, vf[:, cols], heads, False)[:count].reshape(acc.shape)
         top = new_top
     out = acc / mx.where(total == 0, 1.0, total)
