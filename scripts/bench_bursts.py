@@ -27,8 +27,8 @@ Results go to ``bench-results/serve-bursts.json``.
 With ``--start once`` (a lent GPU, where a start costs 15-30 s) both servers
 start once for the whole run: the first burst at each number of clients is
 then the first time that many rows decode together on that server (new shapes,
-compiled then), not the first work after start, and is named ``first`` (the
-second, ``later``). ``--dtype`` picks the files (``bfloat16`` on a GPU, ``4bit``:
+compiled then), not the first work after start, and is printed ``first`` (the
+second, ``later``; the JSON keeps the keys ``cold`` and ``warm``, and its ``start`` says which). ``--dtype`` picks the files (``bfloat16`` on a GPU, ``4bit``:
 the bundled files as shipped).
 
 Usage: python scripts/bench_bursts.py [--concurrency 1,2,4,8,16] [--workloads mixed,open] [--specdec-args '--block-size 1']
