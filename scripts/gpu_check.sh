@@ -8,6 +8,7 @@
 #   device, last:    scripts/gpu_check.sh run        # carry .dev/last; writes everything under $OUT as it goes
 #   here, after:     scripts/gpu_check.sh unstage    # puts the bundled weights back
 #
+# LOCAL=1 OUT=DIR scripts/gpu_check.sh run rehearses the steps here, on this machine's MLX.
 # STEPS (default "info tests smoke peer generate exact xact nocudnn sweep serve serve4 probe") picks steps of `run` (also: pairs:
 # speculative and plain decoding alternated in one process, PAIRS per prompt; distill: the bundled model's head trained for
 # DISTILL_S seconds into $OUT/head; headcheck: that head (or HEAD=DIR) against lookup alone on held-out open prompts; qwarm-bg, qwait,
@@ -95,7 +96,8 @@ run_checks() {
   : "${OUT:?run this on the device machine (OUT unset)}"
   BUDGET_S=${BUDGET_S:-420}; STEPS=${STEPS:-info tests smoke peer generate exact xact nocudnn sweep serve serve4 probe}
   LOG=$OUT/check.log; SECONDS=0
-  setup >> "$LOG" 2>&1 || { echo "setup failed"; tail -20 "$LOG"; exit 1; }
+  # LOCAL=1: a rehearsal here, on this machine's MLX (no stash to unpack).
+  [ -n "${LOCAL:-}" ] || setup >> "$LOG" 2>&1 || { echo "setup failed"; tail -20 "$LOG"; exit 1; }
   echo "setup done in $SECONDS s" | tee -a "$LOG"
   export SPECDEC_NO_REEXEC=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
   local py=python3 gen=(${GEN_ARGS:-})
