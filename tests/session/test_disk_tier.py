@@ -60,9 +60,10 @@ def on_disk(setup, folder, gb: float = 1.0, block: int = 8, **kw) -> Session:
     return session
 
 
-def turn(setup, folder, ids, block: int = 8, **kw):
-    """One process's life: open the tier, answer, write everything, close."""
-    session = on_disk(setup, folder, block=block)
+def turn(setup, folder, ids, block: int = 8, adaptive: bool = True, **kw):
+    """One process's life: open the tier, answer, write everything, close. A test that holds two runs' blocks
+    to each other drafts a fixed length (``adaptive=False``): the adaptive policies time their blocks."""
+    session = on_disk(setup, folder, block=block, adaptive=adaptive)
     try:
         return gen(session, ids, **kw)
     finally:
@@ -145,14 +146,14 @@ def test_eviction_keeps_the_folder_under_its_bound_and_answers_stay_exact(setups
 def test_the_draft_models_caches_come_back_with_the_targets(dirs, tmp_path):
     setup = load_setup(ModelOptions(model=str(dirs["llama"]), draft_model=str(dirs["draft"]), dtype="float32"),
                        "model")
-    first, _, _ = turn(setup, tmp_path, LONG)
+    first, _, _ = turn(setup, tmp_path, LONG, adaptive=False)
     second = LONG + first + MORE
-    restarted = on_disk(setup, tmp_path)
+    restarted = on_disk(setup, tmp_path, adaptive=False)
     hit = restarted._fetch(second)
     assert isinstance(hit, DiskHit) and hit.draft is not None and hit.draft.length > 0
     out, pre, blocks = gen(restarted, second)
     restarted.disk.close()
-    warm = Session(setup, 8, prompt_cache=PromptCache())
+    warm = Session(setup, 8, adaptive=False, prompt_cache=PromptCache())
     gen(warm, LONG)
     ref, warm_pre, warm_blocks = gen(warm, second)
     # The drafter resumed from disk drafts exactly as the one kept in memory: the same blocks.
@@ -284,10 +285,10 @@ def test_an_mtp_head_resumes_from_the_hidden_states_on_disk_and_drafts_as_from_m
     path = hf_checkpoint(tmp_path / "mtp", "qwen3_5", fitted_head("qwen3_5"))
     setup = load_setup(ModelOptions(model=str(path), dtype="float32"), "mtp")
     folder = tmp_path / "cache"
-    first, _, _ = turn(setup, folder, LONG)
+    first, _, _ = turn(setup, folder, LONG, adaptive=False)
     second = LONG + first + MORE
-    out, pre, blocks = turn(setup, folder, second)
-    warm = Session(setup, 8, prompt_cache=PromptCache())
+    out, pre, blocks = turn(setup, folder, second, adaptive=False)
+    warm = Session(setup, 8, adaptive=False, prompt_cache=PromptCache())
     gen(warm, LONG)
     ref, warm_pre, warm_blocks = gen(warm, second)
     assert pre.disk == warm_pre.cached > len(LONG)
@@ -344,10 +345,10 @@ def test_a_dflash_drafter_resumes_from_the_hidden_states_on_disk(tmp_path):
 
     setup = qwen_dflash_setup(tmp_path)
     folder = tmp_path / "cache"
-    first, _, _ = turn(setup, folder, LONG, block=6)
+    first, _, _ = turn(setup, folder, LONG, block=6, adaptive=False)
     second = LONG + first + MORE
-    out, pre, blocks = turn(setup, folder, second, block=6)
-    warm = Session(setup, 6, prompt_cache=PromptCache())
+    out, pre, blocks = turn(setup, folder, second, block=6, adaptive=False)
+    warm = Session(setup, 6, adaptive=False, prompt_cache=PromptCache())
     gen(warm, LONG)
     ref, warm_pre, warm_blocks = gen(warm, second)
     assert pre.disk == warm_pre.cached > len(LONG)
