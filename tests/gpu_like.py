@@ -29,6 +29,7 @@ whose ``sitecustomize`` installs it at start-up. Nothing of it is in the package
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,10 +126,7 @@ def _matmul(x: mx.array, w: mx.array, bias=None) -> mx.array:
     y = x.astype(mx.float32) @ w.astype(mx.float32).T
     if bias is not None:
         y = y + bias.astype(mx.float32)
-    m = 1
-    for n in x.shape[:-1]:
-        m *= n
-    return _round(y, out, _rows_class(m))
+    return _round(y, out, _rows_class(math.prod(x.shape[:-1])))
 
 
 def _linear(self, x):
@@ -140,10 +138,7 @@ def _quantized(original: str):
     def call(self, x):
         out = _out_dtype(x.dtype, self["scales"].dtype)
         y = _ORIGINAL[original](self, x.astype(mx.float32)).astype(mx.float32)
-        m = 1
-        for n in x.shape[:-1]:
-            m *= n
-        return _round(y, out, _rows_class(m))
+        return _round(y, out, _rows_class(math.prod(x.shape[:-1])))
     return call
 
 
@@ -166,10 +161,7 @@ def _batched_matmul(a, b, *args, **kwargs):
     a GEMM's split over its inner dimension is chosen to fill the GPU, so by the batch's size too)."""
     out = _out_dtype(a.dtype, b.dtype)
     y = _ORIGINAL["matmul"](a.astype(mx.float32), b.astype(mx.float32), *args, **kwargs)
-    count = 1
-    for n in y.shape[:-2]:
-        count *= n
-    return _round(y, out, _rows_class(a.shape[-2]) + b.shape[-1] // 64 + count.bit_length())
+    return _round(y, out, _rows_class(a.shape[-2]) + b.shape[-1] // 64 + math.prod(y.shape[:-2]).bit_length())
 
 
 def _attention(q, k, v, *args, **kwargs):

@@ -26,7 +26,7 @@ from specdec_cli.session import ModelOptions, check_distributed_options
 from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
 
 from helpers import quantized, tied_qwen35
-from server import free_port, launch_bin
+from server import free_port, launch_bin, python_path
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
 HANG_GUARD_S = 900
@@ -408,8 +408,7 @@ def launched_gpu_like(tmp_path_factory):
             ("pp_qwen35_draft", _gen(qwen, "--pipeline", "--draft-model", str(qwen_draft), "--compare-ar",
                                      "--json"))]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
-    env = {**gpu_like.environment(), "SPECDEC_NO_REEXEC": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).resolve().parents[2])])
+    env = {**gpu_like.environment(), "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": python_path(gpu_like.SITE)}
     return _launch(tmp, spec, env)
 
 
@@ -503,9 +502,8 @@ def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_pat
     # mlx.launch ends every rank once one exits non-zero: the others must outlast rank 0.
     model = make_model_dir(tmp_path / "llama", "llama")
     (tmp_path / "slow_rank_0.py").write_text(SLOW_RANK_0)
-    root = str(Path(__file__).resolve().parents[2])  # this checkout's specdec_cli on every rank
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": path}
+    # This checkout's specdec_cli on every rank.
+    env = {**os.environ, "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": python_path()}
     done = subprocess.run(
         [launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
          sys.executable, "slow_rank_0.py", "chat", "--model", str(model)],
