@@ -14,10 +14,12 @@ token, and most blocks drafted nothing. This splits each loop's time, in one pro
 Loops: mlx-lm's ``generate_step`` (the peer), specdec's plain decoding, and specdec's blocks with prompt
 lookup (the default drafter) and with a drafter that never drafts (every block an open prompt's worst case),
 each with blocks without drafts pipelined and not (and pipelined with the block's pick sent to the device only
-as the next forward's input, as before ``engine.PICK_FIRST``). Milliseconds per emitted token and per block;
+as the next forward's input, as before ``engine.PICK_FIRST``; and lookup pipelined ahead of blocks that may draft
+too, as before the drafter was asked: ``engine.PIPELINE_ALWAYS``). Milliseconds per emitted token and per block;
 the model's forwards and MLX's evals (``eval`` and ``async_eval``) per block.
 
   python scripts/block_costs.py [--dtype bfloat16] [--prompt open] [--tokens 256] [--repeats 3] [--json OUT]
+                                [--loops lookup,lookup-pipelined,...]
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--loops", default="", help="only these (comma-separated): peer, plain, none, none-pipelined, "
+                    "none-pick-late, lookup, lookup-pipelined, lookup-always")
     args = ap.parse_args()
 
     from gpu_matrix import PROMPTS
@@ -127,6 +131,9 @@ def main() -> None:
         def cancel(self):
             pass
 
+        def may_draft(self, k):
+            return False
+
     def prefilled() -> ModelCache:
         cache = ModelCache(model)
         cache.prefill(ids[:-1])
@@ -146,9 +153,9 @@ def main() -> None:
             out += len(block.tokens)
         return out, out
 
-    def blocks(drafter_cls, pipeline, pick_first=True):
+    def blocks(drafter_cls, pipeline, pick_first=True, always=False):
         def run():
-            engine.PICK_FIRST = pick_first
+            engine.PICK_FIRST, engine.PIPELINE_ALWAYS = pick_first, always
             policy = MatchLength(k_max=64)  # the default drafter's: prompt lookup, sized by the match
             drafter = SuffixDrafter(policy.size) if drafter_cls is SuffixDrafter else drafter_cls()
             drafter.prefill(ids[:-1])
@@ -157,14 +164,23 @@ def main() -> None:
                                                    numerics=Numerics(pipeline=pipeline)):
                 out += len(block.tokens)
                 count += 1
-            engine.PICK_FIRST = True
+            engine.PICK_FIRST, engine.PIPELINE_ALWAYS = True, False
             return out, count
         return run
 
-    loops = {"mlx_lm generate_step": peer, "specdec plain": plain,
-             "blocks, nothing drafted": blocks(Nothing, False), "blocks, nothing drafted, pipelined": blocks(Nothing, True),
-             "blocks, nothing drafted, pipelined, pick in the next forward": blocks(Nothing, True, pick_first=False),
-             "blocks, lookup": blocks(SuffixDrafter, False), "blocks, lookup, pipelined": blocks(SuffixDrafter, True)}
+    loops = {"mlx_lm generate_step": ("peer", peer), "specdec plain": ("plain", plain),
+             "blocks, nothing drafted": ("none", blocks(Nothing, False)),
+             "blocks, nothing drafted, pipelined": ("none-pipelined", blocks(Nothing, True)),
+             "blocks, nothing drafted, pipelined, pick in the next forward":
+                 ("none-pick-late", blocks(Nothing, True, pick_first=False)),
+             "blocks, lookup": ("lookup", blocks(SuffixDrafter, False)),
+             "blocks, lookup, pipelined": ("lookup-pipelined", blocks(SuffixDrafter, True)),
+             "blocks, lookup, pipelined ahead of drafts too": ("lookup-always", blocks(SuffixDrafter, True, always=True))}
+    if args.loops:
+        unknown = set(args.loops.split(",")) - {short for short, _ in loops.values()}
+        if unknown:
+            sys.exit(f"unknown --loops {sorted(unknown)}: choose from {[short for short, _ in loops.values()]}")
+    loops = {name: run for name, (short, run) in loops.items() if not args.loops or short in args.loops.split(",")}
     rows = {name: [] for name in loops}
     for name, loop in loops.items():  # warm: every shape compiled, every kernel loaded
         loop()

@@ -120,6 +120,13 @@ class AdaptiveLength:
     def next_k(self) -> int:
         return self.k if self.mode == "speculate" else 0
 
+    def drafts_next(self) -> bool:
+        """Whether the block after the current one may draft (asked before the current block is observed).
+
+        False only while switched off (or measuring plain steps) for more than the current block.
+        """
+        return self.mode == "speculate" or self._remaining <= 1
+
     @staticmethod
     def _rate(samples) -> float:
         seconds = sum(s for _, s in samples)
@@ -323,6 +330,28 @@ class MatchLength(AdaptiveLength):
     def size(self, match: int, k: int) -> int:
         """Drafts for a suffix matched over ``match`` tokens, at most ``k``."""
         return self._lookup_plan(match, k)[0]
+
+    def sizes_any(self, longest: int, k: int, guess: Optional[int] = None) -> bool:
+        """Whether a match of up to ``longest`` tokens would be drafted for, at most ``k`` tokens.
+
+        Asked between a block's draft and its observation, so it changes nothing; ``guess``: the match length of
+        a guess the next draft scores first (:meth:`guessed`), right or wrong, either way.
+        """
+        k = min(k, self.k)
+        if k <= 0 or longest < self.min_match:
+            return False
+        saved = self._match, list(self._hits), list(self._misses), self._expected_hits
+        try:
+            for hit in ((True, False) if guess else (None,)):
+                if hit is not None:
+                    self._hits, self._misses, self._expected_hits = list(saved[1]), list(saved[2]), saved[3]
+                    self._tally(guess, hit)
+                # Past the last bucket's lower bound every longer match plans alike.
+                if any(self._lookup_plan(m, k)[0] for m in range(self.min_match, min(longest, MATCH_BUCKETS[-1]) + 1)):
+                    return True
+            return False
+        finally:
+            self._match, self._hits, self._misses, self._expected_hits = saved
 
     def expected(self, k: int) -> float:
         """Tokens the last planned block would commit with ``k`` of its drafts (by its match's acceptance)."""

@@ -16,16 +16,19 @@ instead of an option string:
   caches interchangeable;
 - ``exact``: every target forward computes each row's numbers the same whatever
   shares it (``--exact``: :mod:`specdec_cli.model.exact`).
-- ``pipeline``: a single row's block that drafted nothing queues its next
-  forward before reading its token back, as plain decoding does
-  (:mod:`specdec_cli.loop.engine`); on where the device computes apart from the
-  host (a GPU). On this project's 2-core CPU, where the host is the device, it
-  measured 10-15% slower (``scripts/gpu_matrix.py --pairs 5 --pipeline on,off``). On
-  an H200 (bf16, ``scripts/block_costs.py``: the same blocks in one process, median
-  of 3) a block without drafts took 4.92 ms pipelined against 6.02 ms not (a plain
-  step 4.42 ms), lookup's blocks 5.79 against 6.14 ms a token; earlier pairs there
-  read it slower (open 0.60x against 0.69x), but their texts parted at rounding
-  ties and their drafts with them (docs/GPU-CHECK.md). Apple's GPUs: not measured.
+- ``pipeline``: a single row's block that drafted nothing, whose next block will
+  draft nothing either (its drafter says so: :func:`specdec_cli.loop.engine._quiet`),
+  queues its next forward before reading its token back, as plain decoding does
+  (:mod:`specdec_cli.loop.engine`). The queued forward is the one the next block
+  would run, so the numbers are the same pipelined or not; only the overlap of host
+  and device differs. On where the device computes apart from the host (a GPU). On
+  this project's 2-core CPU, where the host is the device, blocks without drafts
+  measured 2.7% slower pipelined (83.10 against 80.92 ms, ``scripts/block_costs.py``,
+  float32, open prompt, median of 5; lookup's blocks 92.53 against 92.61 ms), so it
+  is off there. On an H200 (bf16, the same script, median of 3) a block without
+  drafts took 4.92 ms pipelined against 6.02 ms not (a plain step 4.42 ms); lookup
+  then queued ahead of blocks that drafted too, and those paid a forward of their
+  own (docs/GPU-CHECK.md). Apple's GPUs: not measured.
 """
 
 from __future__ import annotations

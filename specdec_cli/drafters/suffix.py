@@ -240,6 +240,20 @@ class SuffixDrafter:
             return no_draft()
         return Draft(mx.array(self._proposed, dtype=mx.uint32), host=tuple(self._proposed))
 
+    def may_draft(self, k: int) -> bool:
+        """Whether the next ``propose`` could draft anything (up to ``k`` tokens), whatever token it is given.
+
+        Asked after a block that drafted nothing, before its token is read: the next match is at most one token
+        longer than this one. False lets the engine queue the next forward ahead (a plain step's).
+        """
+        if k <= 0 or self._proposed or self._resume is not None:
+            return k > 0
+        longest = self.longest_match()[1] + 1
+        sizes_any = getattr(getattr(self.size, "__self__", None), "sizes_any", None)
+        if sizes_any is not None:
+            return sizes_any(longest, k, self._guess[0] if self._guess is not None else None)
+        return any(self.size(m, k) for m in range(1, longest + 1))
+
     def accept(self, n: int, hidden=None) -> None:
         """Commit the first ``n`` proposals to the text."""
         for t in self._proposed[:n]:

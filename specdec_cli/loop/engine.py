@@ -47,11 +47,14 @@ GROUP_DRAFTS = True
 # forward: plain decoding's queued step (the speculative loop itself only cuts
 # back to the snapshot taken right before its verify forward).
 TARGET_REACH = 1
-# A single row's block that drafted nothing queues the next forward (its token fed) before reading that token
-# back, as plain decoding does; the next block verifies its drafts, if it finds any, after that forward.
-# None: as the run's numerics say (Numerics.pipeline: on GPUs); True or False: always or never (benchmarks
+# A single row's block that drafted nothing, before a block that will draft nothing either, queues the next forward
+# (its token fed) before reading that token back, as plain decoding does. None: as the run's numerics say (Numerics.pipeline: on GPUs); True or False: always or never (benchmarks
 # compare the two in one process).
 PIPELINE: Optional[bool] = None
+# A drafter's or policy's word that the next block drafts nothing is asked before a block queues ahead (the queued
+# forward is then the one the next block would run unpipelined); True queues ahead of any block that drafted nothing,
+# the next block's drafts then verified in a forward of their own (benchmarks compare the two).
+PIPELINE_ALWAYS = False
 # A pipelined block sends its own pick to the device before queuing the next forward (scripts/block_costs.py turns
 # it off to measure what it saves).
 PICK_FIRST = True
@@ -164,7 +167,7 @@ class Engine:
             verify widths are rounded up to a power of two; the padding rows' outputs are ignored
             and their cache entries dropped like a rejected draft's (on recurrent layers only where
             the forward records: capture, tape); with ``pipeline``, a single row's blocks that draft nothing
-            queue the next forward before their token is read (see ``PIPELINE``).
+            before blocks that will not either queue the next forward before their token is read (see ``PIPELINE``).
     """
 
     def __init__(self, model: Any, *, rollback: str = "carry", timed: bool = False,
@@ -299,14 +302,15 @@ class Engine:
         """Whether this block queues the row's next forward before reading its token (see PIPELINE).
 
         A single row whose block drafted nothing and fed no padding (so there is nothing to cut back), with room
-        for a token after this one; not under a sharded target (its steps agree on tokens in their own
-        collective), a tap (its rows go to a drafter), phase timing, or a processor that reads tokens on the host.
+        for a token after this one, and whose next block will draft nothing either (:func:`_quiet`); not under a
+        sharded target (its steps agree on tokens in their own collective), a tap (its rows go to a drafter),
+        phase timing, or a processor that reads tokens on the host.
         """
         r = p.row
         on = self.numerics.pipeline if PIPELINE is None else PIPELINE
         return (on and p.k == 0 and r.room > 1 and width == p.x.shape[0] - p.ahead and len(self.rows) == 1
                 and self.sync is None and self.tap is None and not self.timed
-                and all(getattr(proc, "lazy", False) for proc in r.processors))
+                and all(getattr(proc, "lazy", False) for proc in r.processors) and _quiet(r))
 
     @staticmethod
     def _flush(row: Row, cache: ModelCache) -> None:
@@ -563,6 +567,19 @@ class Engine:
 def _padded(x: mx.array, width: int) -> mx.array:
     """``x`` with throwaway tokens after it up to ``width`` rows (a bucket, a batch's widest row)."""
     return x if x.shape[0] == width else mx.pad(x, (0, width - x.shape[0]))
+
+
+def _quiet(row: Row) -> bool:
+    """Whether the row's next block surely drafts nothing: its policy stays off, or its drafter finds nothing after
+    any token (a drafter that cannot tell may draft). Only then is its next forward queued ahead: the one-token
+    forward its next block would run anyway, never a forward of its own before a verify (``PIPELINE_ALWAYS``)."""
+    if row.drafter is None or PIPELINE_ALWAYS:
+        return True
+    drafts_next = getattr(row.policy, "drafts_next", None)
+    if drafts_next is not None and not drafts_next():
+        return True
+    may_draft = getattr(_inner(row.drafter), "may_draft", None)
+    return may_draft is not None and not may_draft(row.room - 2)
 
 
 def _inner(drafter: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -213,6 +214,41 @@ def test_one_token_matches_draft_nothing_but_teach_the_policy():
     d.accept(0)
     d.propose(guess, 63)
     assert p._hits[0] == 1 and p._misses[0] == 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_when_lookup_says_its_next_block_drafts_nothing_no_token_makes_it_draft(seed):
+    # The engine queues a block's next forward ahead only on this word: after every block that drafted nothing,
+    # if the drafter (with its policy) says it could not draft next, then whichever token comes, the policy as
+    # the engine observes it and the drafter's next propose draft nothing. Texts repeat in stretches; the clock
+    # is random, so the policy also switches itself off and back on.
+    rng = random.Random(seed)
+    alphabet = list(range(12))
+    text = [rng.choice(alphabet) for _ in range(30)]
+    while len(text) < 400:
+        text += text[rng.randrange(len(text) - 8):][:rng.randrange(2, 12)] if rng.random() < 0.5 else \
+            [rng.choice(alphabet) for _ in range(rng.randrange(1, 6))]
+    policy = MatchLength(k_max=8, warmup=0, window=4, probe=2, cooldown=3)
+    drafter = SuffixDrafter(policy.size)
+    drafter.prefill(text[:20])
+    at, said = 20, {True: 0, False: 0}
+    while at < len(text) - 10:
+        draft = drafter.propose(text[at], policy.next_k()).tokens.tolist()
+        n = next((i for i, t in enumerate(draft) if t != text[at + 1 + i]), len(draft))
+        seconds = rng.uniform(0.5, 2.0) * (1 + 0.2 * len(draft))
+        if not draft:
+            quiet = not policy.drafts_next() or not drafter.may_draft(8)
+            said[quiet] += 1
+            if quiet:
+                for token in alphabet:
+                    d, p = copy.deepcopy((drafter, policy))
+                    d.accept(0)
+                    p.observe(0, 0, 1, seconds)
+                    assert not d.propose(token, p.next_k()).size, (at, token)
+        drafter.accept(n)
+        policy.observe(len(draft), n, n + 1, seconds)
+        at += n + 1
+    assert said[True] > 10 and said[False] > 10
 
 
 def test_blocks_without_drafts_are_timed_as_plain_steps():

@@ -1,9 +1,11 @@
 """Blocks without drafts pipelined (``Numerics.pipeline``): the next forward queued before the token is read back.
 
-On by default where the device computes apart from the host (a GPU); these tests turn it on here. A single row's block that drafted nothing feeds its own token to the target before reading it, as plain decoding
-(mlx-lm's ``generate_step``) does; the next block verifies whatever the drafter then finds after that forward.
-Invariants: the text is plain decoding's, every block decides as it does unpipelined, and whatever ends the run
-(EOS, max tokens, an interrupt, a row joining) leaves the caches plain decoding leaves.
+On by default where the device computes apart from the host (a GPU); these tests turn it on here. A single row's
+block that drafted nothing feeds its own token to the target before reading it, as plain decoding (mlx-lm's
+``generate_step``) does, when its drafter says the next block drafts nothing either; a drafter that says so wrongly
+(``Gappy`` by default) has its drafts verified after that forward. Invariants: the text is plain decoding's, every
+block decides as it does unpipelined (with a drafter that tells, in the same bits on every backend), and whatever
+ends the run (EOS, max tokens, an interrupt, a row joining) leaves the caches plain decoding leaves.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from helpers import (
     tokens,
 )
 
-from specdec_cli.core.adaptive import FixedLength
+from specdec_cli.core.adaptive import FixedLength, MatchLength
 from specdec_cli.core.numerics import Numerics
 from specdec_cli.core.processors import Penalties
 from specdec_cli.core.sampling import GREEDY, SamplingParams
 from specdec_cli.drafters import Draft, no_draft
+from specdec_cli.drafters.suffix import SuffixDrafter
 from specdec_cli.loop import engine as engine_module
 from specdec_cli.loop.compare import replay
 from specdec_cli.loop.engine import Engine, Row, speculative_generate_step
@@ -41,14 +44,23 @@ ON, OFF = Numerics(pipeline=True), Numerics(pipeline=False)
 
 class Gappy:
     """A host drafter that knows the answer: in every other stretch of four tokens it drafts what comes next (one
-    token of it wrong now and then, in every other stretch's first block too: partial accepts), in the others nothing (blocks whose next forward is queued
-    ahead); drafting resumes a token after a queued forward, and stops a token after drafts."""
+    token of it wrong now and then, in every other stretch's first block too: partial accepts), in the others
+    nothing (blocks whose next forward is queued ahead); drafting resumes a token after a queued forward, and stops
+    a token after drafts.
+
+    ``honest``: it says when its next block drafts (``may_draft``), so no forward is queued ahead of drafts;
+    otherwise it always says it will not, and its drafts are verified after a queued forward (the path a drafter
+    that cannot tell, or ``engine.PIPELINE_ALWAYS``, takes)."""
 
     name = "gappy"
     taps = None
 
-    def __init__(self, answer: list[int]):
-        self.answer, self.emitted = answer, 0
+    def __init__(self, answer: list[int], honest: bool = False):
+        self.answer, self.emitted, self.honest = answer, 0, honest
+
+    def may_draft(self, k: int) -> bool:
+        e = self.emitted + 1  # the block asking drafted nothing: one token
+        return self.honest and k > 0 and (e // 4) % 2 == 0 and e < len(self.answer)
 
     def prefill(self, tokens, step_size=512, hidden=None) -> None:
         pass
@@ -116,6 +128,45 @@ def test_every_block_decides_as_it_does_unpipelined(family, rollback):
     else:  # a queued one-token forward and a verify round apart: each is plain decoding's text up to a tie
         assert_exact(model, "float32", on, ref)
         assert_exact(model, "float32", off, ref)
+
+
+@pytest.mark.parametrize("family,rollback", [("llama", "reforward"), ("gemma3_text", "reforward"),
+                                             ("qwen3_5", "carry"), ("nemotron_h", "capture")])
+def test_a_drafter_that_tells_queues_only_forwards_its_next_block_would_run_so_the_bits_are_unpipelineds(
+        family, rollback):
+    # Its next block drafts nothing whenever one is queued: the same forwards of the same widths as unpipelined,
+    # so the same numbers on a backend that rounds by shape too (the gpu-like one here), not just up to a tie.
+    model = target(family, "bfloat16")
+    ref, _ = plain(model)
+    runs = []
+    for numerics in (ON, OFF):
+        cache = prefilled(model)
+        blocks = list(speculative_generate_step(PROMPT[-1], cache, Gappy(ref, honest=True), num_draft_tokens=4,
+                                                max_tokens=GEN, rollback=rollback, numerics=numerics))
+        runs.append((blocks, cache))
+    (on, on_cache), (off, off_cache) = runs
+    assert any(b.ahead for b in on) and not any(b.ahead and b.drafted for b in on)
+    assert any(b.drafted for b in on)
+    assert [(b.tokens, b.drafted, b.accepted) for b in on] == [(b.tokens, b.drafted, b.accepted) for b in off]
+    assert_exact(model, "bfloat16", on, ref)
+    assert on_cache.length == off_cache.length
+    for a, b in zip(on_cache.state_arrays(), off_cache.state_arrays()):
+        assert mx.array_equal(a, b).item()
+
+
+def test_the_default_lookup_never_queues_a_forward_ahead_of_its_own_drafts():
+    # Prompt lookup sized by its match-length policy says when its next block could draft: on a text that repeats
+    # now and then, blocks are queued ahead and drafts verified, never one after the other.
+    model = target("llama", "float32")
+    ref, _ = plain(model, max_tokens=96)
+    policy = MatchLength(k_max=8)
+    drafter = SuffixDrafter(policy.size, history=[ref[10:40], ref[60:80]])
+    drafter.prefill(PROMPT[:-1])
+    cache = prefilled(model)
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, policy=policy, max_tokens=96, numerics=ON))
+    assert any(b.ahead for b in blocks) and any(b.drafted for b in blocks)
+    assert not any(b.ahead and b.drafted for b in blocks)
+    assert_exact(model, "float32", blocks, ref)
 
 
 def test_the_device_decides_unless_a_benchmark_forces_it(monkeypatch):
