@@ -340,18 +340,21 @@ class MatchLength(AdaptiveLength):
         k = min(k, self.k)
         if k <= 0 or longest < self.min_match:
             return False
-        saved = self._match, list(self._hits), list(self._misses), self._expected_hits
+        saved = list(self._hits), list(self._misses), self._expected_hits
+        # Past the last bucket's lower bound every longer match plans alike.
+        matches = range(self.min_match, min(longest, max(MATCH_BUCKETS[-1], self.min_match)) + 1)
+        costs = self._costs(k)
         try:
             for hit in ((True, False) if guess else (None,)):
                 if hit is not None:
-                    self._hits, self._misses, self._expected_hits = list(saved[1]), list(saved[2]), saved[3]
+                    self._hits, self._misses, self._expected_hits = list(saved[0]), list(saved[1]), saved[2]
                     self._tally(guess, hit)
-                # Past the last bucket's lower bound every longer match plans alike.
-                if any(self._lookup_plan(m, k)[0] for m in range(self.min_match, min(longest, MATCH_BUCKETS[-1]) + 1)):
+                rates = self.acceptance()
+                if any(self._plan(m, k, rates, costs)[0] for m in matches):
                     return True
             return False
         finally:
-            self._match, self._hits, self._misses, self._expected_hits = saved
+            self._hits, self._misses, self._expected_hits = saved
 
     def expected(self, k: int) -> float:
         """Tokens the last planned block would commit with ``k`` of its drafts (by its match's acceptance)."""
@@ -367,14 +370,20 @@ class MatchLength(AdaptiveLength):
         self._match = match
         if k <= 0 or match < self.min_match:
             return 0, 1.0
-        rates = self.acceptance()
+        return self._plan(match, k, self.acceptance(), self._costs(k))
+
+    def _costs(self, k: int) -> list[Optional[float]]:
+        """The cost of a verify of ``i + 1`` tokens at index ``i`` (1 .. k), where a plan prices one."""
+        return [None] + [self.cost(i + 1) if i + 1 in self.sizes or i == k else None for i in range(1, k + 1)]
+
+    def _plan(self, match: int, k: int, rates: list[float], costs: list[Optional[float]]) -> tuple[int, float]:
         best, best_k, expected, survive = 1.0, 0, 1.0, 1.0
         for i in range(1, k + 1):
             survive *= rates[match_bucket(match + i - 1)]
             expected += survive
-            if i + 1 not in self.sizes and i < k:
+            if costs[i] is None:
                 continue  # k itself is the most the caller allows: nothing cheaper lies above it
-            value = expected / self.cost(i + 1)
+            value = expected / costs[i]
             if value > best:
                 best, best_k = value, i
         return best_k, best

@@ -19,16 +19,19 @@ instead of an option string:
 - ``pipeline``: a single row's block that drafted nothing, whose next block will
   draft nothing either (its drafter says so: :func:`specdec_cli.loop.engine._quiet`),
   queues its next forward before reading its token back, as plain decoding does
-  (:mod:`specdec_cli.loop.engine`). The queued forward is the one the next block
-  would run, so the numbers are the same pipelined or not; only the overlap of host
-  and device differs. On where the device computes apart from the host (a GPU). On
+  (:mod:`specdec_cli.loop.engine`); a drafter that cannot tell (a draft model, an
+  MTP head) queues ahead only while its policy is switched off. The queued forward
+  is the one the next block would run: for the same drafts the same forwards, so the
+  same numbers pipelined or not (tested on this CPU and the GPU-like backend; not yet
+  on a GPU). On where the device computes apart from the host (a GPU). On
   this project's 2-core CPU, where the host is the device, blocks without drafts
   measured 2.7% slower pipelined (83.10 against 80.92 ms, ``scripts/block_costs.py``,
-  float32, open prompt, median of 5; lookup's blocks 92.53 against 92.61 ms), so it
-  is off there. On an H200 (bf16, the same script, median of 3) a block without
+  float32, open prompt, median of 5; lookup's blocks 92.53 against 92.61 ms, 50.60
+  against 49.56 ms a token), so it is off there. On an H200 (bf16, the same script, median of 3) a block without
   drafts took 4.92 ms pipelined against 6.02 ms not (a plain step 4.42 ms); lookup
   then queued ahead of blocks that drafted too, and those paid a forward of their
-  own (docs/GPU-CHECK.md). Apple's GPUs: not measured.
+  own (docs/GPU-CHECK.md); asking the drafter first is not measured on a GPU.
+  Apple's GPUs: not measured.
 """
 
 from __future__ import annotations

@@ -244,7 +244,9 @@ class SuffixDrafter:
         """Whether the next ``propose`` could draft anything (up to ``k`` tokens), whatever token it is given.
 
         Asked after a block that drafted nothing, before its token is read: the next match is at most one token
-        longer than this one. False lets the engine queue the next forward ahead (a plain step's).
+        longer than this one. False lets the engine queue the next forward ahead (a plain step's). The policy
+        that sizes the drafts (a :class:`~specdec_cli.core.adaptive.MatchLength` answers for every match at
+        once) is taken to be the row's, which the engine asks whether it drafts at all.
         """
         if k <= 0 or self._proposed or self._resume is not None:
             return k > 0

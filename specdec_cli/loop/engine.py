@@ -48,8 +48,8 @@ GROUP_DRAFTS = True
 # back to the snapshot taken right before its verify forward).
 TARGET_REACH = 1
 # A single row's block that drafted nothing, before a block that will draft nothing either, queues the next forward
-# (its token fed) before reading that token back, as plain decoding does. None: as the run's numerics say (Numerics.pipeline: on GPUs); True or False: always or never (benchmarks
-# compare the two in one process).
+# (its token fed) before reading that token back, as plain decoding does. None: as the run's numerics say
+# (Numerics.pipeline: on GPUs); True or False: always or never (benchmarks compare the two in one process).
 PIPELINE: Optional[bool] = None
 # A drafter's or policy's word that the next block drafts nothing is asked before a block queues ahead (the queued
 # forward is then the one the next block would run unpipelined); True queues ahead of any block that drafted nothing,
@@ -308,9 +308,16 @@ class Engine:
         """
         r = p.row
         on = self.numerics.pipeline if PIPELINE is None else PIPELINE
-        return (on and p.k == 0 and r.room > 1 and width == p.x.shape[0] - p.ahead and len(self.rows) == 1
+        if not (on and p.k == 0 and r.room > 1 and width == p.x.shape[0] - p.ahead and len(self.rows) == 1
                 and self.sync is None and self.tap is None and not self.timed
-                and all(getattr(proc, "lazy", False) for proc in r.processors) and _quiet(r))
+                and all(getattr(proc, "lazy", False) for proc in r.processors)):
+            return False
+        if PICK_FIRST:
+            # This block's pick goes to the device on its own first, as plain decoding's is queued with its step
+            # (scheduled only as the next forward's input, reading it could wait on that whole forward); and before
+            # the drafter is asked, so the device is not idle while it answers.
+            mx.async_eval(p.n_acc, p.nxt)
+        return _quiet(r)
 
     @staticmethod
     def _flush(row: Row, cache: ModelCache) -> None:
@@ -421,10 +428,6 @@ class Engine:
                 # Queued before the read below, as plain decoding queues its next step: the device computes the
                 # token after this block's while the host reads this one and asks the drafter for the next block.
                 p = pending[0]
-                # This block's pick goes to the device on its own first, as plain decoding's is queued with its
-                # step: scheduled only as the next forward's input, reading it could wait on that whole forward.
-                if PICK_FIRST:
-                    mx.async_eval(p.n_acc, p.nxt)
                 p.queued = _Ahead(None, cache.snapshot())
                 p.queued.logits = cache.feed_rows(p.nxt.reshape(1, 1).astype(mx.uint32))
                 mx.async_eval(p.queued.logits)

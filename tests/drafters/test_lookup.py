@@ -237,7 +237,9 @@ def test_when_lookup_says_its_next_block_drafts_nothing_no_token_makes_it_draft(
         n = next((i for i, t in enumerate(draft) if t != text[at + 1 + i]), len(draft))
         seconds = rng.uniform(0.5, 2.0) * (1 + 0.2 * len(draft))
         if not draft:
+            before = copy.deepcopy((vars(policy), drafter.text, drafter._last, drafter._guess))
             quiet = not policy.drafts_next() or not drafter.may_draft(8)
+            assert (vars(policy), drafter.text, drafter._last, drafter._guess) == before  # asking changes nothing
             said[quiet] += 1
             if quiet:
                 for token in alphabet:

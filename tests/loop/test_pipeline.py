@@ -27,7 +27,7 @@ from helpers import (
     tokens,
 )
 
-from specdec_cli.core.adaptive import FixedLength, MatchLength
+from specdec_cli.core.adaptive import AdaptiveLength, FixedLength, MatchLength
 from specdec_cli.core.numerics import Numerics
 from specdec_cli.core.processors import Penalties
 from specdec_cli.core.sampling import GREEDY, SamplingParams
@@ -80,10 +80,12 @@ class Gappy:
         pass
 
 
-def gappy_run(model, ref, *, k=4, max_tokens=GEN, eos_ids=(), rollback="reforward", numerics=ON, **kw):
+def gappy_run(model, ref, *, k=4, max_tokens=GEN, eos_ids=(), rollback="reforward", numerics=ON, drafter=None,
+              **kw):
     cache = prefilled(model)
-    blocks = list(speculative_generate_step(PROMPT[-1], cache, Gappy(ref), num_draft_tokens=k, max_tokens=max_tokens,
-                                            eos_ids=eos_ids, rollback=rollback, numerics=numerics, **kw))
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter or Gappy(ref), num_draft_tokens=k,
+                                            max_tokens=max_tokens, eos_ids=eos_ids, rollback=rollback,
+                                            numerics=numerics, **kw))
     return blocks, cache
 
 
@@ -152,6 +154,42 @@ def test_a_drafter_that_tells_queues_only_forwards_its_next_block_would_run_so_t
     assert on_cache.length == off_cache.length
     for a, b in zip(on_cache.state_arrays(), off_cache.state_arrays()):
         assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("max_tokens", range(GEN - 9, GEN + 1))
+def test_a_drafter_that_tells_is_asked_for_what_the_next_block_may_draft_up_to_the_last_token(max_tokens):
+    # Near the end the next block may draft fewer tokens than the policy allows, down to none: the drafter is asked
+    # for that many, so a forward is queued ahead of the last blocks exactly when they draft nothing.
+    model = target("llama", "float32")
+    ref, _ = plain(model)
+    blocks, _ = gappy_run(model, ref, max_tokens=max_tokens, drafter=Gappy(ref, honest=True))
+    assert not any(b.ahead and b.drafted for b in blocks)
+    assert blocks[-1].ahead or blocks[-1].drafted or len(blocks) < 2 or blocks[-2].drafted
+    assert_exact(model, "float32", blocks, ref[:max_tokens])
+
+
+class Wrong(Gappy):
+    """Drafts every token wrong and cannot tell whether its next block drafts: only its policy, switched off, can."""
+
+    may_draft = None
+
+    def propose(self, last: int, k: int, params: SamplingParams = GREEDY) -> Draft:
+        drafts = [t + 1 for t in self.answer[self.emitted:self.emitted + k]]
+        return Draft(mx.array(drafts, dtype=mx.uint32), host=tuple(drafts)) if drafts else no_draft()
+
+
+def test_a_policy_switched_off_queues_forwards_ahead_for_a_drafter_that_cannot_tell():
+    # Nothing is accepted, so the policy switches speculation off for a while (by acceptance, not by the clock): its
+    # plain blocks are queued ahead until the block before it drafts again, never ahead of that one.
+    model = target("llama", "float32")
+    ref, _ = plain(model, max_tokens=96)
+    policy = AdaptiveLength(k_max=4, window=4, cooldown=8)
+    cache = prefilled(model)
+    blocks = list(speculative_generate_step(PROMPT[-1], cache, Wrong(ref), policy=policy, max_tokens=96,
+                                            numerics=ON))
+    assert policy.switched_off >= 2
+    assert sum(b.ahead for b in blocks) >= 8 and not any(b.ahead and b.drafted for b in blocks)
+    assert tokens(blocks) == ref
 
 
 def test_the_default_lookup_never_queues_a_forward_ahead_of_its_own_drafts():
