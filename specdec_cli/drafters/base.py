@@ -81,6 +81,10 @@ class Drafter(Protocol):
     Optionally, ``warm_up(k, params)`` runs each forward shape the drafter
     can use once, before anything is timed, and leaves its state exactly as
     it was (see ``ModelCache.warm``); it returns the row counts it ran.
+    And ``may_draft(k)``, asked after a block that drafted nothing, says
+    whether the next ``propose`` could draft anything (up to ``k`` tokens)
+    whatever token it is given; False lets the engine queue the next forward
+    ahead (see ``engine._quiet``). A drafter without it may always draft.
     """
 
     name: str
