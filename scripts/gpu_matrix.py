@@ -157,8 +157,10 @@ def driver(args, extra: list[str]) -> None:
     for prompt in args.prompts.split(","):
         for i in range(args.pairs):
             for v in variants if i % 2 == 0 else variants[::-1]:
-                # Blocks without drafts queue the next forward or not; "auto": as the device's numerics say.
-                engine.PIPELINE = {"on": True, "off": False}.get(v)
+                # Blocks without drafts queue the next forward or not; "auto": as the device's numerics say;
+                # "always": ahead of blocks that may draft too (engine.PIPELINE_ALWAYS).
+                engine.PIPELINE = {"on": True, "always": True, "off": False}.get(v)
+                engine.PIPELINE_ALWAYS = v == "always"
                 row = pair(prompt, args.dtypes, extra, args.max_tokens)
                 print(json.dumps({**row, "pair": i, "pipeline": v}), flush=True)
 
@@ -231,8 +233,9 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="Time the long prompt's prefill, cuDNN on and off")
     ap.add_argument("--pairs", type=int, default=0,
                     help="Speculative and plain decoding alternated in one process, N pairs per prompt")
-    ap.add_argument("--pipeline", default="auto", help="auto (the device's default), on, off, or several (on,off): "
-                    "blocks without drafts pipelined or not, each variant in every pair (alternating their order)")
+    ap.add_argument("--pipeline", default="auto", help="auto (the device's default), on, off, always, or several "
+                    "(on,off): blocks without drafts pipelined (always: ahead of blocks that may draft too) or not, "
+                    "each variant in every pair (alternating their order)")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # --pairs' own process
     args, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
