@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--loops", default="", help="only these (comma-separated): peer, plain, none, none-pipelined, "
-                    "none-pick-late, lookup, lookup-pipelined, lookup-always")
+                    "none-pick-late, lookup, lookup-pipelined, lookup-pick-late, lookup-always")
     args = ap.parse_args()
 
     from gpu_matrix import PROMPTS
@@ -175,6 +175,8 @@ def main() -> None:
                  ("none-pick-late", blocks(Nothing, True, pick_first=False)),
              "blocks, lookup": ("lookup", blocks(SuffixDrafter, False)),
              "blocks, lookup, pipelined": ("lookup-pipelined", blocks(SuffixDrafter, True)),
+             "blocks, lookup, pipelined, pick in the next forward":
+                 ("lookup-pick-late", blocks(SuffixDrafter, True, pick_first=False)),
              "blocks, lookup, pipelined ahead of drafts too": ("lookup-always", blocks(SuffixDrafter, True, always=True))}
     if args.loops:
         unknown = set(args.loops.split(",")) - {short for short, _ in loops.values()}

@@ -25,9 +25,9 @@ instead of an option string:
   same numbers pipelined or not (tested on this CPU and the GPU-like backend; not yet
   on a GPU). On where the device computes apart from the host (a GPU). On
   this project's 2-core CPU, where the host is the device, blocks without drafts
-  measured 2.7% slower pipelined (83.10 against 80.92 ms, ``scripts/block_costs.py``,
-  float32, open prompt, median of 5; lookup's blocks 92.53 against 92.61 ms, 50.60
-  against 49.56 ms a token), so it is off there. On an H200 (bf16, the same script, median of 3) a block without
+  measured 2.7% and 6.6% slower pipelined in two runs (``scripts/block_costs.py``,
+  float32, open prompt, median of 5; lookup's blocks 0.1% faster and 5.7% slower;
+  docs/GENERATE.md), so it is off there. On an H200 (bf16, the same script, median of 3) a block without
   drafts took 4.92 ms pipelined against 6.02 ms not (a plain step 4.42 ms); lookup
   then queued ahead of blocks that drafted too, and those paid a forward of their
   own (docs/GPU-CHECK.md); asking the drafter first is not measured on a GPU.
