@@ -231,3 +231,65 @@ def test_on_a_gpu_like_backend_rows_decode_together_and_each_is_its_request_alon
     for r in replies:
         d = r.comparison.divergence
         assert d is None or (d.bound is not None and d.margin <= d.bound)
+
+
+def test_with_blocks_pipelined_a_lone_rows_queued_forward_gives_way_to_requests_that_join(setup, monkeypatch):
+    # Where the device computes apart from the host (a GPU), a request decoding alone queues its next forward
+    # ahead while its drafter has nothing; requests joining it then undo that forward (the row feeds its token in
+    # the batch instead), and every answer is still its request's alone.
+    import threading
+
+    from specdec_cli.loop import engine as engine_module
+    from specdec_cli.loop.engine import Engine
+
+    monkeypatch.setattr(engine_module, "PIPELINE", True)
+    queued, joined = threading.Event(), threading.Event()
+    widths, real_step = [], Engine.step
+
+    def step(self):
+        widths.append(len(self.rows))
+        out = real_step(self)
+        if len(self.rows) == 1 and self._ahead is not None and not queued.is_set():
+            queued.set()  # the lone row's next forward is queued: the others are submitted before the next step
+            assert joined.wait(60)
+        return out
+
+    monkeypatch.setattr(Engine, "step", step)
+    dropped, real_drop = [], Engine._drop_ahead
+    monkeypatch.setattr(Engine, "_drop_ahead", lambda self, cache: dropped.append(self._ahead is not None)
+                        or real_drop(self, cache))
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=4)
+    loop = asyncio.new_event_loop()
+
+    async def run() -> list:
+        def job(prompt) -> Job:
+            return Job(lambda: Reply(session, Request(prompt, N), TextStream(session.setup.tokenizer, chat=False)),
+                       loop)
+
+        async def done(job: Job) -> list[int]:
+            while True:
+                item = await asyncio.wait_for(job.out.get(), 120)
+                if isinstance(item, Failed):
+                    raise item.error
+                if isinstance(item, Done):
+                    return item.reply.tokens
+
+        first = job(PROMPTS[2])
+        scheduler.submit(first)
+        assert await loop.run_in_executor(None, queued.wait, 60)
+        rest = [job(p) for p in PROMPTS[:2]]
+        for j in rest:
+            scheduler.submit(j)
+        joined.set()
+        return await asyncio.gather(*(done(j) for j in [first, *rest]))
+
+    scheduler.start()
+    try:
+        got = loop.run_until_complete(run())
+    finally:
+        joined.set()
+        scheduler.stop()
+        loop.close()
+    assert max(widths) >= 2 and any(dropped)  # they joined it, its queued forward undone
+    assert_each_alone(setup, got, [PROMPTS[2], *PROMPTS[:2]])
