@@ -27,11 +27,11 @@ instead of an option string:
   this project's 2-core CPU, where the host is the device, blocks without drafts
   measured 2.7% and 6.6% slower pipelined in two runs (``scripts/block_costs.py``,
   float32, open prompt, median of 5; lookup's blocks 0.1% faster and 5.7% slower;
-  docs/GENERATE.md), so it is off there. On an H200 (bf16, the same script, median of 3) a block without
-  drafts took 4.92 ms pipelined against 6.02 ms not (a plain step 4.42 ms); lookup
-  then queued ahead of blocks that drafted too, and those paid a forward of their
-  own (docs/GPU-CHECK.md); asking the drafter first is not measured on a GPU.
-  Apple's GPUs: not measured.
+  docs/GENERATE.md), so it is off there. On an H200 (bf16, the same script, median
+  of 3) a block without drafts took 4.92 ms pipelined against 6.02 ms not (a plain
+  step 4.42 ms); lookup then queued ahead of blocks that drafted too, and those
+  paid a forward of their own (docs/GPU-CHECK.md); asking the drafter first is not
+  measured on a GPU. Apple's GPUs: not measured.
 """
 
 from __future__ import annotations
