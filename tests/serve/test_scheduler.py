@@ -72,6 +72,26 @@ def serve(scheduler: Scheduler, session: Session, prompts) -> list[tuple[list[in
         loop.close()
 
 
+async def finished(job: Job) -> Reply:
+    """A request's reply once it is done (its failure raised)."""
+    while True:
+        item = await asyncio.wait_for(job.out.get(), 120)
+        if isinstance(item, Failed):
+            raise item.error
+        if isinstance(item, Done):
+            return item.reply
+
+
+def running(scheduler: Scheduler, loop: asyncio.AbstractEventLoop, requests):
+    """What the coroutine ``requests`` returns, with ``scheduler`` serving meanwhile."""
+    scheduler.start()
+    try:
+        return loop.run_until_complete(requests)
+    finally:
+        scheduler.stop()
+        loop.close()
+
+
 def test_requests_decoded_together_each_get_their_own_answer(setup):
     session = Session(setup, 8)
     scheduler = Scheduler(session, max_rows=4)
@@ -208,23 +228,9 @@ def test_on_a_gpu_like_backend_rows_decode_together_and_each_is_its_request_alon
 
             jobs.append(Job(make, loop))
             scheduler.submit(jobs[-1])
+        return await asyncio.gather(*(finished(j) for j in jobs))
 
-        async def done(job: Job) -> Reply:
-            while True:
-                item = await asyncio.wait_for(job.out.get(), 120)
-                if isinstance(item, Failed):
-                    raise item.error
-                if isinstance(item, Done):
-                    return item.reply
-
-        return await asyncio.gather(*(done(j) for j in jobs))
-
-    scheduler.start()
-    try:
-        replies = loop.run_until_complete(run())
-    finally:
-        scheduler.stop()
-        loop.close()
+    replies = running(scheduler, loop, run())
     assert max(widths) == len(prompts)  # decoded together
     verdicts = [r.comparison.verdict for r in replies]
     assert set(verdicts) <= {IDENTICAL, TIE}, [r.comparison.divergence for r in replies]
@@ -267,29 +273,17 @@ def test_with_blocks_pipelined_a_lone_rows_queued_forward_gives_way_to_requests_
             return Job(lambda: Reply(session, Request(prompt, N), TextStream(session.setup.tokenizer, chat=False)),
                        loop)
 
-        async def done(job: Job) -> list[int]:
-            while True:
-                item = await asyncio.wait_for(job.out.get(), 120)
-                if isinstance(item, Failed):
-                    raise item.error
-                if isinstance(item, Done):
-                    return item.reply.tokens
+        try:
+            first = job(PROMPTS[2])
+            scheduler.submit(first)
+            assert await loop.run_in_executor(None, queued.wait, 60)
+            rest = [job(p) for p in PROMPTS[:2]]
+            for j in rest:
+                scheduler.submit(j)
+        finally:
+            joined.set()
+        return [r.tokens for r in await asyncio.gather(*(finished(j) for j in [first, *rest]))]
 
-        first = job(PROMPTS[2])
-        scheduler.submit(first)
-        assert await loop.run_in_executor(None, queued.wait, 60)
-        rest = [job(p) for p in PROMPTS[:2]]
-        for j in rest:
-            scheduler.submit(j)
-        joined.set()
-        return await asyncio.gather(*(done(j) for j in [first, *rest]))
-
-    scheduler.start()
-    try:
-        got = loop.run_until_complete(run())
-    finally:
-        joined.set()
-        scheduler.stop()
-        loop.close()
+    got = running(scheduler, loop, run())
     assert max(widths) >= 2 and any(dropped)  # they joined it, its queued forward undone
     assert_each_alone(setup, got, [PROMPTS[2], *PROMPTS[:2]])
