@@ -299,25 +299,18 @@ class Engine:
             self._ahead = None
 
     def _pipelines(self, p: _Pending, width: int) -> bool:
-        """Whether this block queues the row's next forward before reading its token (see PIPELINE).
+        """Whether this block may queue the row's next forward before reading its token (see PIPELINE).
 
         A single row whose block drafted nothing and fed no padding (so there is nothing to cut back), with room
-        for a token after this one, and whose next block will draft nothing either (:func:`_quiet`); not under a
-        sharded target (its steps agree on tokens in their own collective), a tap (its rows go to a drafter),
-        phase timing, or a processor that reads tokens on the host.
+        for a token after this one; not under a sharded target (its steps agree on tokens in their own
+        collective), a tap (its rows go to a drafter), phase timing, or a processor that reads tokens on the host.
+        The block then queues ahead only if its next block will draft nothing either (:func:`_quiet`).
         """
         r = p.row
         on = self.numerics.pipeline if PIPELINE is None else PIPELINE
-        if not (on and p.k == 0 and r.room > 1 and width == p.x.shape[0] - p.ahead and len(self.rows) == 1
+        return (on and p.k == 0 and r.room > 1 and width == p.x.shape[0] - p.ahead and len(self.rows) == 1
                 and self.sync is None and self.tap is None and not self.timed
-                and all(getattr(proc, "lazy", False) for proc in r.processors)):
-            return False
-        if PICK_FIRST:
-            # This block's pick goes to the device on its own first, as plain decoding's is queued with its step
-            # (scheduled only as the next forward's input, reading it could wait on that whole forward); and before
-            # the drafter is asked, so the device is not idle while it answers.
-            mx.async_eval(p.n_acc, p.nxt)
-        return _quiet(r)
+                and all(getattr(proc, "lazy", False) for proc in r.processors))
 
     @staticmethod
     def _flush(row: Row, cache: ModelCache) -> None:
@@ -425,12 +418,18 @@ class Engine:
                 else:
                     self._accept(p, _processed(p, logits[b, p.c : p.c + 1 + p.k]))
             if self._pipelines(pending[0], width):
-                # Queued before the read below, as plain decoding queues its next step: the device computes the
-                # token after this block's while the host reads this one and asks the drafter for the next block.
                 p = pending[0]
-                p.queued = _Ahead(None, cache.snapshot())
-                p.queued.logits = cache.feed_rows(p.nxt.reshape(1, 1).astype(mx.uint32))
-                mx.async_eval(p.queued.logits)
+                if PICK_FIRST:
+                    # This block's pick goes to the device on its own first, as plain decoding's is queued with its
+                    # step (scheduled only as the next forward's input, reading it could wait on that whole
+                    # forward); and before the drafter is asked, so the device is not idle while it answers.
+                    mx.async_eval(p.n_acc, p.nxt)
+                if _quiet(p.row):
+                    # Queued before the read below, as plain decoding queues its next step: the device computes the
+                    # token after this block's while the host reads this one and asks the drafter for the next one.
+                    p.queued = _Ahead(None, cache.snapshot())
+                    p.queued.logits = cache.feed_rows(p.nxt.reshape(1, 1).astype(mx.uint32))
+                    mx.async_eval(p.queued.logits)
             # A sharded target: every row's decision and what it fed, from every rank, in the block's one sync.
             table = None if self.sync is None else self.sync.propose_rows(
                 [(mx.stack([p.n_acc.astype(mx.int32), p.nxt.astype(mx.int32)]), p.x, p.row.emitted)

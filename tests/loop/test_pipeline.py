@@ -82,6 +82,8 @@ class Gappy:
 
 def gappy_run(model, ref, *, k=4, max_tokens=GEN, eos_ids=(), rollback="reforward", numerics=ON, drafter=None,
               **kw):
+    """A run of ``drafter`` (a ``Gappy`` of ``ref`` unless given) on the prompt, with its blocks and caches; ``k``
+    drafts a block unless a ``policy`` is given."""
     cache = prefilled(model)
     blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter or Gappy(ref), num_draft_tokens=k,
                                             max_tokens=max_tokens, eos_ids=eos_ids, rollback=rollback,
@@ -140,13 +142,8 @@ def test_a_drafter_that_tells_queues_only_forwards_its_next_block_would_run_so_t
     # so the same numbers on a backend that rounds by shape too (the gpu-like one here), not just up to a tie.
     model = target(family, "bfloat16")
     ref, _ = plain(model)
-    runs = []
-    for numerics in (ON, OFF):
-        cache = prefilled(model)
-        blocks = list(speculative_generate_step(PROMPT[-1], cache, Gappy(ref, honest=True), num_draft_tokens=4,
-                                                max_tokens=GEN, rollback=rollback, numerics=numerics))
-        runs.append((blocks, cache))
-    (on, on_cache), (off, off_cache) = runs
+    (on, on_cache), (off, off_cache) = (gappy_run(model, ref, rollback=rollback, numerics=numerics,
+                                                  drafter=Gappy(ref, honest=True)) for numerics in (ON, OFF))
     assert any(b.ahead for b in on) and not any(b.ahead and b.drafted for b in on)
     assert any(b.drafted for b in on)
     assert [(b.tokens, b.drafted, b.accepted) for b in on] == [(b.tokens, b.drafted, b.accepted) for b in off]
@@ -184,9 +181,7 @@ def test_a_policy_switched_off_queues_forwards_ahead_for_a_drafter_that_cannot_t
     model = target("llama", "float32")
     ref, _ = plain(model, max_tokens=96)
     policy = AdaptiveLength(k_max=4, window=4, cooldown=8)
-    cache = prefilled(model)
-    blocks = list(speculative_generate_step(PROMPT[-1], cache, Wrong(ref), policy=policy, max_tokens=96,
-                                            numerics=ON))
+    blocks, _ = gappy_run(model, ref, max_tokens=96, drafter=Wrong(ref), policy=policy)
     assert policy.switched_off >= 2
     assert sum(b.ahead for b in blocks) >= 8 and not any(b.ahead and b.drafted for b in blocks)
     assert tokens(blocks) == ref
@@ -200,8 +195,7 @@ def test_the_default_lookup_never_queues_a_forward_ahead_of_its_own_drafts():
     policy = MatchLength(k_max=8)
     drafter = SuffixDrafter(policy.size, history=[ref[10:40], ref[60:80]])
     drafter.prefill(PROMPT[:-1])
-    cache = prefilled(model)
-    blocks = list(speculative_generate_step(PROMPT[-1], cache, drafter, policy=policy, max_tokens=96, numerics=ON))
+    blocks, _ = gappy_run(model, ref, max_tokens=96, drafter=drafter, policy=policy)
     assert any(b.ahead for b in blocks) and any(b.drafted for b in blocks)
     assert not any(b.ahead and b.drafted for b in blocks)
     assert_exact(model, "float32", blocks, ref)
