@@ -36,9 +36,10 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.history: list[int] = []
         # For each n: n-gram -> end index of its latest occurrence that has a
-        # continuation (the token at that index).
+        # continuation (the token at that index). The (min_ngram - 1)-grams are
+        # indexed too, for may_draft alone.
         self._index: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(min_ngram, max_ngram + 1)
+            n: {} for n in range(max(1, min_ngram - 1), max_ngram + 1)
         }
         self._proposed: list[int] = []
 
@@ -87,6 +88,19 @@ class NgramDrafter:
         if not self._proposed:
             return no_draft()
         return Draft(mx.array(self._proposed, dtype=mx.uint32), host=tuple(self._proposed))
+
+    def may_draft(self, k: int) -> bool:
+        """Whether the next ``propose`` could draft anything (up to ``k`` tokens), whatever token it is given.
+
+        The shortest n-gram it tries ends with that token; one that occurred before means the history's last
+        ``min_ngram - 1`` tokens occurred before with a token after them, which their own index answers in O(1).
+        """
+        if k <= 0 or self._proposed:
+            return k > 0
+        if self.min_ngram == 1:
+            return bool(self.history)  # the next token alone: anything already in the history
+        n = self.min_ngram - 1
+        return len(self.history) >= n and tuple(self.history[-n:]) in self._index[n]
 
     def accept(self, n: int, hidden=None) -> None:
         """Commit the first ``n`` proposals to the history."""

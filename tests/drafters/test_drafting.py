@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from helpers import GEN, PROMPT, assert_exact, noisy_drafter, plain, prefilled, target, tokens
 
@@ -77,6 +79,32 @@ def test_lookup_without_repeats_costs_plain_steps():
     assert tokens(blocks) == ref
     first = blocks[:5]
     assert all(b.drafted == 0 and len(b.tokens) == 1 for b in first)
+
+
+@pytest.mark.parametrize("min_ngram,max_ngram", [(1, 3), (2, 4), (3, 3), (3, 5)])
+def test_lookup_may_draft_exactly_when_some_next_token_would_draft(min_ngram, max_ngram):
+    # The engine queues a forward ahead only when may_draft is False: then no token may draft (sound), and when
+    # it is True some token drafts (it does not keep a drafter that would find nothing off the pipelined path).
+    rng = random.Random(min_ngram * 10 + max_ngram)
+    alphabet = list(range(6))
+    d = LookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    said = {True: 0, False: 0}
+    for i in range(300):
+        token = rng.choice(alphabet) if i % 40 < 32 else 100 + i  # stretches of new tokens end most matches
+        before = (list(d.history), {n: dict(t) for n, t in d._index.items()})
+        may = d.may_draft(4)
+        assert (d.history, d._index) == before
+        drafts = []
+        for t in sorted(set(d.history)) + [99]:  # every token that could continue a match, and a new one
+            d.propose(t, 4)
+            drafts.append(bool(d._proposed))
+            d.cancel()
+        assert may == any(drafts), (i, d.history[-6:])
+        said[may] += 1
+        assert not d.may_draft(0)
+        d.propose(token, 4)
+        d.accept(0)
+    assert said[True] > 20 and (said[False] > 20 or min_ngram == 1)  # (one token matches whatever came before)
 
 
 # --- p-min ---------------------------------------------------------------------

@@ -31,7 +31,7 @@ from specdec_cli.core.adaptive import AdaptiveLength, FixedLength, MatchLength
 from specdec_cli.core.numerics import Numerics
 from specdec_cli.core.processors import Penalties
 from specdec_cli.core.sampling import GREEDY, SamplingParams
-from specdec_cli.drafters import Draft, no_draft
+from specdec_cli.drafters import Draft, NgramDrafter, no_draft
 from specdec_cli.drafters.suffix import SuffixDrafter
 from specdec_cli.loop import engine as engine_module
 from specdec_cli.loop.compare import replay
@@ -187,14 +187,21 @@ def test_a_policy_switched_off_queues_forwards_ahead_for_a_drafter_that_cannot_t
     assert tokens(blocks) == ref
 
 
-def test_the_default_lookup_never_queues_a_forward_ahead_of_its_own_drafts():
-    # Prompt lookup sized by its match-length policy says when its next block could draft: on a text that repeats
-    # now and then, blocks are queued ahead and drafts verified, never one after the other.
+@pytest.mark.parametrize("kind", ["lookup", "ngram"])
+def test_prompt_lookup_never_queues_a_forward_ahead_of_its_own_drafts(kind):
+    # Prompt lookup says when its next block could draft (the default sized by its match-length policy, n-grams
+    # by whether the last n-1 tokens occurred before): on a text that repeats now and then, blocks are queued
+    # ahead and drafts verified, never one after the other.
     model = target("llama", "float32")
     ref, _ = plain(model, max_tokens=96)
-    policy = MatchLength(k_max=8)
-    drafter = SuffixDrafter(policy.size, history=[ref[10:40], ref[60:80]])
-    drafter.prefill(PROMPT[:-1])
+    if kind == "lookup":
+        policy = MatchLength(k_max=8)
+        drafter = SuffixDrafter(policy.size, history=[ref[10:40], ref[60:80]])
+        drafter.prefill(PROMPT[:-1])
+    else:
+        policy = None
+        drafter = NgramDrafter(max_ngram=4, min_ngram=2)
+        drafter.prefill(ref[10:40] + ref[60:80] + PROMPT[:-1])
     blocks, _ = gappy_run(model, ref, max_tokens=96, drafter=drafter, policy=policy)
     assert any(b.ahead for b in blocks) and any(b.drafted for b in blocks)
     assert not any(b.ahead and b.drafted for b in blocks)
