@@ -826,6 +826,10 @@ def distill(
         "--draft-vocab", metavar="N", min=0, max=1 << 22, help="Draft among the N most frequent tokens of the "
         "training text (the head's lm_head costs N/V as much); 0: the whole vocabulary.",
         rich_help_panel=TRAINING)] = DISTILL["draft_vocab"],
+    time_limit: Annotated[Optional[float], typer.Option(
+        "--time-limit", metavar="SECONDS", min=1.0, callback=_finite, help="Stop after about this many seconds once "
+        "the model is loaded: answers are generated for at most half of them, training runs to the limit and the best "
+        "head so far is written.", rich_help_panel=TRAINING, show_default=False)] = None,
     measure: Annotated[bool, typer.Option(
         "--measure/--no-measure", metavar="", help="Measure the head's acceptance on held-out prompts after "
         "training.", rich_help_panel=DIAGNOSTICS)] = True,

@@ -49,6 +49,7 @@ class DistillCommandOptions:
     trust_remote_code: bool = False
     force_download: bool = False
     measure: bool = True
+    time_limit: Optional[float] = None
 
 
 # What distill writes into --out (pipeline.write_head, its staging folder, the corpus cache).
@@ -186,7 +187,8 @@ def distill_command(opts: DistillCommandOptions) -> int:
         check_force_download(opts.model)
     train = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, seq_len=opts.seq_len, lr=opts.lr,
                         seed=opts.seed, depth=opts.depth, eval_every=max(1, min(25, opts.steps // 8)))
-    dopts = DistillOptions(data=opts.data, tokens=opts.data_tokens, draft_vocab=opts.draft_vocab, train=train)
+    dopts = DistillOptions(data=opts.data, tokens=opts.data_tokens, draft_vocab=opts.draft_vocab, train=train,
+                           time_limit=opts.time_limit)
     target = load_target(ModelOptions(model=opts.model, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                                       force_download=opts.force_download))
     parts = target_parts(target.model)
@@ -227,6 +229,9 @@ def distill_command(opts: DistillCommandOptions) -> int:
     agree = "/".join(f"{a:.1%}" for a in result.agreement) if result.agreement else "-"
     lines = [f"wrote {out} ({result.head_bytes / 2**20:.1f} MiB): held-out top-1 agreement by draft position "
              f"{agree}"]
+    if result.time_limited:
+        lines.append(f"the time limit cut the run short: {result.corpus_tokens} tokens of data, "
+                     f"{result.steps_done} of {opts.steps} steps")
     if result.acceptance is not None:
         lines.append(f"acceptance {result.acceptance:.1%}, {result.tokens_per_block:.2f} tokens per block "
                      "(greedy, block size 4, held-out prompts)")

@@ -51,6 +51,9 @@ class DistillOptions:
         draft_vocab: Draft vocabulary size (0: the target's whole vocabulary).
         heldout: Share of sequences kept out of training, for evaluation.
         train: Optimizer options.
+        time_limit: Seconds for the whole run, or None: generating answers stops after
+            :data:`DATA_SHARE` of them (what was generated is kept, never cached), training at
+            the limit (the best head so far is written).
     """
 
     data: Optional[str] = None
@@ -61,6 +64,11 @@ class DistillOptions:
     draft_vocab: int = DISTILL["draft_vocab"]
     heldout: float = 0.05
     train: TrainConfig = field(default_factory=TrainConfig)
+    time_limit: Optional[float] = None
+
+
+#: The share of ``--time-limit`` that generating answers may take; training gets the rest.
+DATA_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class Result:
     acceptance: Optional[float] = None
     tokens_per_block: Optional[float] = None
     interrupted: bool = False
+    time_limited: bool = False  # the time limit cut the data or the training short
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     t0 = time.perf_counter()
     # An unknown model (no files to identify it by) never reuses a corpus.
     cached = load_corpus(cache_dir, key) if model_id is not None else None
+    cut = False
     if cached is not None:
         seqs, states, description = cached
         yield Stage("data", f"reusing the corpus in {cache_dir} ({sum(map(len, seqs))} tokens: {description})")
@@ -222,11 +232,20 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         got, texts = text_ids(tokenizer, source.texts, opts.tokens, seqs)
         answered = 0
         if got < opts.tokens and source.prompts:
-            for event in answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
-                                        opts.gen_batch, opts.temp, c.seed, seqs):
-                answered = event.answered
-                # Progress counts the whole corpus, texts included, against the whole goal.
-                yield Generated(got + event.tokens, opts.tokens, answered)
+            answers = answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
+                                     opts.gen_batch, opts.temp, c.seed, seqs)
+            try:
+                for event in answers:
+                    answered = event.answered
+                    # Progress counts the whole corpus, texts included, against the whole goal.
+                    yield Generated(got + event.tokens, opts.tokens, answered)
+                    if opts.time_limit is not None and time.perf_counter() - t0 >= DATA_SHARE * opts.time_limit:
+                        cut = got + event.tokens < opts.tokens
+                        if cut:
+                            yield Stage("data", f"time limit: answers stop at {got + event.tokens} tokens")
+                        break
+            finally:
+                answers.close()
         # What was used, counted after the fact: the numbers every later line and file reports.
         description = source.used(texts, answered)
         yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions ({description})")
@@ -234,7 +253,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         for i, h in enumerate(teacher_states(model, seqs), 1):
             states.append(h)
             yield States(i, len(seqs))
-        if model_id is not None:
+        if model_id is not None and not cut:  # (a corpus cut short is not the one its key names)
             save_corpus(cache_dir, key, seqs, states, description)
     data_seconds = time.perf_counter() - t0
 
@@ -264,18 +283,19 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
                          f"{train[0].shape[0]} windows of {c.seq_len}")
     record = partial(make_result, trainer, description, seqs, train_ix, held_ix, coverage, data_seconds, opts)
     yield Training(trainer, record)
-    seconds = 0.0
-    for step in trainer.run():
-        seconds = step.seconds
+    seconds, done = 0.0, 0
+    deadline = t0 + opts.time_limit if opts.time_limit is not None else None
+    for step in trainer.run(deadline):
+        seconds, done = step.seconds, step.step
         yield step
     trainer.restore_best()
-    result = record(c.steps, seconds)
+    result = record(done, seconds, time_limited=cut or done < c.steps)
     yield Finished(write_head(out, trainer.head, result), result)
 
 
 def make_result(trainer: Trainer, description: str, seqs, train_ix, held_ix, coverage: float,
                 data_seconds: float, opts: DistillOptions, steps_done: int, seconds: float = 0.0,
-                interrupted: bool = False) -> Result:
+                interrupted: bool = False, time_limited: bool = False) -> Result:
     """The record of a run (``steps_done`` may be short of the plan when interrupted)."""
     return Result(
         source=description, corpus_tokens=sum(map(len, seqs)),
@@ -283,7 +303,7 @@ def make_result(trainer: Trainer, description: str, seqs, train_ix, held_ix, cov
         draft_vocab=trainer.head.config.draft_vocab_size or trainer.parts.vocab_size, coverage=coverage,
         steps_done=steps_done, train_seconds=seconds, data_seconds=data_seconds,
         agreement=trainer.best_agreement, options={**asdict(opts), "train": asdict(opts.train)},
-        interrupted=interrupted,
+        interrupted=interrupted, time_limited=time_limited,
     )
 
 
@@ -341,7 +361,7 @@ def readme(head: MTPHead, r: Result) -> str:
         "- Labels: the target's own next-token distributions (self-distillation, soft cross-entropy), "
         f"chained {t['depth']} steps deep as drafting chains the head.",
         f"- {r.steps_done} steps of {t['batch_size']} windows x {t['seq_len']} positions, AdamW lr {t['lr']}, "
-        f"seed {t['seed']}{' (interrupted: the best head so far)' if r.interrupted else ''}.",
+        f"seed {t['seed']}{_cut_short(r)}.",
         f"- Draft vocabulary: {r.draft_vocab} of {c.vocab_size} tokens ({r.coverage:.1%} of held-out target "
         "tokens fall inside it).",
         f"- Time: {r.data_seconds:.0f} s for data and target states, {r.train_seconds:.0f} s training. "
@@ -354,3 +374,11 @@ def readme(head: MTPHead, r: Result) -> str:
         lines.append(f"- Greedy speculative decoding on held-out prompts, block size 4: acceptance "
                      f"{r.acceptance:.1%}, {r.tokens_per_block:.2f} tokens per block.")
     return "\n".join(lines) + "\n"
+
+
+def _cut_short(r: Result) -> str:
+    if r.interrupted:
+        return " (interrupted: the best head so far)"
+    if r.time_limited:
+        return f" (stopped by the time limit of {r.options['time_limit']:g} s: the best head so far)"
+    return ""

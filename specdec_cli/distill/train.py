@@ -261,8 +261,12 @@ class Trainer:
                 chained[s - 1] += int(in_a_row[:, first:].sum().item())
         return alone, chained, tokens.shape[0] * max(0, T - first)
 
-    def run(self) -> Iterator[Step]:
-        """Train, yielding a :class:`Step` after every optimizer step; the best head is in :attr:`best_params`."""
+    def run(self, deadline: Optional[float] = None) -> Iterator[Step]:
+        """Train, yielding a :class:`Step` after every optimizer step; the best head is in :attr:`best_params`.
+
+        Args:
+            deadline: A ``time.perf_counter()`` time: the first step that ends past it is evaluated and is the last.
+        """
         c = self.config
         mx.random.seed(c.seed)
         warmup = max(1, min(50, c.steps // 10))
@@ -287,10 +291,13 @@ class Trainer:
             opt.update(self.head, grads)
             mx.eval(self.head.parameters(), opt.state, loss)
             best = False
-            if step % c.eval_every == 0 or step == c.steps:
+            late = deadline is not None and time.perf_counter() >= deadline
+            if step % c.eval_every == 0 or step == c.steps or late:
                 agreement = self.evaluate() if self._heldout_greedy is not None else None
                 best = self._keep_if_best(agreement)
             yield Step(step, c.steps, loss.item(), agreement, best, time.perf_counter() - start)
+            if late:
+                break
         self.head.eval()
 
     def _keep_if_best(self, agreement: Optional[tuple[float, ...]]) -> bool:

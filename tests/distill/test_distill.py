@@ -390,6 +390,7 @@ def test_cli_distills_a_head_that_generate_loads(tmp_path, tiny_dir):
     (["--out", "{file}"], "is a file"),
     (["--out", "{tmp}/h", "--data", "{tmp}/missing"], "no such file"),
     (["--out", "{tmp}/h", "--lr", "nan"], "Invalid value for '--lr'"),
+    (["--out", "{tmp}/h", "--time-limit", "0"], "Invalid value for '--time-limit'"),
 ])
 def test_cli_refuses_bad_options_in_one_line(tmp_path, tiny_dir, args, message):
     (tmp_path / "f").write_text("x")
@@ -441,8 +442,8 @@ def test_out_accepts_new_empty_an_earlier_head_and_an_interrupted_run(tmp_path):
 def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monkeypatch):
     real = train_module.Trainer.run
 
-    def interrupted(self):
-        for step in real(self):
+    def interrupted(self, deadline=None):
+        for step in real(self, deadline):
             yield step
             if step.step == 5:
                 raise KeyboardInterrupt
@@ -459,6 +460,85 @@ def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monke
     model = target("llama", "float32")
     loaded = load_head(out, read_config(out), "head", target_parts(model))
     assert isinstance(loaded.head, MTPHead)
+
+
+class Clock:
+    """``time.perf_counter`` for a test: it moves only when told, so a time limit falls at a chosen point."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def clocked(monkeypatch, seconds_per_step: float, seconds_per_batch: float = 0.0) -> Clock:
+    """A clock that moves by these amounts after each training step and each batch of generated answers."""
+    import time
+
+    import specdec_cli.distill.pipeline as pipeline_module
+
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    run, answer = train_module.Trainer.run, pipeline_module.answer_prompts
+
+    def timed_run(self, deadline=None):
+        for step in run(self, deadline):
+            clock.now += seconds_per_step
+            yield step
+
+    def timed_answers(*args):
+        for event in answer(*args):
+            clock.now += seconds_per_batch
+            yield event
+
+    monkeypatch.setattr(train_module.Trainer, "run", timed_run)
+    monkeypatch.setattr(pipeline_module, "answer_prompts", timed_answers)
+    return clock
+
+
+def test_a_time_limit_cuts_the_answers_at_half_and_training_at_the_limit(tmp_path, monkeypatch):
+    from specdec_cli.distill.pipeline import Stage
+    from specdec_cli.session.loading import load
+
+    clocked(monkeypatch, seconds_per_step=10, seconds_per_batch=30)
+    model, tok = target("llama", "float32"), load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in ("cats", "rain", "tea")))
+    opts = DistillOptions(data=str(data), tokens=2000, answer_tokens=30, gen_batch=2, draft_vocab=0, time_limit=100,
+                          train=TrainConfig(steps=40, batch_size=2, seq_len=16, depth=2, eval_every=25))
+    out = tmp_path / "h"
+    events = list(distill(model, tok, target_parts(model), out, opts, model_id={"files": "x", "dtype": "float32"}))
+    result = events[-1].result
+    # Two batches of answers (60 s >= half of 100 s), then steps until the clock passes 100 s: the fifth, which is
+    # evaluated although it is no evaluation step, so a head is written.
+    generated = [e for e in events if type(e).__name__ == "Generated"]
+    assert len(generated) == 2 and result.corpus_tokens == generated[-1].tokens < 2000
+    cut = [e for e in events if isinstance(e, Stage) and e.detail.startswith("time limit")]
+    assert cut and cut[0].detail == f"time limit: answers stop at {result.corpus_tokens} tokens"
+    assert not (out / "cache" / "corpus.json").exists()  # a corpus cut short is never reused as the whole one
+    assert result.steps_done == 5 and result.time_limited and result.agreement is not None
+    assert json.loads((out / "training.json").read_text())["time_limited"] is True
+    assert "5 steps" in (out / "README.md").read_text() and "time limit of 100 s" in (out / "README.md").read_text()
+    assert isinstance(load_head(out, read_config(out), "head", target_parts(model)).head, MTPHead)
+
+
+def test_cli_time_limit_writes_the_best_head_and_says_what_it_cut(tmp_path, tiny_dir, monkeypatch):
+    clocked(monkeypatch, seconds_per_step=1)
+    data = tmp_path / "data.txt"
+    data.write_text("one two three four five six seven eight nine ten. " * 80)
+    out = tmp_path / "head"
+    result = _distill("--model", tiny_dir, "--out", out, "--data", data, "--data-tokens", 2000, "--steps", 40,
+                      "--seq-len", 32, "--batch-size", 2, "--draft-vocab", 0, "--time-limit", "12.5", "--no-measure")
+    assert result.exit_code == 0, result.stderr
+    assert "the time limit cut the run short: 2000 tokens of data, 14 of 40 steps" in result.stderr
+    info = json.loads((out / "training.json").read_text())
+    assert info["steps_done"] == 14 and info["time_limited"] and info["options"]["time_limit"] == 12.5
+    # Without a limit nothing is cut, and the record says so.
+    again = _distill("--model", tiny_dir, "--out", out, "--data", data, "--data-tokens", 2000, "--steps", 3,
+                     "--seq-len", 32, "--batch-size", 2, "--draft-vocab", 0, "--no-measure")
+    assert again.exit_code == 0 and "time limit" not in again.stderr
+    assert not json.loads((out / "training.json").read_text())["time_limited"]
 
 
 # --drafter auto
