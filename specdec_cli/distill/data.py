@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -227,7 +228,8 @@ class Generated:
 
 
 def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_tokens: int, max_tokens: int,
-                   batch_size: int, temp: float, seed: int, out: list[list[int]]) -> Iterator[Generated]:
+                   batch_size: int, temp: float, seed: int, out: list[list[int]],
+                   deadline: Optional[float] = None) -> Iterator[Generated]:
     """Have the target answer ``prompts`` (cycling) until ``goal_tokens`` tokens are collected.
 
     Each finished sequence (prompt + answer ids) is appended to ``out``, the
@@ -235,16 +237,16 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
     inside its prompt is dropped: it has nothing of the model's). Each batch
     holds only as many prompts as the remaining budget can use, so a small
     goal does not generate a full batch of long answers. Generation is
-    batched (mlx-lm's ``batch_generate``): on a CPU a batch costs little more
-    per step than one row.
+    batched (mlx-lm's ``BatchGenerator``): on a CPU a batch costs little more
+    per step than one row. At ``deadline`` (a ``time.perf_counter()`` time)
+    generation stops after its current step, keeping the answers so far.
     """
-    from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
     sampler = make_sampler(temp=temp)
     total, i, answered = 0, 0, 0
-    while total < goal_tokens and prompts:
+    while total < goal_tokens and prompts and not _past(deadline):
         remaining = goal_tokens - total
         batch, room = [], 0
         while len(batch) < batch_size and room < remaining:
@@ -252,13 +254,12 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
             batch.append(ids)
             room += len(ids) + max_tokens
         i += len(batch)
-        result = batch_generate(model, tokenizer, batch, max_tokens=min(max_tokens, remaining),
-                                sampler=sampler, return_token_ids=True)
         added = 0
-        for ids, answer in zip(batch, result.token_ids):
-            seq = (list(ids) + [int(t) for t in answer])[: goal_tokens - total]
+        for ids, answer in zip(batch, _answers(model, tokenizer, batch, min(max_tokens, remaining), sampler,
+                                               deadline)):
+            seq = (list(ids) + answer)[: goal_tokens - total]
             if len(seq) <= len(ids):
-                continue  # the budget ends inside the prompt
+                continue  # the budget ends inside the prompt (or the deadline before the answer)
             out.append(seq)
             total += len(seq)
             added += 1
@@ -266,6 +267,34 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
         yield Generated(total, goal_tokens, answered)
         if not added:
             break  # the prompts left are longer than the budget left
+
+
+def _past(deadline: Optional[float]) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
+
+def _answers(model: nn.Module, tokenizer, batch: list[list[int]], max_tokens: int, sampler,
+             deadline: Optional[float]) -> list[list[int]]:
+    """Each prompt's answer ids (an EOS not included), generated together; cut where ``deadline`` passes.
+
+    mlx-lm's ``batch_generate`` loop, with the deadline checked at every step: a long batch on a slow machine
+    must not run past a time limit.
+    """
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], sampler=sampler)
+    try:
+        uids = gen.insert(batch, [max_tokens] * len(batch))
+        answers: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    answers[r.uid].append(int(r.token))
+            if _past(deadline):
+                break
+    finally:
+        gen.close()
+    return [answers[uid] for uid in uids]
 
 
 def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]],

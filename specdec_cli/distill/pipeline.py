@@ -232,20 +232,16 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         got, texts = text_ids(tokenizer, source.texts, opts.tokens, seqs)
         answered = 0
         if got < opts.tokens and source.prompts:
-            answers = answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
-                                     opts.gen_batch, opts.temp, c.seed, seqs)
-            try:
-                for event in answers:
-                    answered = event.answered
-                    # Progress counts the whole corpus, texts included, against the whole goal.
-                    yield Generated(got + event.tokens, opts.tokens, answered)
-                    if opts.time_limit is not None and time.perf_counter() - t0 >= DATA_SHARE * opts.time_limit:
-                        cut = got + event.tokens < opts.tokens
-                        if cut:
-                            yield Stage("data", f"time limit: answers stop at {got + event.tokens} tokens")
-                        break
-            finally:
-                answers.close()
+            deadline = t0 + DATA_SHARE * opts.time_limit if opts.time_limit is not None else None
+            for event in answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
+                                        opts.gen_batch, opts.temp, c.seed, seqs, deadline):
+                answered = event.answered
+                # Progress counts the whole corpus, texts included, against the whole goal.
+                yield Generated(got + event.tokens, opts.tokens, answered)
+            have = sum(map(len, seqs))
+            cut = deadline is not None and have < opts.tokens and time.perf_counter() >= deadline
+            if cut:
+                yield Stage("data", f"time limit: answers stop at {have} tokens")
         # What was used, counted after the fact: the numbers every later line and file reports.
         description = source.used(texts, answered)
         yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions ({description})")

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import specdec_cli.distill.train as train_module
 from specdec_cli.cli.app import app
-from specdec_cli.distill.data import read_source, seed_prompts, teacher_states
+from specdec_cli.distill.data import prompt_ids, read_source, seed_prompts, teacher_states
 from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
 from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
 from specdec_cli.drafters.mtp import MTPDrafter
@@ -487,8 +487,8 @@ def clocked(monkeypatch, seconds_per_step: float, seconds_per_batch: float = 0.0
             clock.now += seconds_per_step
             yield step
 
-    def timed_answers(*args):
-        for event in answer(*args):
+    def timed_answers(*args, **kw):
+        for event in answer(*args, **kw):
             clock.now += seconds_per_batch
             yield event
 
@@ -521,6 +521,37 @@ def test_a_time_limit_cuts_the_answers_at_half_and_training_at_the_limit(tmp_pat
     assert json.loads((out / "training.json").read_text())["time_limited"] is True
     assert "5 steps" in (out / "README.md").read_text() and "time limit of 100 s" in (out / "README.md").read_text()
     assert isinstance(load_head(out, read_config(out), "head", target_parts(model)).head, MTPHead)
+
+
+def test_answers_stop_mid_batch_at_the_deadline_keeping_what_was_generated(tmp_path, monkeypatch):
+    # A batch of long answers on a slow machine must not run past a time limit: generation stops at the step the
+    # deadline passes, and what each row has is the start of the answer it would have given.
+    import time
+
+    from mlx_lm.generate import BatchGenerator
+
+    from specdec_cli.distill.data import answer_prompts
+    from specdec_cli.session.loading import load
+
+    model, tok = target("llama", "float32"), load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
+    prompts = ["Tell me about cats.", "Why does it rain?", "How is tea made?"]
+    full: list[list[int]] = []
+    list(answer_prompts(model, tok, prompts, 10_000, 40, 3, 0.7, 0, full))
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    step = BatchGenerator.next_generated
+
+    def ticking(self):
+        clock.now += 1
+        return step(self)
+
+    monkeypatch.setattr(BatchGenerator, "next_generated", ticking)
+    cut: list[list[int]] = []
+    events = list(answer_prompts(model, tok, prompts, 10_000, 40, 3, 0.7, 0, cut, deadline=clock.now + 10.5))
+    assert len(events) == 1 and events[0].tokens == sum(map(len, cut)) and len(cut) == 3
+    for got, whole, prompt in zip(cut, full, prompts):
+        assert got == whole[:len(got)] and len(got) < len(whole)
+        assert 0 < len(got) - len(prompt_ids(tok, prompt)) <= 11
 
 
 def test_cli_time_limit_writes_the_best_head_and_says_what_it_cut(tmp_path, tiny_dir, monkeypatch):
