@@ -260,6 +260,9 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     if train[0].shape[0] == 0:
         from ..errors import OptionError
 
+        if cut:
+            raise OptionError(f"the time limit stopped the answers before any sequence reached {width} tokens: give "
+                              "a longer --time-limit, or a smaller --seq-len")
         raise OptionError(f"the training text has no sequence of {width} tokens: give more text with --data, "
                           "or a smaller --seq-len")
     vocab = min(opts.draft_vocab, parts.vocab_size) if opts.draft_vocab else 0

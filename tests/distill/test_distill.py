@@ -523,6 +523,20 @@ def test_a_time_limit_cuts_the_answers_at_half_and_training_at_the_limit(tmp_pat
     assert isinstance(load_head(out, read_config(out), "head", target_parts(model)).head, MTPHead)
 
 
+def test_a_time_limit_that_leaves_no_sequence_long_enough_names_the_fix(tmp_path, monkeypatch):
+    from specdec_cli.session.loading import load
+
+    clocked(monkeypatch, seconds_per_step=1, seconds_per_batch=60)
+    model, tok = target("llama", "float32"), load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "Tell me about cats."}) + "\n")
+    opts = DistillOptions(data=str(data), tokens=2000, answer_tokens=5, gen_batch=2, draft_vocab=0, time_limit=100,
+                          train=TrainConfig(steps=4, batch_size=2, seq_len=64, depth=2))
+    with pytest.raises(OptionError, match="the time limit stopped the answers before any sequence reached 66 "
+                                          "tokens: give a longer --time-limit"):
+        list(distill(model, tok, target_parts(model), tmp_path / "h", opts))
+
+
 def test_answers_stop_mid_batch_at_the_deadline_keeping_what_was_generated(tmp_path, monkeypatch):
     # A batch of long answers on a slow machine must not run past a time limit: generation stops at the step the
     # deadline passes, and what each row has is the start of the answer it would have given.
