@@ -156,12 +156,13 @@ def resolved(name: str, holds: Optional[str], *, asked: Optional[str], adaptive:
 
 
 def auto(holds: Optional[str], *, hidden: bool, own_head: bool, bundled_head: bool,
-         head_beats_lookup: bool) -> tuple[str, bool, str]:
+         head_beats_lookup: Optional[bool]) -> tuple[str, bool, str]:
     """What ``--drafter auto`` runs: the kind, whether it drafts with the head bundled for the target, and why.
 
     A drafter named with ``--draft-model`` comes first (a DFlash or MTP checkpoint, or a draft model),
-    then the target's own MTP head, then a head bundled for the target, then prompt lookup. Without
-    ``hidden`` (a pipelined target) no drafter that reads hidden states is picked.
+    then the target's own MTP head, then a head bundled for the target where it measured faster than
+    prompt lookup on this kind of device (``head_beats_lookup``; None: not measured there), then prompt
+    lookup. Without ``hidden`` (a pipelined target) no drafter that reads hidden states is picked.
     """
     lookup = KINDS["lookup"].name
     hybrid = next(k.name for k in KINDS.values() if k.policy == "hybrid")
@@ -179,7 +180,8 @@ def auto(holds: Optional[str], *, hidden: bool, own_head: bool, bundled_head: bo
     if bundled_head and head_beats_lookup:
         return hybrid, True, "lookup where the text repeats, the head distilled for the bundled model elsewhere"
     if bundled_head:
-        return lookup, False, ("the head distilled for the bundled model measured slower than prompt lookup; "
+        measured = "is not measured against" if head_beats_lookup is None else "measured slower than"
+        return lookup, False, (f"the head distilled for the bundled model {measured} prompt lookup on this device; "
                                f"--drafter {_loading(MTP_HEAD, head=True, policy='acceptance')} runs it")
     return lookup, False, "no drafter for this model"
 

@@ -12,17 +12,21 @@ import hashlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Optional
 
+from ..core.numerics import apart
 from ..errors import ModelLoadError
 
 NAME = "smollm2-135m-instruct"
 DISPLAY_NAME = "SmolLM2-135M-Instruct (bundled)"
 # The MTP drafter head distilled for it (specdec distill), a specdec_mtp sidecar.
 HEAD_NAME = "smollm2-135m-instruct-mtp"
-# Whether --drafter auto drafts with that head (lookup+mtp) rather than lookup alone. Measured
-# (bench-results/distill-head.json, 14 prompt categories, side by side): lookup 1.30x, lookup+mtp
-# 1.27x, the head alone 0.95x over plain decoding; so auto keeps to lookup.
-HEAD_BEATS_LOOKUP = False
+# Whether --drafter auto drafts with that head (lookup+mtp) rather than lookup alone, by where the model runs: on
+# the host (a CPU, where a verify of several positions costs more than a step) or apart from it (a GPU, where it
+# costs about one). The host's is measured (bench-results/distill-head.json, 14 prompt categories, side by side:
+# lookup 1.30x, lookup+mtp 1.27x, the head alone 0.95x over plain decoding), so auto keeps to lookup there. None:
+# not measured there yet (a GPU: docs/GPU-CHECK.md's headcheck), so auto keeps to lookup and says so.
+HEAD_BEATS_LOOKUP: dict[str, Optional[bool]] = {"host": False, "apart": None}
 # specdec-cli installs from a clone or a wheel, not from PyPI by name.
 REINSTALL = "python3 -m pip install --force-reinstall --no-deps ."
 
@@ -34,6 +38,11 @@ FILES: dict[str, tuple[int, str]] = {
     "model.safetensors": (98351102, "2b9586cee934b8ee5102ef27a06210111626a9f62bdcaaa55b5b1d6532a29932"),
     "LICENSE": (11357, "c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4"),
 }
+
+
+def head_beats_lookup() -> Optional[bool]:
+    """Whether the bundled head beat prompt lookup where MLX's default device is (None: not measured there)."""
+    return HEAD_BEATS_LOOKUP["apart" if apart() else "host"]
 
 
 class BundledModelError(ModelLoadError):

@@ -295,7 +295,7 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         bundled_head_path = bundled_head(target)
         kind, use_bundled, why = kinds.auto(holds, hidden=not pipelined, own_head=own_head,
                                             bundled_head=bundled_head_path is not None,
-                                            head_beats_lookup=bundled.HEAD_BEATS_LOOKUP)
+                                            head_beats_lookup=bundled.head_beats_lookup())
         head_path = bundled_head_path if use_bundled else None
         notes.append(f"drafter: auto -> {kind} ({why})")
     kind = kinds.resolved(kind, holds, asked=opts.drafter, adaptive=getattr(opts, "adaptive", False))
@@ -448,7 +448,7 @@ def choose_drafter(target: Loaded, draft_path: Optional[Path], hidden: bool = Tr
     kind, a head to load, and why."""
     head = bundled_head(target)
     name, use_bundled, why = kinds.auto(folder_holds(draft_path), hidden=hidden, own_head=has_own_head(target),
-                                        bundled_head=head is not None, head_beats_lookup=bundled.HEAD_BEATS_LOOKUP)
+                                        bundled_head=head is not None, head_beats_lookup=bundled.head_beats_lookup())
     return name, head if use_bundled else None, why
 
 

@@ -417,7 +417,7 @@ def test_the_bundled_head_drafts_for_the_bundled_model_exactly(tmp_path):
     run[run.index("mtp")] = "auto"
     out = subprocess.run(run[:-2] + ["-m", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    want = "drafter: auto -> lookup+mtp" if bundled.HEAD_BEATS_LOOKUP else "drafter: auto -> lookup (the head"
+    want = "drafter: auto -> lookup+mtp" if bundled.head_beats_lookup() else "drafter: auto -> lookup (the head"
     assert want in out.stderr
 
 

@@ -59,6 +59,25 @@ def test_a_draft_model_folder_turns_the_kind_it_was_named_with_into_the_one_that
     assert kinds.auto(MTP_HEAD, hidden=False, own_head=False, bundled_head=False, head_beats_lookup=True)[0] == "lookup"
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_auto_drafts_with_the_bundled_head_only_where_it_measured_faster_than_lookup(monkeypatch, apart):
+    # The choice is per kind of device (a verify is dear on a CPU, cheap on a GPU): one measured slower keeps
+    # lookup, one not measured keeps lookup and says so, one measured faster drafts with the head too.
+    from specdec_cli.model import bundled
+
+    monkeypatch.setattr(bundled, "apart", lambda: apart)
+    where = "apart" if apart else "host"
+    for verdict, kind, says in ((False, "lookup", "measured slower than prompt lookup on this device"),
+                                (None, "lookup", "is not measured against prompt lookup on this device"),
+                                (True, "lookup+mtp", "the head distilled for the bundled model elsewhere")):
+        monkeypatch.setitem(bundled.HEAD_BEATS_LOOKUP, where, verdict)
+        monkeypatch.setitem(bundled.HEAD_BEATS_LOOKUP, "host" if apart else "apart", not verdict)
+        assert bundled.head_beats_lookup() is verdict
+        name, use_bundled, why = kinds.auto(None, hidden=True, own_head=False, bundled_head=True,
+                                            head_beats_lookup=bundled.head_beats_lookup())
+        assert (name, use_bundled) == (kind, verdict is True) and says in why
+
+
 def test_a_lookup_drafter_drafts_from_earlier_outputs_and_stops_at_eos():
     earlier = [[5, 6, 7, 8, 9, 2, 11]]
     for eos, draft in (((2,), (9, 2)), ((), (9, 2, 11))):
