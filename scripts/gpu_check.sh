@@ -142,7 +142,7 @@ run_checks() {
       # of it, then training; the best head is written either way; SIGINT 60 s later is the backstop). The corpus
       # cache (~0.5 GB of states) stays on the machine. The limit shrinks to fit what the budget has left.
       local ds=${DISTILL_S:-420} dleft=$(( BUDGET_S - SECONDS - 90 )); [ "$dleft" -lt "$ds" ] && ds=$dleft
-      [ "$ds" -ge 30 ] || ds=30  # (too little left: step skips it)
+      if [ "$ds" -lt 60 ]; then echo "## distill: skipped ($(( BUDGET_S - SECONDS )) s left of $BUDGET_S)" | tee -a "$LOG"; continue; fi
       step distill $(( ds + 90 )) bash -c "timeout -s INT $(( ds + 60 )) $py -m specdec_cli \
         distill --out $OUT/head --dtype ${DISTILL_DTYPE:-bfloat16} --data-tokens ${DISTILL_TOKENS:-400000} \
         --steps ${DISTILL_STEPS:-2000} --time-limit $ds --no-measure; rm -rf $OUT/head/cache; \

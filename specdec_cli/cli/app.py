@@ -829,7 +829,7 @@ def distill(
     time_limit: Annotated[Optional[float], typer.Option(
         "--time-limit", metavar="SECONDS", min=1.0, callback=_finite, help="Stop after about this many seconds once "
         "the model is loaded: answers are generated for at most half of them, training runs to the limit and the best "
-        "head so far is written.", rich_help_panel=TRAINING, show_default=False)] = None,
+        "head so far is written (the measurement after it is extra: --no-measure skips it).", rich_help_panel=TRAINING, show_default=False)] = None,
     measure: Annotated[bool, typer.Option(
         "--measure/--no-measure", metavar="", help="Measure the head's acceptance on held-out prompts after "
         "training.", rich_help_panel=DIAGNOSTICS)] = True,

@@ -225,6 +225,7 @@ class Generated:
     tokens: int
     goal: int
     answered: int = 0  # prompts answered (each kept, possibly cut at the goal)
+    timed_out: bool = False  # the deadline stopped generation: answers cut short, no batch after this one
 
 
 def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_tokens: int, max_tokens: int,
@@ -239,14 +240,18 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
     goal does not generate a full batch of long answers. Generation is
     batched (mlx-lm's ``BatchGenerator``): on a CPU a batch costs little more
     per step than one row. At ``deadline`` (a ``time.perf_counter()`` time)
-    generation stops after its current step, keeping the answers so far.
+    generation stops after its current step, keeping the answers so far; the
+    last event says so (``timed_out``).
     """
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
     sampler = make_sampler(temp=temp)
     total, i, answered = 0, 0, 0
-    while total < goal_tokens and prompts and not _past(deadline):
+    while total < goal_tokens and prompts:
+        if _past(deadline):
+            yield Generated(total, goal_tokens, answered, timed_out=True)
+            return
         remaining = goal_tokens - total
         batch, room = [], 0
         while len(batch) < batch_size and room < remaining:
@@ -255,8 +260,8 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
             room += len(ids) + max_tokens
         i += len(batch)
         added = 0
-        for ids, answer in zip(batch, _answers(model, tokenizer, batch, min(max_tokens, remaining), sampler,
-                                               deadline)):
+        answers, timed_out = _answers(model, tokenizer, batch, min(max_tokens, remaining), sampler, deadline)
+        for ids, answer in zip(batch, answers):
             seq = (list(ids) + answer)[: goal_tokens - total]
             if len(seq) <= len(ids):
                 continue  # the budget ends inside the prompt (or the deadline before the answer)
@@ -264,9 +269,9 @@ def answer_prompts(model: nn.Module, tokenizer, prompts: Sequence[Prompt], goal_
             total += len(seq)
             added += 1
         answered += added
-        yield Generated(total, goal_tokens, answered)
-        if not added:
-            break  # the prompts left are longer than the budget left
+        yield Generated(total, goal_tokens, answered, timed_out)
+        if timed_out or not added:
+            break  # (not added: the prompts left are longer than the budget left)
 
 
 def _past(deadline: Optional[float]) -> bool:
@@ -274,8 +279,8 @@ def _past(deadline: Optional[float]) -> bool:
 
 
 def _answers(model: nn.Module, tokenizer, batch: list[list[int]], max_tokens: int, sampler,
-             deadline: Optional[float]) -> list[list[int]]:
-    """Each prompt's answer ids (an EOS not included), generated together; cut where ``deadline`` passes.
+             deadline: Optional[float]) -> tuple[list[list[int]], bool]:
+    """Each prompt's answer ids (an EOS not included), generated together, and whether ``deadline`` cut them.
 
     mlx-lm's ``batch_generate`` loop, with the deadline checked at every step: a long batch on a slow machine
     must not run past a time limit.
@@ -283,6 +288,7 @@ def _answers(model: nn.Module, tokenizer, batch: list[list[int]], max_tokens: in
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], sampler=sampler)
+    timed_out = False
     try:
         uids = gen.insert(batch, [max_tokens] * len(batch))
         answers: dict[int, list[int]] = {uid: [] for uid in uids}
@@ -291,10 +297,11 @@ def _answers(model: nn.Module, tokenizer, batch: list[list[int]], max_tokens: in
                 if r.finish_reason != "stop":
                     answers[r.uid].append(int(r.token))
             if _past(deadline):
+                timed_out = True
                 break
     finally:
         gen.close()
-    return [answers[uid] for uid in uids]
+    return [answers[uid] for uid in uids], timed_out
 
 
 def text_ids(tokenizer, texts: Sequence[str], goal_tokens: int, out: list[list[int]],

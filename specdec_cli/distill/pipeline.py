@@ -235,13 +235,11 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
             deadline = t0 + DATA_SHARE * opts.time_limit if opts.time_limit is not None else None
             for event in answer_prompts(model, tokenizer, source.prompts, opts.tokens - got, opts.answer_tokens,
                                         opts.gen_batch, opts.temp, c.seed, seqs, deadline):
-                answered = event.answered
+                answered, cut = event.answered, event.timed_out
                 # Progress counts the whole corpus, texts included, against the whole goal.
-                yield Generated(got + event.tokens, opts.tokens, answered)
-            have = sum(map(len, seqs))
-            cut = deadline is not None and have < opts.tokens and time.perf_counter() >= deadline
+                yield Generated(got + event.tokens, opts.tokens, answered, cut)
             if cut:
-                yield Stage("data", f"time limit: answers stop at {have} tokens")
+                yield Stage("data", f"time limit: answers stop at {sum(map(len, seqs))} tokens")
         # What was used, counted after the fact: the numbers every later line and file reports.
         description = source.used(texts, answered)
         yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions ({description})")
@@ -260,7 +258,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     if train[0].shape[0] == 0:
         from ..errors import OptionError
 
-        if cut:
+        if cut and opts.answer_tokens >= width:  # (longer answers could reach a window: more time helps)
             raise OptionError(f"the time limit stopped the answers before any sequence reached {width} tokens: give "
                               "a longer --time-limit, or a smaller --seq-len")
         raise OptionError(f"the training text has no sequence of {width} tokens: give more text with --data, "
@@ -280,7 +278,8 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
     yield Stage("train", f"{n_params / 1e6:.1f}M-parameter head, draft vocabulary "
                          f"{vocab or parts.vocab_size} ({coverage:.1%} of held-out target tokens), "
                          f"{train[0].shape[0]} windows of {c.seq_len}")
-    record = partial(make_result, trainer, description, seqs, train_ix, held_ix, coverage, data_seconds, opts)
+    record = partial(make_result, trainer, description, seqs, train_ix, held_ix, coverage, data_seconds, opts,
+                     time_limited=cut)
     yield Training(trainer, record)
     seconds, done = 0.0, 0
     deadline = t0 + opts.time_limit if opts.time_limit is not None else None
@@ -288,7 +287,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         seconds, done = step.seconds, step.step
         yield step
     trainer.restore_best()
-    result = record(done, seconds, time_limited=cut or done < c.steps)
+    result = record(done, seconds, time_limited=cut or done < c.steps)  # (a step past the deadline ends early)
     yield Finished(write_head(out, trainer.head, result), result)
 
 

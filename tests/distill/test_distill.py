@@ -471,15 +471,33 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    @classmethod
+    def install(cls, monkeypatch) -> "Clock":
+        import time
+
+        clock = cls()
+        monkeypatch.setattr(time, "perf_counter", clock)
+        return clock
+
+
+def ticking_batches(monkeypatch, clock: Clock, seconds_per_step: float) -> None:
+    """Each step of a batched generation (mlx-lm's BatchGenerator) moves ``clock`` on."""
+    from mlx_lm.generate import BatchGenerator
+
+    step = BatchGenerator.next_generated
+
+    def ticking(self):
+        clock.now += seconds_per_step
+        return step(self)
+
+    monkeypatch.setattr(BatchGenerator, "next_generated", ticking)
+
 
 def clocked(monkeypatch, seconds_per_step: float, seconds_per_batch: float = 0.0) -> Clock:
     """A clock that moves by these amounts after each training step and each batch of generated answers."""
-    import time
-
     import specdec_cli.distill.pipeline as pipeline_module
 
-    clock = Clock()
-    monkeypatch.setattr(time, "perf_counter", clock)
+    clock = Clock.install(monkeypatch)
     run, answer = train_module.Trainer.run, pipeline_module.answer_prompts
 
     def timed_run(self, deadline=None):
@@ -489,7 +507,8 @@ def clocked(monkeypatch, seconds_per_step: float, seconds_per_batch: float = 0.0
 
     def timed_answers(*args, **kw):
         for event in answer(*args, **kw):
-            clock.now += seconds_per_batch
+            if not event.timed_out:  # (the last event of a run the deadline stopped generated nothing)
+                clock.now += seconds_per_batch
             yield event
 
     monkeypatch.setattr(train_module.Trainer, "run", timed_run)
@@ -513,7 +532,8 @@ def test_a_time_limit_cuts_the_answers_at_half_and_training_at_the_limit(tmp_pat
     # Two batches of answers (60 s >= half of 100 s), then steps until the clock passes 100 s: the fifth, which is
     # evaluated although it is no evaluation step, so a head is written.
     generated = [e for e in events if type(e).__name__ == "Generated"]
-    assert len(generated) == 2 and result.corpus_tokens == generated[-1].tokens < 2000
+    assert [e.timed_out for e in generated] == [False, False, True]  # the third batch never starts
+    assert result.corpus_tokens == generated[-1].tokens == generated[-2].tokens < 2000
     cut = [e for e in events if isinstance(e, Stage) and e.detail.startswith("time limit")]
     assert cut and cut[0].detail == f"time limit: answers stop at {result.corpus_tokens} tokens"
     assert not (out / "cache" / "corpus.json").exists()  # a corpus cut short is never reused as the whole one
@@ -523,27 +543,28 @@ def test_a_time_limit_cuts_the_answers_at_half_and_training_at_the_limit(tmp_pat
     assert isinstance(load_head(out, read_config(out), "head", target_parts(model)).head, MTPHead)
 
 
-def test_a_time_limit_that_leaves_no_sequence_long_enough_names_the_fix(tmp_path, monkeypatch):
+@pytest.mark.parametrize("answer_tokens, fix", [
+    (80, "the time limit stopped the answers before any sequence reached 66 tokens: give a longer --time-limit"),
+    (5, "the training text has no sequence of 66 tokens: give more text with --data, or a smaller --seq-len"),
+])
+def test_answers_too_short_to_train_on_name_the_fix_that_helps(tmp_path, monkeypatch, answer_tokens, fix):
+    # Cut by the deadline mid-answer: more time helps only where a whole answer (prompt + answer_tokens) would
+    # reach a window.
     from specdec_cli.session.loading import load
 
-    clocked(monkeypatch, seconds_per_step=1, seconds_per_batch=60)
+    ticking_batches(monkeypatch, Clock.install(monkeypatch), seconds_per_step=5)
     model, tok = target("llama", "float32"), load(str(make_model_dir(tmp_path / "m", "llama", seed=0))).tokenizer
     data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "Tell me about cats."}) + "\n")
-    opts = DistillOptions(data=str(data), tokens=2000, answer_tokens=5, gen_batch=2, draft_vocab=0, time_limit=100,
-                          train=TrainConfig(steps=4, batch_size=2, seq_len=64, depth=2))
-    with pytest.raises(OptionError, match="the time limit stopped the answers before any sequence reached 66 "
-                                          "tokens: give a longer --time-limit"):
+    data.write_text(json.dumps({"prompt": "Tell me about cats."}) + "\n")  # 38 tokens
+    opts = DistillOptions(data=str(data), tokens=2000, answer_tokens=answer_tokens, gen_batch=2, draft_vocab=0,
+                          time_limit=100, train=TrainConfig(steps=4, batch_size=2, seq_len=64, depth=2))
+    with pytest.raises(OptionError, match=fix):
         list(distill(model, tok, target_parts(model), tmp_path / "h", opts))
 
 
 def test_answers_stop_mid_batch_at_the_deadline_keeping_what_was_generated(tmp_path, monkeypatch):
     # A batch of long answers on a slow machine must not run past a time limit: generation stops at the step the
     # deadline passes, and what each row has is the start of the answer it would have given.
-    import time
-
-    from mlx_lm.generate import BatchGenerator
-
     from specdec_cli.distill.data import answer_prompts
     from specdec_cli.session.loading import load
 
@@ -551,18 +572,11 @@ def test_answers_stop_mid_batch_at_the_deadline_keeping_what_was_generated(tmp_p
     prompts = ["Tell me about cats.", "Why does it rain?", "How is tea made?"]
     full: list[list[int]] = []
     list(answer_prompts(model, tok, prompts, 10_000, 40, 3, 0.7, 0, full))
-    clock = Clock()
-    monkeypatch.setattr(time, "perf_counter", clock)
-    step = BatchGenerator.next_generated
-
-    def ticking(self):
-        clock.now += 1
-        return step(self)
-
-    monkeypatch.setattr(BatchGenerator, "next_generated", ticking)
+    clock = Clock.install(monkeypatch)
+    ticking_batches(monkeypatch, clock, seconds_per_step=1)
     cut: list[list[int]] = []
     events = list(answer_prompts(model, tok, prompts, 10_000, 40, 3, 0.7, 0, cut, deadline=clock.now + 10.5))
-    assert len(events) == 1 and events[0].tokens == sum(map(len, cut)) and len(cut) == 3
+    assert len(events) == 1 and events[0].tokens == sum(map(len, cut)) and len(cut) == 3 and events[0].timed_out
     for got, whole, prompt in zip(cut, full, prompts):
         assert got == whole[:len(got)] and len(got) < len(whole)
         assert 0 < len(got) - len(prompt_ids(tok, prompt)) <= 11

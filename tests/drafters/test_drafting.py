@@ -100,6 +100,9 @@ def test_lookup_may_draft_exactly_when_some_next_token_would_draft(min_ngram, ma
             drafts.append(bool(d._proposed))
             d.cancel()
         assert may == any(drafts), (i, d.history[-6:])
+        fresh = LookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+        fresh.prefill(d.history)
+        assert d._index == fresh._index  # every cancel restored the tables may_draft reads, as built from scratch
         said[may] += 1
         assert not d.may_draft(0)
         d.propose(token, 4)
