@@ -600,6 +600,38 @@ def test_cli_time_limit_writes_the_best_head_and_says_what_it_cut(tmp_path, tiny
     assert not json.loads((out / "training.json").read_text())["time_limited"]
 
 
+def test_ship_head_casts_the_weights_to_float16_and_refuses_another_models_head(tmp_path, tiny_dir, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ship_head", Path(__file__).parents[2] / "scripts" / "ship_head.py")
+    ship_head = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship_head)
+    data = tmp_path / "data.txt"
+    data.write_text("one two three four five six seven eight nine ten. " * 80)
+    head = tmp_path / "head"
+    assert _distill("--model", tiny_dir, "--out", head, "--data", data, "--data-tokens", 1000, "--steps", 2,
+                    "--seq-len", 32, "--batch-size", 2, "--draft-vocab", 64, "--no-measure").exit_code == 0
+    dest = tmp_path / "shipped"
+    assert ship_head.main([str(head), "--model", str(tiny_dir), "--dest", str(dest)]) == 0
+    trained, shipped = mx.load(str(head / "model.safetensors")), mx.load(str(dest / "model.safetensors"))
+    assert trained.keys() == shipped.keys() and shipped["draft_ids"].dtype == trained["draft_ids"].dtype
+    for name, w in trained.items():
+        want = w.astype(mx.float16) if mx.issubdtype(w.dtype, mx.floating) else w
+        assert shipped[name].dtype == want.dtype and mx.array_equal(shipped[name], want).item(), name
+    assert {p.name for p in dest.iterdir()} == {"model.safetensors", "config.json", "README.md", "training.json"}
+    readme = (dest / "README.md").read_text()
+    assert readme.startswith((head / "README.md").read_text().rstrip("\n")) and "stored in float16" in readme
+    assert isinstance(load_head(dest, read_config(dest), "head", target_parts(target("llama", "float32"))).head,
+                      MTPHead)
+    capsys.readouterr()
+    other = make_model_dir(tmp_path / "other", "llama", seed=1)
+    assert ship_head.main([str(head), "--model", str(other), "--dest", str(tmp_path / "no")]) == 1
+    assert ship_head.main([str(data.parent / "missing"), "--model", str(tiny_dir), "--dest", str(tmp_path / "no")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and all(e.startswith("error: ") for e in errors) and "distill" in errors[0]
+    assert "give the folder distill --out wrote" in errors[1] and not (tmp_path / "no").exists()
+
+
 # --drafter auto
 
 
