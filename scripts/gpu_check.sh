@@ -53,7 +53,13 @@ stage() {
   [ -f "$src" ] || { echo "the bundled weights are missing: git checkout -- $WEIGHTS" >&2; exit 1; }
   cat .dev/wheels/*.whl "$src" > .dev/big.bin
   echo "$(basename .dev/wheels/*.whl) $(stat -c %s .dev/wheels/*.whl) $(stat -c %s "$src")" > .dev/last/sizes
-  (cd .dev && split -b 48000000 -d big.bin part. && rm -rf big.bin wheels)
+  # A part call carries the tree too (64 MiB in all): a part gets what the tree leaves, less 2 MiB, at most 48 MB.
+  local tree size
+  tree=$(git ls-files -co --exclude-standard -z | grep -zvx "$WEIGHTS" | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}')
+  size=$(( 62 * 1048576 - tree )); [ "$size" -gt 48000000 ] && size=48000000
+  [ "$size" -ge 8000000 ] || { echo "the tree ($tree bytes) leaves no room for parts: trim it" >&2; exit 1; }
+  (cd .dev && split -b "$size" -d big.bin part. && rm -rf big.bin wheels)
   local i=0; for f in .dev/part.*; do i=$((i+1)); mkdir -p ".dev/p$i"; mv "$f" ".dev/p$i/"; done
   [ "$src" = "$WEIGHTS" ] && mv "$WEIGHTS" .dev/bundled.safetensors
   echo "staged: $i part call(s), then the last; the bundled weights are out of the tree until 'unstage'"
