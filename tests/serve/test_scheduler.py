@@ -64,12 +64,7 @@ def serve(scheduler: Scheduler, session: Session, prompts) -> list[tuple[list[in
 
         return await asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs)))
 
-    scheduler.start()
-    try:
-        return loop.run_until_complete(run()), events
-    finally:
-        scheduler.stop()
-        loop.close()
+    return running(scheduler, loop, run()), events
 
 
 async def finished(job: Job) -> Reply:
