@@ -178,11 +178,11 @@ def main() -> None:
              "blocks, lookup, pipelined, pick in the next forward":
                  ("lookup-pick-late", blocks(SuffixDrafter, True, pick_first=False)),
              "blocks, lookup, pipelined ahead of drafts too": ("lookup-always", blocks(SuffixDrafter, True, always=True))}
-    if args.loops:
-        unknown = set(args.loops.split(",")) - {short for short, _ in loops.values()}
-        if unknown:
-            sys.exit(f"unknown --loops {sorted(unknown)}: choose from {[short for short, _ in loops.values()]}")
-    loops = {name: run for name, (short, run) in loops.items() if not args.loops or short in args.loops.split(",")}
+    shorts = [short for short, _ in loops.values()]
+    wanted = set(args.loops.split(",")) if args.loops else set(shorts)
+    if wanted - set(shorts):
+        sys.exit(f"unknown --loops {sorted(wanted - set(shorts))}: choose from {shorts}")
+    loops = {name: run for name, (short, run) in loops.items() if short in wanted}
     rows = {name: [] for name in loops}
     for name, loop in loops.items():  # warm: every shape compiled, every kernel loaded
         loop()
