@@ -185,11 +185,13 @@ class PromptCache:
         """Add ``entry`` as the most recent; drop the entries it makes redundant, then the oldest past the bounds."""
         if self.max_entries <= 0 or entry.target.length == 0:
             return
-        dropped = [k for k, e in self._entries.items() if e.dominated_by(entry)]
-        for key in dropped:
-            self._drop(key)
         size = entry.nbytes
+        dropped = []
         if size <= self.max_bytes:  # one over the bound alone is not kept (nor does it empty the cache)
+            # Only an entry that is kept makes the ones it extends redundant.
+            dropped = [k for k, e in self._entries.items() if e.dominated_by(entry)]
+            for key in dropped:
+                self._drop(key)
             self._entries[self._next] = entry
             self._sizes[self._next] = size
             self._bytes += size

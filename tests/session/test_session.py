@@ -159,6 +159,22 @@ def test_an_entry_a_longer_one_extends_is_dropped(setups):
     assert len(session.prompt_cache) == 1  # the second turn's entry serves everything the first did
 
 
+def test_an_entry_too_big_to_keep_drops_none_of_the_entries_it_extends(setups):
+    setup = setups["llama"]
+    short, long = Session(setup, 16, prompt_cache=PromptCache()), Session(setup, 16, prompt_cache=PromptCache())
+    first, _ = gen(short, PROMPT)
+    gen(long, PROMPT + first + MORE * 8, n=8)
+    (a,), (b,) = short.prompt_cache._entries.values(), long.prompt_cache._entries.values()
+    assert a.dominated_by(b) and a.nbytes < b.nbytes
+    cache = PromptCache(max_entries=10, max_bytes=(a.nbytes + b.nbytes) // 2)
+    cache.insert(a)
+    cache.insert(b)
+    assert list(cache._entries.values()) == [a] and cache.nbytes == a.nbytes
+    cache.max_bytes = b.nbytes
+    cache.insert(b)  # kept: the entry it extends is now redundant
+    assert list(cache._entries.values()) == [b] and cache.nbytes == b.nbytes
+
+
 def test_a_draft_model_resumes_its_own_caches(dirs):
     setup = load_setup(ModelOptions(model=str(dirs["llama"]), draft_model=str(dirs["llama-draft"]),
                                     dtype="float32"), "model")
