@@ -222,9 +222,12 @@ class Flights:
 
     def step(self) -> list[tuple[Flight, Block]]:
         """One engine block for every decoding row; each flight's tokens grow by its block's."""
+        if any(id(row) not in self._by_row for row in self.engine.rows):
+            # A row whose request ended but could not leave: refused before a block decodes it; the driver
+            # starts a fresh engine.
+            raise RuntimeError("a row in the engine belongs to no request (its request ended but could not leave)")
         out = [(self._by_row.get(id(row)), row, block) for row, block in self.engine.step()]
         if any(flight is None or flight.row is not row for flight, row, _ in out):
-            # A failed request's row that could not leave: the driver starts a fresh engine.
             raise RuntimeError("a row in the engine belongs to no request")
         for flight, _, block in out:
             flight.tokens += block.tokens

@@ -493,7 +493,7 @@ class Scheduler:
             if flight in self._flights:  # it may have left already (a fault as it finished)
                 try:
                     self._leave(flight, keep=False)
-                except Exception as e:  # out of flight already; _step and _recover start a fresh engine for its row
+                except Exception as e:  # out of flight already; the next _step (or _recover) starts a fresh engine
                     log.error("a failed request's row could not leave the engine: %s", e, exc_info=e)
             flight.tag.job.send(Failed(error))
 

@@ -246,6 +246,39 @@ def test_a_fault_handling_one_rows_text_fails_that_row_alone(setup):
         scheduler.stop()
 
 
+def test_a_row_that_cannot_leave_the_engine_is_never_decoded_again_and_the_thread_serves_on(setup, monkeypatch):
+    from specdec_cli.loop.engine import Engine
+
+    remove, step = Engine.remove, Engine.step
+    stuck, blocks = [], []
+
+    def remove_once(self, row):
+        if not stuck:
+            stuck.append((row, len(blocks)))
+            raise RuntimeError("the row could not leave")
+        return remove(self, row)
+
+    monkeypatch.setattr(Engine, "remove", remove_once)
+    monkeypatch.setattr(Engine, "step", lambda self: blocks.append(list(self.rows)) or step(self))
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=4)
+    short = lambda: Reply(session, Request(PROMPTS[0], 4), TextStream(setup.tokenizer, chat=False))  # noqa: E731
+    try:
+        ends = run_jobs(scheduler, [short, maker(session, PROMPTS[1])])
+        assert isinstance(ends[0], Failed) and "could not leave" in str(ends[0].error)
+        # The other request: decoded to its end before the first ended, or failed with the cause said.
+        assert (isinstance(ends[1], Done) and ends[1].reply.tokens == alone(setup, PROMPTS[1])) or \
+            "its request ended but could not leave" in str(ends[1].error), ends[1]
+        (again,) = run_jobs(scheduler, [maker(session, PROMPTS[2])], start=False)
+        assert again.reply.tokens == alone(setup, PROMPTS[2]) and scheduler.fault is None
+    finally:
+        scheduler.stop()
+    ((row, failed),) = stuck
+    assert any(row in rows for rows in blocks[:failed])
+    assert not any(row in rows for rows in blocks[failed:])  # never decoded after it could not leave
+    assert len(blocks) > failed  # the thread decoded on, in a fresh engine
+
+
 def test_a_fault_outside_any_row_fails_the_rows_in_flight_and_the_thread_serves_on(setup, monkeypatch):
     session = Session(setup, 8)
     scheduler = Scheduler(session, max_rows=4)
