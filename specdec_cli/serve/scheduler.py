@@ -503,7 +503,7 @@ class Scheduler:
         ask = flight.tag
         if self.session.ranks is not None:
             self._leaving.add(flight)  # until the next pass: it holds its hit's entry until then
-        for _, error in self._steps.add(Leave(ask.id, keep, tuple(ask.reply.tokens)), self._rows):
+        for _, error in self._steps.add(Leave(ask.id, keep, tuple(ask.reply.committed)), self._rows):
             raise error
 
 

@@ -280,7 +280,7 @@ class Service:
 
         def make() -> Reply:
             stream = TextStream(tokenizer, stop, tools, chat=chat, prompt=request.prompt_ids,
-                                object_arguments=object_arguments)
+                                object_arguments=object_arguments, lead=kind == "text")
             reply = Reply(session, request, stream, cancelled=job.cancelled.is_set)
             reply.compare = req.compare_alone
             return reply

@@ -94,18 +94,25 @@ class TextStream:
         prompt: The prompt's ids (a prompt ending inside a thinking block starts in reasoning).
         object_arguments: A call's arguments must be a JSON object (Anthropic's ``tool_use.input``): a
             call block holding one whose arguments are not is the text the model wrote.
+        lead: Keep the space the first token starts with (mlx-lm's detokenizers drop it): a text completion
+            continues its prompt, so the prompt and the text together are what the model wrote.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), tools: Optional[list] = None, chat: bool = True,
-                 prompt: Sequence[int] = (), object_arguments: bool = False):
+                 prompt: Sequence[int] = (), object_arguments: bool = False, lead: bool = False):
         self.tokenizer = tokenizer
         self.detok = tokenizer.detokenizer
         self.detok.reset()
+        self.lead = lead
+        self._first: Optional[int] = None  # the first token taken
+        self._shown = False  # the detokenizer gave text
         self.stops = [s for s in stop if s]
         self.tools = tools
         self.object_arguments = object_arguments
         self.stopped = False
         self.stop_string: Optional[str] = None  # the stop string that ended the reply
+        self.through: Optional[int] = None  # a stop string ended it: the tokens up to the one that completed it
+        self._tokens: list[int] = []  # every token taken (stop strings only: where one ended, in tokens)
         self.text = ""  # everything emitted, raw (before the split)
         self._held = ""
         self._machine = None
@@ -124,9 +131,56 @@ class TextStream:
         """Take committed tokens; returns the text that became safe to show."""
         if self.stopped:
             return Piece()
+        if self._first is None and len(tokens):
+            self._first = tokens[0]
+        if not self.stops:
+            for t in tokens:
+                self.detok.add_token(t)
+            return self._raw(self._segment(), final=False)
+        # A token at a time, as plain decoding meets them: the reply ends at the token that completed a stop string
+        # (never a later one's match, whatever the block held), and says which token that was.
+        segment = ""
         for t in tokens:
             self.detok.add_token(t)
-        return self._raw(self.detok.last_segment, final=False)
+            self._tokens.append(t)
+            segment += self._segment()
+            if any(stop in self._held + segment for stop in self.stops):
+                break
+        piece = self._raw(segment, final=False)
+        if self.stopped:
+            self.through = self._completed(self.text + self.stop_string)
+        return piece
+
+    def _completed(self, text: str) -> int:
+        """How many of the tokens taken it takes to write ``text`` (the detokenizer may show a token's text
+        only once the next one came)."""
+        n = len(self._tokens)
+        while n > 0 and self._decode(self._tokens[: n - 1]).startswith(text):
+            n -= 1
+        return n
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        for t in tokens:
+            detok.add_token(t)
+        detok.finalize()
+        return self._led(detok.text)
+
+    def _segment(self) -> str:
+        """The detokenizer's text since the last call."""
+        text = self.detok.last_segment
+        if text and not self._shown:
+            self._shown = True
+            return self._led(text)
+        return text
+
+    def _led(self, text: str) -> str:
+        """The reply's first text with the first token's leading space, where ``lead`` keeps it."""
+        if self.lead and text and not text.startswith(" ") and self._first is not None \
+                and token_bytes(self.tokenizer, self._first).startswith(b" "):
+            return " " + text
+        return text
 
     def finish(self, cut: bool = False) -> Piece:
         """The reply ended: flush what was held back (a stop string found now still cuts it).
@@ -138,7 +192,7 @@ class TextStream:
             piece = Piece()  # the text before the stop string went out; the split may still hold some
         else:
             self.detok.finalize()
-            piece = self._raw(self.detok.last_segment, final=True)
+            piece = self._raw(self._segment(), final=True)
         if self._machine is not None:
             self._machine, rest, state = TextStateMachine.flush(self._machine)
             self._route(piece, state, rest)
@@ -287,7 +341,8 @@ class Reply:
         stats: The generation's statistics (acceptance, timings), filled as it runs.
         finish_reason: ``stop`` (EOS or a stop string), ``length`` or
             ``tool_calls`` once it has run to its end; None if it was cancelled.
-        tokens: The generated tokens.
+        tokens: The generated tokens (up to the one that completed a stop string, if one ended it).
+        committed: Every token its blocks committed (the caches hold them all).
         compare: Hold the answer against the request alone when it ends (the face that finishes it
             fills ``comparison``, or ``compare_error`` where it could not).
     """
@@ -300,6 +355,7 @@ class Reply:
         self.cancelled = cancelled
         self.stats = Stats(prompt_tokens=len(request.prompt_ids))
         self.tokens: list[int] = []
+        self.committed: list[int] = []  # every token fed (past a stop string too): what its caches hold
         self.finish_reason: Optional[str] = None
         # Asked for: the answer held against the request alone once it ended (see session.alone).
         self.compare = False
@@ -326,11 +382,18 @@ class Reply:
         if not isinstance(event, Step):
             self.stats.note(event)
             return Piece()
-        self.tokens += event.block.tokens
-        self.stats.add(event.block, event.seconds)
-        piece = self.stream.add(event.block.tokens)
-        if event.block.logprobs:
-            piece.logprobs = [(t, lp, top) for t, (lp, top) in zip(event.block.tokens, event.block.logprobs)]
+        block = event.block
+        self.committed += block.tokens
+        self.stats.add(block, event.seconds)
+        piece = self.stream.add(block.tokens)
+        # The answer ends at the token that completed a stop string: the tokens after it are not its own.
+        n = len(block.tokens) if self.stream.through is None else self.stream.through - len(self.tokens)
+        self.stats.generated -= len(block.tokens) - n
+        self.tokens += block.tokens[:n]
+        if n < 0:  # it was completed by a token of an earlier block (its text came only with this one)
+            del self.tokens[n:]
+        if block.logprobs:
+            piece.logprobs = [(t, lp, top) for t, (lp, top) in zip(block.tokens[:max(n, 0)], block.logprobs)]
         return piece
 
     def end(self) -> Piece:

@@ -149,9 +149,15 @@ def test_stop_strings_end_the_answer_and_are_never_sent(servers):
     stop = full[12:15]
     cut, out = chat_text(client, messages, stop=[stop, "never-there"])
     assert cut == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
-    text, chunks = streamed(client, "chat", messages=messages, max_tokens=N, stop=stop)
+    text, chunks = streamed(client, "chat", messages=messages, max_tokens=N, stop=stop, logprobs=True,
+                            stream_options={"include_usage": True})
     assert text == cut and stop not in text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # Usage and log-probabilities count up to the token that completed the stop string, as plain decoding does.
+    _, plain = chat_text(client, messages, stop=[stop], extra_body={"num_draft_tokens": 0}, logprobs=True)
+    listed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert out.usage.completion_tokens == chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert len(listed) == len(plain.choices[0].logprobs.content) == plain.usage.completion_tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -482,6 +488,16 @@ def test_the_bundled_model_serves_with_no_options():
         _, out2 = chat_text(client, first + [{"role": "assistant", "content": text},
                                              {"role": "user", "content": "Now in fewer words."}], max_tokens=4)
         assert out2.usage.prompt_tokens_details.cached_tokens >= out.usage.total_tokens - 1
+        # A text completion continues its prompt: its first token's leading space is its text's (a real BPE
+        # tokenizer's, which mlx-lm's detokenizer drops), so a stop string that starts with it matches.
+        done = client.completions.create(model="default_model", prompt="The capital of France is", max_tokens=4,
+                                         logprobs=0)
+        lp = done.choices[0].logprobs
+        assert lp.tokens[0].startswith(" ") and done.choices[0].text == "".join(lp.tokens)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        cut = client.completions.create(model="default_model", prompt="The capital of France is", max_tokens=4,
+                                        stop=[lp.tokens[0]])
+        assert (cut.choices[0].text, cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("", "stop", 1)
     finally:
         server.stop()
     assert "decode concurrency" in server.log and "batch forward costs measured at start-up" in server.log

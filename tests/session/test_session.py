@@ -261,6 +261,71 @@ def test_a_reply_ends_at_a_stop_string_with_finish_reason_stop(setups):
     assert cut.stats.generated < full.stats.generated
 
 
+def _decoded(tokenizer, tokens) -> str:
+    detok = tokenizer.detokenizer
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+@pytest.mark.parametrize("block_size", [1, None], ids=["plain", "speculative"])
+def test_a_stop_string_ends_the_answer_at_the_token_that_completed_it(setups, block_size):
+    """Usage and log-probabilities count the tokens up to the one that completed the stop string, as plain
+    decoding meets it, whatever the block that committed it held after it."""
+    setup = setups["llama"]
+    tok = setup.tokenizer
+    session = Session(setup, 16)
+    prompt = list(b"Tell me about the fox and the dog.")
+    full = Reply(session, Request(prompt, 60), TextStream(tok))
+    text = "".join(p.content for p in full)
+    # Stops of five characters of the answer (their first match; never a partial byte's): some reach into a repeat,
+    # which lookup drafts, so the block that completes them runs past.
+    stops = [text[i : i + 5] for i in range(8, len(text) - 5)
+             if text.index(text[i : i + 5]) == i and "\ufffd" not in text[i : i + 5]][:8]
+    past = 0
+    for stop in stops:
+        n = next(n for n in range(len(full.tokens) + 1) if stop in _decoded(tok, full.tokens[:n]))
+        cut = Reply(session, Request(prompt, 60, block_size=block_size, logprobs=0), TextStream(tok, [stop]))
+        pieces = list(cut)
+        assert "".join(p.content for p in pieces) == text[: text.index(stop)]
+        assert cut.tokens == full.tokens[:n] and cut.stats.generated == n
+        assert sum(len(p.logprobs or []) for p in pieces) == n
+        assert cut.committed[:n] == cut.tokens
+        past += len(cut.committed) > n  # the block that completed it committed more: not the answer's
+    assert len(stops) >= 3 and (past > 0) == (block_size is None)
+
+
+def test_the_first_stop_string_completed_ends_the_text_whatever_the_tokens_given_at_once(setups):
+    tok = setups["llama"].tokenizer
+    ids = tok.encode("one two three four")
+    # "wo" is completed first, though "two three" starts earlier: plain decoding stops at "wo".
+    assert _stream_text(tok, "one two three four", ["two three", "wo"]) == ("one t", True)
+    stream = TextStream(tok, ["two three", "wo"])
+    assert stream.add(ids).content + stream.finish().content == "one t"
+    assert stream.through == next(n for n in range(len(ids) + 1) if "wo" in _decoded(tok, ids[:n]))
+
+
+def test_a_text_completion_keeps_the_leading_space_its_first_token_writes():
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from specdec_cli.model import bundled
+
+    tok = load_tokenizer(bundled.model_dir())  # a real byte-level BPE tokenizer, whose detokenizer drops it
+    prompt = tok.encode("The capital of France is", add_special_tokens=False)
+    answer = tok.encode("The capital of France is Paris. And London", add_special_tokens=False)[len(prompt):]
+    for step in (1, len(answer)):
+        for lead, stops, want, through in ((False, (), "Paris. And London", None),
+                                           (True, (), " Paris. And London", None),
+                                           (True, [" Paris"], "", 1), (True, ["."], " Paris", 2),
+                                           (True, ["And"], " Paris. ", 3)):
+            stream, text = TextStream(tok, stops, chat=False, lead=lead), ""
+            for i in range(0, len(answer), step):
+                text += stream.add(answer[i : i + step]).content
+            text += stream.finish().content
+            assert (text, stream.through) == (want, through), (step, lead, stops)
+
+
 def test_tool_calls_are_split_out_and_parsed_whatever_the_pieces(tmp_path):
     tok = tools_tokenizer(tmp_path / "tok")
     text = "Let me check. " + TOOL_ANSWER + " Done."
