@@ -56,7 +56,7 @@ def from_openai_error(status: int, body: bytes) -> bytes:
         message, param = str(error["message"]), error.get("param")
     except (ValueError, KeyError, TypeError):
         message, param = body.decode("utf-8", "replace").strip() or f"HTTP {status}", None
-    if param and not message.startswith(f"{param}:"):
+    if param and not message.startswith(param):  # a message that names its field already is left as it is
         message = f"{param}: {message}"
     return json.dumps(error_body(status, message), ensure_ascii=False).encode()
 
@@ -144,7 +144,14 @@ def _text(blocks: Union[str, list[Block], None], where: str) -> str:
         if b.type != "text":
             raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported here: this server runs a text "
                           "model and reads text blocks only")
-    return "\n".join(b.text or "" for b in blocks)
+    return "\n".join(_block_text(b, f"{where}[{j}]") for j, b in enumerate(blocks))
+
+
+def _block_text(block: Block, where: str) -> str:
+    if block.text is None:
+        raise ApiError(400, f"{where}.text: a text block needs its text: add a \"text\" string", f"{where}.text",
+                       "invalid_value")
+    return block.text
 
 
 def _billing_dropped(system: Union[str, list[Block], None]) -> Union[str, list[Block], None]:
@@ -192,7 +199,7 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
             texts, calls = [], []
             for j, b in enumerate(m.content):
                 if b.type == "text":
-                    texts.append(b.text or "")
+                    texts.append(_block_text(b, f"{where}[{j}]"))
                 elif b.type == "tool_use":
                     calls.append(_call(b, f"{where}[{j}]"))
                 elif b.type not in ("thinking", "redacted_thinking"):  # earlier thinking: left out, as templates do
@@ -217,7 +224,7 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
                     result = f"Error: {result}" if result else "Error"
                 add({"role": "tool", "tool_call_id": b.tool_use_id, "content": result}, f"{where}[{j}]")
             elif b.type == "text":
-                texts.append(b.text or "")
+                texts.append(_block_text(b, f"{where}[{j}]"))
             else:
                 raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported: this server runs a text model "
                               "and reads text and tool_result blocks")

@@ -266,7 +266,14 @@ def unsupported(req: _Common) -> Optional[ApiError]:
             ("logprobs", req.logprobs is not None and not isinstance(req.logprobs, bool),
              "logprobs is true or false on chat completions (top_logprobs says how many alternatives)"),
         ]
+        for i, t in enumerate(req.tools or []):
+            if t.get("type", "function") != "function" or not isinstance(t.get("function"), dict) \
+                    or not isinstance(t["function"].get("name"), str):
+                checks.append((f"tools[{i}]", True, "a tool is {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                                   "\"parameters\": {...}}}"))
         for i, m in enumerate(req.messages):
+            if m.content is None and m.role != "assistant":
+                checks.append((f"messages[{i}].content", True, f"a {m.role} message needs its content"))
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 if part.type != "text":
                     checks.append((f"messages[{i}].content[{j}]", True,

@@ -293,6 +293,10 @@ BAD = [
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
             {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]},
      400, "invalid_request_error", "messages[0].content[0].content[0]"),
+    ("a text block without its text", "/v1/messages", {"model": "default_model", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error", "messages[0].content[0].text"),
+    ("a lone surrogate", "/v1/messages", b'{"model": "default_model", "max_tokens": 5, "messages": [{"role": "user", '
+     b'"content": "a \\ud800 b"}]}', 400, "invalid_request_error", "messages[0].content"),
     ("a server tool", "/v1/messages", {"model": "default_model", "max_tokens": 5,
                                        "messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
@@ -325,7 +329,8 @@ def test_bad_input_gets_a_4xx_in_anthropics_shape(server, name, path, body, stat
     assert set(error) == {"type", "error"} and error["type"] == "error" and set(error["error"]) == {"type", "message"}
     assert error["error"]["type"] == kind and error["error"]["message"]
     if param is not None:
-        assert error["error"]["message"].startswith(f"{param}:"), error
+        assert error["error"]["message"].startswith((f"{param}:", f"{param} ")), error
+        assert "[" not in param or error["error"]["message"].count(param) == 1, error  # a path is named once
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
