@@ -465,6 +465,7 @@ class Engine:
         for p, (committed, n_keep, carry, n, kind, finish) in zip(pending, out):
             # Only now: an interrupted block leaves each row as it was.
             r = p.row
+            n = min(n, n_keep)  # drafts the target agreed with past an EOS or the token limit were not kept
             r.carry, r.last, r.finish = carry, committed[n_keep - 1], finish
             tokens = committed[:n_keep - 1] if finish == "stop" else committed[:n_keep]
             r.emitted += len(tokens)

@@ -162,6 +162,8 @@ def test_max_tokens_mid_block_truncates_and_leaves_consistent_caches(family, max
     blocks, cache, drafter = speculative(model, model, 5, max_tokens=max_tokens)
     assert_alone_or_tie(model, "bfloat16", tokens(blocks), ref, PROMPT)
     assert blocks[-1].finish_reason == "length"
+    # Drafts the target agreed with past the limit were not kept: not counted as accepted.
+    assert all(b.accepted <= len(b.tokens) for b in blocks) and sum(len(b.tokens) for b in blocks) == max_tokens
     assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16")
     assert drafter.cache.length + len(drafter._pending) == cache.length
 
@@ -180,6 +182,8 @@ def test_eos_inside_an_accepted_block_ends_output(family):
         assert_alone_or_tie(model, "bfloat16", tokens(blocks), ref_eos, PROMPT, eos_ids=(eos,))
         if tokens(blocks) == ref_eos:  # (a text parted at a rounding tie may never meet that EOS)
             assert blocks[-1].finish_reason == "stop"
+        # The EOS is kept (not emitted); drafts after it, agreed with or not, are not accepted ones.
+        assert all(b.accepted <= len(b.tokens) + (b.finish_reason == "stop") for b in blocks)
         assert_cache_built_by(model, PROMPT, tokens(blocks), cache, "bfloat16", cache_tolerance(family, "bfloat16"),
                               stopped=blocks[-1].finish_reason == "stop")
 
