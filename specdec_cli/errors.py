@@ -25,6 +25,10 @@ class ModelLoadError(SpecdecError):
     """A model or tokenizer could not be found, downloaded or read."""
 
 
+class AdapterError(ModelLoadError):
+    """``--adapter-path`` is not adapters mlx_lm.lora wrote for this model (the user's, never the model's)."""
+
+
 class TokenizerMismatchError(SpecdecError):
     """Target and drafter do not share a tokenizer."""
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.caches import make_cache
-from ..errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
+from ..errors import AdapterError, ModelLoadError, TokenizerMismatchError, UnsupportedModelError
 from ..model.distributed import Ranks, shard
 from ..model.files import DTYPES, Loaded, cast, check_safetensors, describe_dtype, refetch_hint, resolve, resolve_dtype
 
@@ -108,13 +108,13 @@ def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
     path = Path(adapter_path).expanduser()
     for need in ("adapter_config.json", "adapters.safetensors"):
         if not (path / need).is_file():
-            raise ModelLoadError(
+            raise AdapterError(
                 f"--adapter-path {adapter_path} has no {need}: pass the directory mlx_lm.lora wrote"
             )
     try:
         model = load_adapters(model, str(path))
     except Exception as e:  # shapes or names that do not fit this model
-        raise ModelLoadError(f"the adapters in {adapter_path} do not fit this model ({e})") from None
+        raise AdapterError(f"the adapters in {adapter_path} do not fit this model ({e})") from None
     model.eval()
     return model
 

@@ -29,7 +29,7 @@ from ..drafters.base import Materials
 from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp_io import LoadedHead
-from ..errors import OptionError, SpecdecError, UnsupportedModelError
+from ..errors import AdapterError, OptionError, SpecdecError, UnsupportedModelError
 from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
 from ..core.numerics import Numerics
 from ..core.shapes import first_compile_note
@@ -478,8 +478,8 @@ def load_target(opts: ModelOptions, ranks: Optional[Ranks] = None) -> Loaded:
     try:
         target = load(str(path), opts.dtype, **kw)
     except SpecdecError as e:
-        if isinstance(e, distributed.ShardingRefused):
-            raise  # the bundled model is fine; it cannot be sharded this way
+        if isinstance(e, (distributed.ShardingRefused, AdapterError)):
+            raise  # the bundled model is fine: it cannot be sharded this way, or the adapters are not for it
         raise bundled.BundledModelError(bundled.broken_message(str(e))) from None
     except Exception as e:  # whatever a damaged file makes mlx-lm raise
         if distributed.is_peer_error(e):

@@ -94,6 +94,12 @@ def test_adapters_are_loaded_the_mlx_lm_way(models, tmp_path):
     assert ref_tok.decode(tokens) == tuned["text"]
     result = generate("--model", models["llama"], "Hi", "--adapter-path", tmp_path / "none")
     assert result.exit_code == 1 and "has no adapter_config.json" in one_line(result)
+    # On the bundled model too: the user's adapters, never a damaged install to reinstall.
+    result = generate("Hi", "--adapter-path", tmp_path / "none")
+    assert result.exit_code == 1 and "has no adapter_config.json" in one_line(result)
+    assert "reinstall" not in one_line(result) and "damaged" not in one_line(result)
+    result = generate("Hi", "--adapter-path", tmp_path)  # adapters of another model's shapes
+    assert result.exit_code == 1 and "do not fit this model" in one_line(result) and "reinstall" not in one_line(result)
 
 
 def test_extra_eos_token_stops_generation(models):
