@@ -140,15 +140,14 @@ def generate_batch(opts) -> int:
     total = len(rows)
     headings = [f"[{i + 1}/{total}] {r.prompt.label}" for i, r in enumerate(rows)]
     interrupted = False
+    totals = BatchEnd()  # the batch's numbers, so far if Ctrl-C stops it
     mx.reset_peak_memory()
     view = batch_view(headings, opts.live, setup.drafter_name, opts.json_output)
     try:
-        events = run_batch(session, [r.request for r in rows], max_rows=max_rows, timed=opts.verbose)
+        events = run_batch(session, [r.request for r in rows], max_rows=max_rows, timed=opts.verbose, totals=totals)
         with closing(events):
             for ev in events:
                 if isinstance(ev, BatchEnd):
-                    batch.decode_s, batch.prefill_s, batch.wall_s = ev.decode_s, ev.prefill_s, ev.wall_s
-                    batch.blocks, batch.most_rows, batch.planner_s = ev.blocks, ev.most_rows, ev.planner_s
                     continue
                 row = rows[ev.index]
                 event = ev.event
@@ -167,6 +166,8 @@ def generate_batch(opts) -> int:
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        batch.decode_s, batch.prefill_s, batch.wall_s = totals.decode_s, totals.prefill_s, totals.wall_s
+        batch.blocks, batch.most_rows, batch.planner_s = totals.blocks, totals.most_rows, totals.planner_s
         for row in rows:
             row.stats.generated = len(row.tokens)
         view.close({i: _text(setup, r.tokens) for i, r in enumerate(rows) if r.tokens or r.ended})
@@ -196,7 +197,7 @@ def generate_batch(opts) -> int:
 
     def finish(row: _Row) -> Optional[str]:
         if not row.ended:
-            return "interrupted" if row.stats.blocks or row.stats.prefill_s else None
+            return "interrupted"  # (a row that never started too: every row says how it ended)
         return "context" if row.stats.finish_reason == "length" and row.capped else row.stats.finish_reason
 
     tokenizer = setup.tokenizer

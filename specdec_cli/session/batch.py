@@ -59,9 +59,9 @@ class RowEvent:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass
 class BatchEnd:
-    """Every row finished.
+    """Every row finished (or, passed to :func:`run_batch` as ``totals``, the batch so far).
 
     Attributes:
         decode_s: Seconds inside engine blocks (each block once, whatever its rows).
@@ -72,11 +72,11 @@ class BatchEnd:
         planner_s: Seconds measuring the planner's forward costs before the start (not in ``wall_s``).
     """
 
-    decode_s: float
-    prefill_s: float
-    wall_s: float
-    blocks: int
-    most_rows: int
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    blocks: int = 0
+    most_rows: int = 0
     planner_s: float = 0.0
 
 
@@ -111,7 +111,7 @@ def _clock(session: Session):
 
 
 def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, planner: bool = True,
-              timed: bool = False) -> Iterator[Union[RowEvent, BatchEnd]]:
+              timed: bool = False, totals: Optional[BatchEnd] = None) -> Iterator[Union[RowEvent, BatchEnd]]:
     """Decode ``requests`` together, at most ``max_rows`` at a time; yields each row's events, then :class:`BatchEnd`.
 
     Each row's text is what its request gives alone: greedy, or sampled with
@@ -125,6 +125,8 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
         planner: Cut a batch's drafts to the width worth its forward
             (:mod:`specdec_cli.loop.batch_policy`); its costs are measured before the clock starts.
         timed: Time each block's phases (adds host syncs).
+        totals: Kept up to date as the batch runs and yielded at its end: a caller that stops it early
+            (Ctrl-C) still has the batch's numbers so far.
     """
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
@@ -144,13 +146,14 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
     def now() -> float:
         return time.perf_counter() - start - paused
 
-    decode_s = prefill_s = 0.0
-    blocks = most = 0
+    end = totals if totals is not None else BatchEnd()
+    end.planner_s = planner_s
     try:
         while waiting or flights.flights:
             t = time.perf_counter()
             joined = _admit(flights, waiting, max_rows)
-            prefill_s += time.perf_counter() - t
+            end.prefill_s += time.perf_counter() - t
+            end.wall_s = now()
             for flight in joined:
                 t = time.perf_counter()
                 yield RowEvent(flight.tag, flight.opening.prefilled, now())
@@ -158,10 +161,10 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
             t = time.perf_counter()
             out = flights.step()
             seconds = time.perf_counter() - t
-            decode_s += seconds
-            blocks += 1
-            most = max(most, len(out))
-            at = now()
+            end.decode_s += seconds
+            end.blocks += 1
+            end.most_rows = max(end.most_rows, len(out))
+            at = end.wall_s = now()
             for flight, block in out:
                 t = time.perf_counter()
                 yield RowEvent(flight.tag, Step(block, seconds), at)
@@ -171,7 +174,8 @@ def run_batch(session: Session, requests: Sequence[Request], *, max_rows: int, p
                 t = time.perf_counter()
                 yield RowEvent(flight.tag, Finished(cache_bytes(cache, flight.opening.drafter)), at)
                 paused += time.perf_counter() - t
-        yield BatchEnd(decode_s, prefill_s, now(), blocks, most, planner_s)
+        end.wall_s = now()
+        yield end
     finally:
         flights.close()
 

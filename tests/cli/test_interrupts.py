@@ -59,6 +59,17 @@ def _flights(module):
             events.close()
 
     module.Flights.alone = marked
+    step = module.Flights.step
+
+    def marked_step(self):
+        out = step(self)
+        if os.environ.get("MARK_STEP") and not getattr(self, "_marked", False):
+            self._marked = True
+            sys.stderr.write("{DECODING.decode()}\\n")
+            sys.stderr.flush()
+        return out
+
+    module.Flights.step = marked_step
 
 
 class _Patch(importlib.abc.MetaPathFinder):
@@ -185,6 +196,24 @@ def test_ctrl_c_with_json_gives_one_object(models, looping, slow):
     assert report["finish_reason"] == "interrupted" and report["interrupted"] is True
     assert 0 < report["generated_tokens"] < 4000
     assert report["text"] == reference(report["generated_tokens"])
+
+
+def test_ctrl_c_in_a_prompts_file_reports_the_batch_so_far(models, looping, slow, tmp_path):
+    prompt, _ = looping
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{prompt}\n{prompt} again\n{prompt} and again\n")
+    proc = _spawn(["--model", models["llama"], "--prompts-file", prompts, "--ignore-chat-template", "-m", "4000",
+                   "--json", "--decode-concurrency", "1", "--no-adaptive", "--block-size", "2"],
+                  env={**slow, "MARK_STEP": "1"})
+    _wait_for(proc.stderr, DECODING)  # the first row's first block is committed; the other rows wait their turn
+    out, err, _ = _interrupt(proc)
+    assert proc.returncode == 130, err
+    report = json.loads(out)
+    summary, rows = report["summary"], report["rows"]
+    assert summary["blocks"] > 0 and summary["decode_s"] > 0 and summary["wall_s"] >= summary["decode_s"]
+    assert summary["most_rows_together"] == 1 and summary["aggregate_tps"] > 0
+    assert [r["finish_reason"] for r in rows] == ["interrupted"] * 3
+    assert rows[0]["generated_tokens"] > 0 and rows[1]["generated_tokens"] == rows[2]["generated_tokens"] == 0
 
 
 def test_a_closed_stdout_ends_quietly(models, looping, slow):
