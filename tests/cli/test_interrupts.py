@@ -216,6 +216,23 @@ def test_ctrl_c_in_a_prompts_file_reports_the_batch_so_far(models, looping, slow
     assert rows[0]["generated_tokens"] > 0 and rows[1]["generated_tokens"] == rows[2]["generated_tokens"] == 0
 
 
+def test_ctrl_c_while_the_command_line_loads_exits_130_quietly(tmp_path):
+    # Ctrl-C lands while the CLI's modules are imported (the first second of a run): a test-only
+    # sitecustomize raises it at the import of the app, as the signal would.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class _Interrupt(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'specdec_cli.cli.app':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, _Interrupt())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
+    for command in ([sys.executable, "-m", "specdec_cli"], [os.path.join(os.path.dirname(sys.executable), "specdec")]):
+        result = subprocess.run([*command, "generate", "-p", "hi"], cwd=REPO, env=env, capture_output=True,
+                                timeout=120, preexec_fn=_sigint_at_default)
+        assert (result.returncode, result.stdout, result.stderr) == (130, b"", b""), result
+
+
 def test_a_closed_stdout_ends_quietly(models, looping, slow):
     prompt, _ = looping
     proc = _spawn(["--model", models["llama"], prompt, "--ignore-chat-template", "-m", "4000"], env=slow)
