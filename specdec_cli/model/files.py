@@ -22,7 +22,7 @@ import mlx.nn as nn
 from huggingface_hub import errors as hub_errors
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, OptionError
 
 # Files mlx-lm needs from a repo (its own download patterns).
 ALLOW_PATTERNS = [
@@ -79,6 +79,8 @@ def resolve(name: str, force_download: bool = False) -> Path:
     Raises:
         ModelLoadError: No such directory, repo not found, gated, or offline.
     """
+    if not name.strip():  # Path("") is the working directory: never what an empty --model meant
+        raise OptionError("the model name is empty: pass a model directory or a Hub repo id")
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():

@@ -64,9 +64,14 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
             raise ModelLoadError(f"the weight file {file} is broken: {why}; {refetch_hint(name)}")
     try:
         model_config = json.loads(config_file.read_text())
-        model_type = model_config.get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{config_file} is not a valid JSON config ({e}); {refetch_hint(name)}") from None
+    if not isinstance(model_config, dict):
+        raise ModelLoadError(f"{config_file} is not a JSON object, as a model's config is; {refetch_hint(name)}")
+    model_type = model_config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"{config_file} names no model_type (the architecture mlx-lm builds); "
+                             f"{refetch_hint(name)}")
     try:
         model, config = load_model(path, lazy=ranks is not None, trust_remote_code=trust_remote_code)
     except ValueError as e:

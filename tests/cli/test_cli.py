@@ -371,6 +371,19 @@ def test_broken_model_directories_exit_one(models, model_key, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_config_that_is_not_a_models_is_named_never_the_weights(models, tmp_path):
+    for name, config, message in (("list", "[1, 2]", "is not a JSON object"),
+                                  ("no-type", json.dumps({"hidden_size": 8}), "names no model_type")):
+        folder = tmp_path / name
+        shutil.copytree(models["llama"], folder)
+        (folder / "config.json").write_text(config)
+        result = invoke("--model", folder, "Hi")
+        assert result.exit_code == 1 and message in result.stderr and "weights" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = invoke("--model", "", "Hi")
+    assert result.exit_code == 2 and "the model name is empty" in result.stderr
+
+
 def test_missing_path_and_tokenizer_mismatch(models, tmp_path):
     result = invoke("--model", tmp_path / "nope" / "model", "--draft-model", models["llama"], "Hi")
     assert result.exit_code == 1 and "no directory" in result.stderr
