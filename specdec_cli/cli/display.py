@@ -325,6 +325,8 @@ def speed_lines(stats: Stats) -> list[str]:
 
 def drafting_lines(stats: Stats) -> list[str]:
     """What was drafted and accepted, block by block and by draft position."""
+    if not stats.blocks:  # stopped before its first block (Ctrl-C in the prefill): no mean of nothing
+        return [f"Drafted: {stats.drafted}, accepted: {stats.accepted}", "Blocks: 0"]
     lines = [
         f"Drafted: {stats.drafted}, accepted: {stats.accepted}, "
         f"acceptance: {100 * stats.acceptance:.1f}% (accepted / drafted)",
@@ -397,6 +399,8 @@ def warmup_line(stats: Stats) -> str:
         return "Warm-up: none needed (MLX's CPU backend compiles no kernels per shape)"
     if target or drafter:
         what = f"target rows {_rows(target)}" + (f", drafter rows {_rows(drafter)}" if drafter else "")
+    elif not stats.blocks and not stats.warmup_s:
+        return "Warm-up: not run (stopped before decoding)"
     else:
         what = "every shape had run already"
     return f"Warm-up: {stats.warmup_s:.3f} s before timing, not in tokens-per-sec ({what})"
@@ -405,6 +409,8 @@ def warmup_line(stats: Stats) -> str:
 def shapes_line(stats: Stats) -> str:
     """How many verify shapes the target ran, under which mode."""
     widths = sorted({t for _, t in stats.verify_shapes})
+    if not widths:
+        return "Verify shapes: none (no block ran)"
     how = "bucketed to powers of two" if stats.shapes == "bucketed" else "exact"
     return f"Verify shapes: {len(widths)} ({how}: {_rows(tuple(widths))} positions)"
 

@@ -165,6 +165,9 @@ def test_ctrl_c_during_prefill_exits_130_quickly(models, slow):
     assert took < 5, took  # the issue asks for 2 s; a loaded CI machine gets slack
     assert out == b""
     assert b"prefill not finished" in err and b"Finish reason: interrupted" in err
+    # No block ran: no mean over none, no shapes, no warm-up claimed.
+    assert b"\nBlocks: 0\n" in err and b"Verify shapes: none" in err and b"tokens per block" not in err
+    assert b"every shape had run already" not in err
     assert b"Traceback" not in err
 
 
