@@ -205,6 +205,10 @@ def _jsonl_prompt(name: str, n: int, line: str) -> FilePrompt:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
             raise bad("\"messages\" must be a non-empty list of {\"role\": ..., \"content\": \"...\"} objects")
+        roles = (*SYSTEM_ROLES, "user", "assistant", "tool")
+        odd = next((m["role"] for m in messages if m["role"] not in roles), None)
+        if odd is not None:
+            raise bad(f"a message's role is {odd!r}: it is one of {', '.join(roles)}")
         messages = tuple(messages)
     limits = {"max_tokens": (1, None), "seed": (0, (1 << 32) - 1)}
     values = {}

@@ -221,6 +221,7 @@ def test_json_summary_numbers_follow_from_the_rows(models, tmp_path):
     ([{"prompt": "a", "max_tokens": 0}], "line 1: \"max_tokens\" must be an integer >= 1"),
     ([{"prompt": ""}], "line 1: \"prompt\" must be a non-empty string"),
     ([{"messages": "hi"}], "line 1: \"messages\" must be a non-empty list"),
+    ([{"prompt": "a"}, {"messages": [{"role": "robot", "content": "hi"}]}], "line 2: a message's role is 'robot'"),
 ])
 def test_a_bad_file_is_one_line_naming_the_line(models, tmp_path, lines, message):
     path = write(tmp_path, "bad.jsonl", lines) if lines else tmp_path / "empty.txt"
