@@ -9,6 +9,7 @@ to the session layer (:mod:`specdec_cli.session`), which ``chat`` and
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import closing
 from dataclasses import dataclass, replace
@@ -118,8 +119,22 @@ def join(opts: ModelOptions):
     return ranks
 
 
+def _disk_note(opts: GenerateOptions) -> None:
+    """The prompt cache's disk options name a tier this run does not use: say so (never silently ignored)."""
+    # Given on the command line: a value from the environment (set once for every run) is no request of this run's.
+    given = [f for f, v, env in (("--prompt-cache-dir", opts.prompt_cache_dir, "SPECDEC_PROMPT_CACHE_DIR"),
+                                 ("--prompt-cache-disk-gb", opts.prompt_cache_disk_gb, "SPECDEC_PROMPT_CACHE_DISK_GB"))
+             if v is not None and env not in os.environ]
+    off = opts.prompt_cache_disk_gb == 0
+    why = "--prompts-file" if opts.prompts_file is not None else "--compare-ar" if opts.compare_ar else None
+    if given and why and not off:
+        print_stderr([f"note: {' and '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with {why}: "
+                      "its prompts are prefilled whole, with no prompt cache on disk"])
+
+
 def _generate(opts: GenerateOptions) -> int:
     ranks = join(opts)
+    _disk_note(opts)
     if opts.prompts_file is not None or opts.decode_concurrency is not None:
         check_batch_options(opts, ranks is not None)
         return generate_batch(opts)

@@ -252,6 +252,24 @@ def test_bad_combinations_and_a_missing_file(models, tmp_path):
     assert result.exit_code == 2 and "m.jsonl line 1: \"messages\" need the chat template" in result.stderr
 
 
+def test_the_disk_tiers_options_say_they_do_nothing_where_no_disk_tier_runs(models, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_PROMPT_CACHE_DIR")
+    monkeypatch.delenv("SPECDEC_PROMPT_CACHE_DISK_GB")
+    folder = tmp_path / "prompt-cache"
+    path = write(tmp_path, "p.txt", PROMPTS[:1])
+    result = generate("--model", models["llama"], "--prompts-file", path, "-m", "4", "--prompt-cache-dir", folder,
+                      "--prompt-cache-disk-gb", "1")
+    assert result.exit_code == 0, result.output
+    assert "note: --prompt-cache-dir and --prompt-cache-disk-gb do nothing with --prompts-file" in result.stderr
+    result = generate("--model", models["llama"], "-p", "Hi", "-m", "4", "--compare-ar", "--prompt-cache-dir", folder)
+    assert result.exit_code == 0 and "note: --prompt-cache-dir does nothing with --compare-ar" in result.stderr
+    assert not folder.exists()
+    # Set in the environment (once, for every run): nothing to say.
+    monkeypatch.setenv("SPECDEC_PROMPT_CACHE_DIR", str(folder))
+    result = generate("--model", models["llama"], "-p", "Hi", "-m", "4", "--compare-ar")
+    assert result.exit_code == 0 and "prompt-cache" not in result.stderr
+
+
 def test_ctrl_c_shows_what_each_row_had_and_exits_130(models, tmp_path, monkeypatch):
     from specdec_cli.loop.engine import Engine
 
