@@ -56,7 +56,7 @@ def from_openai_error(status: int, body: bytes) -> bytes:
         message, param = str(error["message"]), error.get("param")
     except (ValueError, KeyError, TypeError):
         message, param = body.decode("utf-8", "replace").strip() or f"HTTP {status}", None
-    if param and not message.startswith(param):  # a message that names its field already is left as it is
+    if param and not message.startswith(f"{param}:"):
         message = f"{param}: {message}"
     return json.dumps(error_body(status, message), ensure_ascii=False).encode()
 

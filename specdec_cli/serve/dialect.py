@@ -26,8 +26,8 @@ def check_text(req: BaseModel, *, exclude: Sequence[str] = ()) -> None:
     """
     where = _unpaired_surrogate(req.model_dump(exclude_none=True, exclude=set(exclude)), "")
     if where:
-        raise ApiError(400, f"{where} holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), which no "
-                       "tokenizer can encode: send valid Unicode text", where, "invalid_value")
+        raise ApiError(400, f"{where}: the text holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), "
+                       "which no tokenizer can encode: send valid Unicode text", where, "invalid_value")
 
 
 def client_param(param: Optional[str], origins: Sequence[str]) -> Optional[str]:
