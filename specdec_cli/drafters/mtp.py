@@ -158,7 +158,7 @@ class MTPDrafter:
 
     def accept(self, n: int, hidden: Optional[Hidden] = None) -> None:
         """The first ``n`` drafts were committed; ``hidden`` holds the target rows of ``[last, d1 .. dn]``."""
-        self._saved = None
+        # ``_saved`` stays until the next propose: a block interrupted after its hand-over is cancelled whole.
         # Drop the chain built from the head's own outputs.
         self._trim_to(self._exact)
         if hidden is None or hidden.final is None:
@@ -184,7 +184,7 @@ class MTPDrafter:
         return mx.concatenate(self._drafts[:n]).tolist() if n and self._drafts else []
 
     def cancel(self) -> None:
-        """Undo the last ``propose``."""
+        """Undo the last ``propose`` (and an ``accept`` after it)."""
         if self._saved is not None:
             offset, self._rows, self._tokens, self._skip_next = self._saved
             self._trim_to(offset)

@@ -250,6 +250,13 @@ def test_one_token_prompt_and_cancel_keep_the_pairs_aligned():
     first = drafter.propose(PROMPT[-1], 3).tokens.tolist()
     drafter.cancel()
     assert drafter.propose(PROMPT[-1], 3).tokens.tolist() == first
+    # Interrupted after its accept (the engine hands a block over, then the interrupt lands): cancel undoes both,
+    # as lookup's does.
+    before = (drafter.offset, len(drafter._rows), len(drafter._tokens))
+    drafter.accept(2, Hidden(final=mx.concatenate([rows[-1:]] * 3)))
+    assert (drafter.offset, len(drafter._rows), len(drafter._tokens)) != before
+    drafter.cancel()
+    assert drafter.propose(PROMPT[-1], 3).tokens.tolist() == first
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 8])
