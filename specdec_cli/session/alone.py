@@ -53,11 +53,26 @@ def compare_alone(session: Session, request: Request, tokens: Sequence[int], sta
         sampling = replace(sampling, seed=request.seed)
     resumed = stats.cached_tokens > 0
     held: Optional[Rounding] = rounding(session) if batched or resumed else None
+    trace = _answer_blocks(stats.trace, len(tokens)) if cut else stats.trace
     return compare_with_plain(
-        setup.target.model, request.prompt_ids, tokens, stats.trace,
+        setup.target.model, request.prompt_ids, tokens, trace,
         max_tokens=len(tokens) if cut else request.max_tokens,
         eos_ids=() if request.ignore_eos else setup.eos_ids, prefill_step_size=opts.prefill_step_size,
         prefill_chunks=None if resumed else stats.prefill_chunks, sampling=sampling, kv_bits=opts.kv_bits,
         kv_group_size=opts.kv_group, processors=lambda: make_processors(request, setup.tokenizer, request.prompt_ids),
         rounding=held,
     )
+
+
+def _answer_blocks(trace: Sequence, n: int) -> list:
+    """The blocks that committed the answer's ``n`` tokens (a stop string cut it): the block that completed the stop
+    as far as the answer goes (what it committed past, an EOS too, is not the answer's), none after it."""
+    out, emitted = [], 0
+    for block in trace:
+        if emitted >= n:
+            break
+        if emitted + len(block.tokens) > n or (emitted + len(block.tokens) == n and block.finish_reason == "stop"):
+            block = replace(block, tokens=block.tokens[: n - emitted], finish_reason=None)
+        out.append(block)
+        emitted += len(block.tokens)
+    return out

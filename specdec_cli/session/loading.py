@@ -69,7 +69,7 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
     if not isinstance(model_config, dict):
         raise ModelLoadError(f"{config_file} is not a JSON object, as a model's config is; {refetch_hint(name)}")
     model_type = model_config.get("model_type")
-    if not isinstance(model_type, str):
+    if not isinstance(model_type, str) and "model_file" not in model_config:  # (a model_file builds its own)
         raise ModelLoadError(f"{config_file} names no model_type (the architecture mlx-lm builds); "
                              f"{refetch_hint(name)}")
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
@@ -104,8 +104,8 @@ class TextStream:
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.lead = lead
-        self._first: Optional[int] = None  # the first token taken
-        self._shown = False  # the detokenizer gave text
+        if lead:
+            _keep_first_space(self.detok)
         self.stops = [s for s in stop if s]
         self.tools = tools
         self.object_arguments = object_arguments
@@ -131,8 +131,6 @@ class TextStream:
         """Take committed tokens; returns the text that became safe to show."""
         if self.stopped:
             return Piece()
-        if self._first is None and len(tokens):
-            self._first = tokens[0]
         if not self.stops:
             for t in tokens:
                 self.detok.add_token(t)
@@ -162,25 +160,15 @@ class TextStream:
     def _decode(self, tokens: Sequence[int]) -> str:
         detok = self.tokenizer.detokenizer
         detok.reset()
+        kept = self.lead and _keep_first_space(detok)
         for t in tokens:
             detok.add_token(t)
         detok.finalize()
-        return self._led(detok.text)
+        return detok.text[1:] if kept else detok.text
 
     def _segment(self) -> str:
         """The detokenizer's text since the last call."""
-        text = self.detok.last_segment
-        if text and not self._shown:
-            self._shown = True
-            return self._led(text)
-        return text
-
-    def _led(self, text: str) -> str:
-        """The reply's first text with the first token's leading space, where ``lead`` keeps it."""
-        if self.lead and text and not text.startswith(" ") and self._first is not None \
-                and token_bytes(self.tokenizer, self._first).startswith(b" "):
-            return " " + text
-        return text
+        return self.detok.last_segment
 
     def finish(self, cut: bool = False) -> Piece:
         """The reply ended: flush what was held back (a stop string found now still cuts it).
@@ -273,6 +261,17 @@ class TextStream:
     @property
     def made_tool_calls(self) -> bool:
         return self._calls > 0
+
+
+def _keep_first_space(detok) -> bool:
+    """Make ``detok`` keep the space(s) the first tokens start with: mlx-lm's detokenizers drop one while their text
+    is empty, so it starts with a character no reader sees (``last_segment`` starts past it). False where the text is
+    computed (a detokenizer that drops nothing)."""
+    try:
+        detok.text, detok.offset = "\0", 1
+    except AttributeError:
+        return False
+    return True
 
 
 def token_bytes(tokenizer, token: int) -> bytes:
@@ -384,16 +383,20 @@ class Reply:
             return Piece()
         block = event.block
         self.committed += block.tokens
-        self.stats.add(block, event.seconds)
         piece = self.stream.add(block.tokens)
-        # The answer ends at the token that completed a stop string: the tokens after it are not its own.
+        # The answer ends at the token that completed a stop string: the block's tokens after it (an EOS too) are not
+        # its own, nor counted as generated or accepted.
         n = len(block.tokens) if self.stream.through is None else self.stream.through - len(self.tokens)
-        self.stats.generated -= len(block.tokens) - n
-        self.tokens += block.tokens[:n]
-        if n < 0:  # it was completed by a token of an earlier block (its text came only with this one)
+        kept = max(n, 0)
+        if kept < len(block.tokens):
+            block = replace(block, tokens=block.tokens[:kept], accepted=min(block.accepted, kept), finish_reason=None)
+        self.stats.add(block, event.seconds)
+        self.tokens += block.tokens
+        if n < 0:  # completed by a token of an earlier block (its text came only with this one's)
             del self.tokens[n:]
+            self.stats.generated += n
         if block.logprobs:
-            piece.logprobs = [(t, lp, top) for t, (lp, top) in zip(block.tokens[:max(n, 0)], block.logprobs)]
+            piece.logprobs = [(t, lp, top) for t, (lp, top) in zip(block.tokens, block.logprobs)]
         return piece
 
     def end(self) -> Piece:

@@ -324,6 +324,14 @@ def test_a_text_completion_keeps_the_leading_space_its_first_token_writes():
                 text += stream.add(answer[i : i + step]).content
             text += stream.finish().content
             assert (text, stream.through) == (want, through), (step, lead, stops)
+    # However many spaces it starts with (code's indentation), and none where the model wrote none.
+    for written in ("    return 1", "  two", " one", "none", "\n  x"):
+        ids = tok.encode(written, add_special_tokens=False)
+        for step, stops in ((1, ["never"]), (len(ids), ["never"]), (len(ids), ())):
+            stream, text = TextStream(tok, stops, chat=False, lead=True), ""
+            for i in range(0, len(ids), step):
+                text += stream.add(ids[i : i + step]).content
+            assert text + stream.finish().content == written, (written, step)
 
 
 def test_tool_calls_are_split_out_and_parsed_whatever_the_pieces(tmp_path):
