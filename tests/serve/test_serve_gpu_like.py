@@ -73,6 +73,18 @@ def test_the_server_batches_by_default_and_each_answer_is_its_request_alone_or_a
     assert response.model_extra["timings"]["compare"]["verdict"] in OK
 
 
+def test_an_answer_a_stop_string_cut_is_held_against_as_many_tokens_alone(server):
+    for prompt in (PROMPTS[0], PROMPTS[3]):
+        text = ask(server, prompt)["choices"][0]["text"]
+        stops = [text[i : i + 4] for i in range(2, len(text) - 4, 5)
+                 if text.index(text[i : i + 4]) == i and "\ufffd" not in text[i : i + 4]][:3]
+        for stop in stops:
+            answer = ask(server, prompt, stop=[stop])
+            compare = answer["timings"]["compare"]
+            assert answer["choices"][0]["text"] == text[: text.index(stop)] and compare["verdict"] in OK, compare
+            assert compare["tokens"] == answer["usage"]["completion_tokens"]
+
+
 def test_compare_alone_with_sampling_needs_a_seed(server):
     r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0.7, "compare_alone": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "compare_alone"

@@ -296,6 +296,22 @@ def test_a_stop_string_ends_the_answer_at_the_token_that_completed_it(setups, bl
     assert len(stops) >= 3 and (past > 0) == (block_size is None)
 
 
+def test_an_answer_a_stop_string_cut_is_replayed_over_its_own_blocks_only():
+    from specdec_cli.core.blocks import Block
+    from specdec_cli.session.alone import _answer_blocks
+
+    def block(tokens, finish=None):
+        return Block(tuple(tokens), len(tokens), len(tokens) - 1, "trim", 1, finish)
+
+    trace = [block([1, 2, 3]), block([4, 5, 6], "stop")]
+    assert [(b.tokens, b.finish_reason) for b in _answer_blocks(trace, 5)] == [((1, 2, 3), None), ((4, 5), None)]
+    # Completed at the last token before an EOS: the EOS is not the answer's.
+    assert [(b.tokens, b.finish_reason) for b in _answer_blocks(trace, 6)] == [((1, 2, 3), None), ((4, 5, 6), None)]
+    # Completed in the first block, seen only with the next (the detokenizer's lag): the next is not replayed.
+    assert [b.tokens for b in _answer_blocks(trace, 3)] == [(1, 2, 3)]
+    assert [b.tokens for b in _answer_blocks(trace, 2)] == [(1, 2)]
+
+
 def test_the_first_stop_string_completed_ends_the_text_whatever_the_tokens_given_at_once(setups):
     tok = setups["llama"].tokenizer
     ids = tok.encode("one two three four")
