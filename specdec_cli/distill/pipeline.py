@@ -240,6 +240,8 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
                 yield Generated(got + event.tokens, opts.tokens, answered, cut)
             if cut:
                 yield Stage("data", f"time limit: answers stop at {sum(map(len, seqs))} tokens")
+                if opts.answer_tokens >= c.seq_len + c.depth and not any(len(s) >= c.seq_len + c.depth for s in seqs):
+                    raise _too_short_for_the_limit(c.seq_len + c.depth)  # now, not after the states
         # What was used, counted after the fact: the numbers every later line and file reports.
         description = source.used(texts, answered)
         yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions ({description})")
@@ -259,8 +261,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         from ..errors import OptionError
 
         if cut and opts.answer_tokens >= width:  # (longer answers could reach a window: more time helps)
-            raise OptionError(f"the time limit stopped the answers before any sequence reached {width} tokens: give "
-                              "a longer --time-limit, or a smaller --seq-len")
+            raise _too_short_for_the_limit(width)
         raise OptionError(f"the training text has no sequence of {width} tokens: give more text with --data, "
                           "or a smaller --seq-len")
     vocab = min(opts.draft_vocab, parts.vocab_size) if opts.draft_vocab else 0
@@ -380,3 +381,10 @@ def _cut_short(r: Result) -> str:
     if r.time_limited:
         return f" (stopped by the time limit of {r.options['time_limit']:g} s: the best head so far)"
     return ""
+
+
+def _too_short_for_the_limit(width: int) -> Exception:
+    from ..errors import OptionError
+
+    return OptionError(f"the time limit stopped the answers before any sequence reached {width} tokens: give a longer "
+                       "--time-limit, or a smaller --seq-len")

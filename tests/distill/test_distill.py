@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 import specdec_cli.distill.train as train_module
 from specdec_cli.cli.app import app
 from specdec_cli.distill.data import prompt_ids, read_source, seed_prompts, teacher_states
-from specdec_cli.distill.pipeline import DistillOptions, Finished, Training, distill, split
+from specdec_cli.distill.pipeline import DistillOptions, Finished, Stage, Training, distill, split
 from specdec_cli.distill.train import TrainConfig, Trainer, chain_mask, frequent_tokens, head_config, windows
 from specdec_cli.drafters.mtp import MTPDrafter
 from specdec_cli.drafters.mtp_head import MTPHead, random_head
@@ -517,7 +517,6 @@ def clocked(monkeypatch, seconds_per_step: float, seconds_per_batch: float = 0.0
 
 
 def test_a_time_limit_cuts_the_answers_at_half_and_training_at_the_limit(tmp_path, monkeypatch):
-    from specdec_cli.distill.pipeline import Stage
     from specdec_cli.session.loading import load
 
     clocked(monkeypatch, seconds_per_step=10, seconds_per_batch=30)
@@ -558,8 +557,12 @@ def test_answers_too_short_to_train_on_name_the_fix_that_helps(tmp_path, monkeyp
     data.write_text(json.dumps({"prompt": "Tell me about cats."}) + "\n")  # 38 tokens
     opts = DistillOptions(data=str(data), tokens=2000, answer_tokens=answer_tokens, gen_batch=2, draft_vocab=0,
                           time_limit=100, train=TrainConfig(steps=4, batch_size=2, seq_len=64, depth=2))
+    seen = []
     with pytest.raises(OptionError, match=fix):
-        list(distill(model, tok, target_parts(model), tmp_path / "h", opts))
+        for event in distill(model, tok, target_parts(model), tmp_path / "h", opts):
+            seen.append(event)
+    # Cut by the time limit: said at once, before the target's states are computed for nothing.
+    assert any(isinstance(e, Stage) and e.name == "states" for e in seen) == (answer_tokens < 66)
 
 
 def test_answers_stop_mid_batch_at_the_deadline_keeping_what_was_generated(tmp_path, monkeypatch):
