@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -69,6 +70,14 @@ def _leftovers_of_ours(path: Path, names: list[str]) -> bool:
     return True
 
 
+def _read_only(folder: Path) -> bool:
+    """A folder on a file system mounted read-only (``os.access`` says writable to root there)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 def check_out(out: Optional[str]) -> Path:
     """The output directory: new, empty, or an earlier head's (its files are replaced).
 
@@ -81,6 +90,11 @@ def check_out(out: Optional[str]) -> Path:
     path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise OptionError(f"--out {out} is a file; give a directory")
+    # Written when the head is, minutes later: a folder it cannot be written in is refused now.
+    folder = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or _read_only(folder):
+        raise OptionError(f"--out {out} cannot be written: {folder} is not a folder this user can write in; give "
+                          "another directory")
     if not path.exists():
         return path
     config = path / "config.json"

@@ -439,6 +439,25 @@ def test_out_accepts_new_empty_an_earlier_head_and_an_interrupted_run(tmp_path):
     check_out(str(cut))
 
 
+def test_out_where_no_head_can_be_written_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import os
+
+    from specdec_cli.cli.distill_command import check_out
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(OptionError, match="afile is not a folder this user can write in"):
+        check_out(str(tmp_path / "afile" / "sub" / "head"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    # A folder this user may not write in (root may write anywhere, so the refusal is staged).
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and Path(p) != locked)
+    for out in (locked / "head", locked):
+        with pytest.raises(OptionError, match="locked is not a folder this user can write in"):
+            check_out(str(out))
+    assert check_out(str(tmp_path / "free" / "head")) == tmp_path / "free" / "head"
+
+
 def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monkeypatch):
     real = train_module.Trainer.run
 
