@@ -87,7 +87,10 @@ class Corpus:
             os.replace(tmp, path)
         except OSError as e:
             log.warning("could not keep the lookup corpus in %s (%s)", path, e.strerror or e)
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # a read-only file system says so even of a file that is not there
+                pass
 
     def load(self, path: Path) -> int:
         """Take the outputs a :meth:`save` left in ``path`` (oldest first, within the bound); returns

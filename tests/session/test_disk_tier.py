@@ -325,6 +325,25 @@ def test_the_lookup_corpus_round_trips_and_a_damaged_file_is_one_warning(tmp_pat
     assert len(caplog.records) == 1 and "lookup corpus" in caplog.records[0].getMessage()
 
 
+def test_the_lookup_corpus_on_a_read_only_file_system_is_one_warning(tmp_path, caplog, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from specdec_cli.session import corpus as corpus_module
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    # Its folder exists (its key's), but nothing can be made in it, nor removed (a missing file included).
+    monkeypatch.setattr(corpus_module, "create_private", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    kept = corpus_module.Corpus(64)
+    kept.add(list(range(10, 30)))
+    with caplog.at_level(logging.WARNING):
+        kept.save(tmp_path / "c.json")
+    assert len(caplog.records) == 1 and "Read-only file system" in caplog.records[0].getMessage()
+
+
 def test_weights_written_anew_change_the_key(dirs, tmp_path):
     from specdec_cli.session.disk_tier import key_parts
 
