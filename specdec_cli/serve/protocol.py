@@ -70,14 +70,36 @@ def validation_error(e: ValidationError, skip: tuple = ("body",),
         rename: Maps the field's path to the name the client knows it by (a translated request's).
     """
     errors = e.errors()
-    first = errors[0] if errors else {}
-    param = ".".join(str(p) for p in first.get("loc", ()) if p not in skip) or None
+
+    def path(error: dict) -> tuple:
+        # Without pydantic's union branch names ("str", "list[Item]"): the fields the client wrote.
+        return tuple(p for p in error.get("loc", ()) if p not in skip and not _union_branch(p))
+
+    # The deepest field at fault: a list item's wrong field, not the union branch the list was tried against first;
+    # several branches that fail at that field say what each wanted.
+    deepest = max(map(len, map(path, errors)), default=0)
+    at = [er for er in errors if len(path(er)) == deepest][:1]
+    same = [er for er in errors if at and path(er) == path(at[0])] or [{}]
+    param = ".".join(str(p) for p in path(same[0])) or None
     if param and rename is not None:
         param = rename(param)
-    message = " ".join(str(first.get("msg", "invalid request")).split())
-    for prefix in _PYDANTIC_PREFIXES:
-        message = message.removeprefix(prefix)
+    messages = []
+    for er in same:
+        message = " ".join(str(er.get("msg", "invalid request")).split())
+        for prefix in _PYDANTIC_PREFIXES:
+            message = message.removeprefix(prefix)
+        if message not in messages:
+            messages.append(message)
+    message = ", or ".join(messages)
     return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
+
+
+def _union_branch(part: Any) -> bool:
+    """A location part pydantic adds for the union member it tried (a type's name), never a field's."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _TYPE_NAMES)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
 
 
 class StrictModel(BaseModel):

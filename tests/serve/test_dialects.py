@@ -666,6 +666,12 @@ def test_errors_name_the_field_the_client_sent(server):
     assert r.status_code == 400 and error["param"].startswith("input[1]"), r.text
     for answer in (r.text,):
         assert "Value error" not in answer
+    # A wrong type deep in the input: that field, never the union branch pydantic tried first ("input.str").
+    for body, param in (({"input": [{"role": "user", "content": 5}]}, "input.0.content"), ({"input": 5}, "input"),
+                        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]},
+                         "input.0.arguments")):
+        r = server.post("/v1/responses", {"model": "default_model", **body}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 CODEX_TOOLS = [
