@@ -28,7 +28,11 @@ def make_private_folder(path: Path) -> None:
         OSError: It cannot be made.
     """
     path = Path(path)
-    path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+    # Each missing folder made 0700, parents too (mkdir(parents=True) makes those with the umask's mode): a cache
+    # root removed while a server runs comes back as private as it was made.
+    for folder in [*reversed(path.parents), path]:
+        if not folder.exists():
+            folder.mkdir(mode=FOLDER_MODE, exist_ok=True)
     check_private_folder(path, tighten=True)
 
 

@@ -512,6 +512,9 @@ def test_the_key_folder_and_its_files_are_private_whatever_the_umask(tmp_path):
         os.umask(old)
     assert disk.dir.stat().st_mode & 0o777 == 0o700
     assert len(list(disk.dir.iterdir())) > 2 and modes(disk.dir) == {0o600}
+    # The folders it made above its key's too (a cache root removed while a server ran comes back private).
+    made = [p for p in disk.dir.parents if p.is_relative_to(tmp_path / "cache")]
+    assert made and {p.stat().st_mode & 0o777 for p in made} == {0o700}
 
 
 def test_a_key_folder_an_older_release_left_readable_is_made_private(tmp_path):
