@@ -269,6 +269,9 @@ def test_the_folder_is_bounded_by_bytes_least_recently_used_first(tmp_path):
     assert again.load(prompts[2] + [1], model).cached == len(prompts[2])
     hit = again.load(prompts[1] + [1], model)
     assert hit is None or hit.cached < len(prompts[1])  # the least recently used lost its files
+    # Opened again with a lower bound (a restart with a smaller --prompt-cache-disk-gb): within it at once.
+    lower = store(tmp_path / "lru", max_bytes=one + one // 2)
+    assert 0 < lower.nbytes <= lower.max_bytes
 
 
 def test_eviction_removes_only_its_own_files_and_a_dead_writers_old_temporaries(tmp_path):
