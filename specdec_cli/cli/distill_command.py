@@ -232,7 +232,9 @@ def distill_command(opts: DistillCommandOptions) -> int:
             return EXIT_INTERRUPTED
         training.trainer.restore_best()
         write_head(out, training.trainer.head, training.record(steps_done, seconds, interrupted=True))
-        print_stderr([f"interrupted at step {steps_done}: the best head so far is in {out}"])
+        best = training.trainer.best_step
+        which = f" (step {best}'s)" if 0 < best < steps_done else ""
+        print_stderr([f"interrupted at step {steps_done}: the best head so far{which} is in {out}"])
         return EXIT_INTERRUPTED
     head, result = training.trainer.head, finished.result
     if opts.measure:

@@ -107,6 +107,7 @@ class Result:
     tokens_per_block: Optional[float] = None
     interrupted: bool = False
     time_limited: bool = False  # the time limit cut the data or the training short
+    best_step: int = 0  # the step whose head was written (the best held-out agreement; 0: none evaluated)
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def make_result(trainer: Trainer, description: str, seqs, train_ix, held_ix, cov
         draft_vocab=trainer.head.config.draft_vocab_size or trainer.parts.vocab_size, coverage=coverage,
         steps_done=steps_done, train_seconds=seconds, data_seconds=data_seconds,
         agreement=trainer.best_agreement, options={**asdict(opts), "train": asdict(opts.train)},
-        interrupted=interrupted, time_limited=time_limited,
+        interrupted=interrupted, time_limited=time_limited, best_step=trainer.best_step,
     )
 
 
@@ -360,7 +361,7 @@ def readme(head: MTPHead, r: Result) -> str:
         "- Labels: the target's own next-token distributions (self-distillation, soft cross-entropy), "
         f"chained {t['depth']} steps deep as drafting chains the head.",
         f"- {r.steps_done} steps of {t['batch_size']} windows x {t['seq_len']} positions, AdamW lr {t['lr']}, "
-        f"seed {t['seed']}{_cut_short(r)}.",
+        f"seed {t['seed']}{_cut_short(r)}{_best(r)}.",
         f"- Draft vocabulary: {r.draft_vocab} of {c.vocab_size} tokens ({r.coverage:.1%} of held-out target "
         "tokens fall inside it).",
         f"- Time: {r.data_seconds:.0f} s for data and target states, {r.train_seconds:.0f} s training. "
@@ -380,6 +381,12 @@ def _cut_short(r: Result) -> str:
         return " (interrupted: the best head so far)"
     if r.time_limited:
         return f" (stopped by the time limit of {r.options['time_limit']:g} s: the best head so far)"
+    return ""
+
+
+def _best(r: Result) -> str:
+    if 0 < r.best_step < r.steps_done:
+        return f"; the head written is step {r.best_step}'s, the best on held-out text"
     return ""
 
 

@@ -185,6 +185,7 @@ class Trainer:
         self.sub = parts.sub_logits(ids) if ids is not None else parts.logits
         self.best_params: Optional[dict] = None
         self.best_agreement: Optional[tuple[float, ...]] = None
+        self.best_step = 0  # the step whose head :meth:`restore_best` loads
         self._heldout_greedy = self._greedy(heldout[1]) if heldout[0].shape[0] else None
 
     def coverage(self) -> float:
@@ -295,6 +296,8 @@ class Trainer:
             if step % c.eval_every == 0 or step == c.steps or late:
                 agreement = self.evaluate() if self._heldout_greedy is not None else None
                 best = self._keep_if_best(agreement)
+                if best:
+                    self.best_step = step
             yield Step(step, c.steps, loss.item(), agreement, best, time.perf_counter() - start)
             if late:
                 break

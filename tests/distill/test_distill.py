@@ -476,6 +476,8 @@ def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monke
     assert result.exit_code == 130
     assert "interrupted at step 5" in result.stderr
     assert "interrupted" in (out / "README.md").read_text()
+    best = json.loads((out / "training.json").read_text())["best_step"]  # the step whose head was written
+    assert 0 < best <= 5 and (best == 5) == ("the head written is step" not in (out / "README.md").read_text())
     model = target("llama", "float32")
     loaded = load_head(out, read_config(out), "head", target_parts(model))
     assert isinstance(loaded.head, MTPHead)
