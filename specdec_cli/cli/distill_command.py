@@ -195,6 +195,8 @@ class _View:
 def distill_command(opts: DistillCommandOptions) -> int:
     """Run ``specdec distill``; returns the exit code."""
     out = check_out(opts.out)
+    if opts.data is not None and not Path(opts.data).expanduser().exists():  # said now, not once the model loaded
+        raise OptionError(f"--data {opts.data}: no such file or directory")
     if opts.seq_len < 8:
         raise OptionError("--seq-len is at least 8")
     if opts.force_download:

@@ -456,6 +456,9 @@ def test_out_where_no_head_can_be_written_is_refused_before_the_model_loads(tmp_
         with pytest.raises(OptionError, match="locked is not a folder this user can write in"):
             check_out(str(out))
     assert check_out(str(tmp_path / "free" / "head")) == tmp_path / "free" / "head"
+    # A --data that is not there: before the model loads too (no model is named here that could load).
+    result = _distill("--model", tmp_path / "no-model", "--out", tmp_path / "h", "--data", tmp_path / "nope.jsonl")
+    assert result.exit_code == 2 and "--data" in result.stderr and "no such file" in result.stderr, result.output
 
 
 def test_ctrl_c_during_training_leaves_a_loadable_head(tmp_path, tiny_dir, monkeypatch):
