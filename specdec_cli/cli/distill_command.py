@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..session import ModelOptions, check_force_download, load_target
 from ..defaults import DISTILL
 from .display import Console, print_stderr
-from ..distill.data import Generated
+from ..distill.data import Generated, data_path
 from ..distill.pipeline import (DistillOptions, Finished, Stage, States, Training, distill, measure_acceptance,
                                model_key, write_head)
 from ..distill.train import Step, TrainConfig
@@ -195,8 +195,8 @@ class _View:
 def distill_command(opts: DistillCommandOptions) -> int:
     """Run ``specdec distill``; returns the exit code."""
     out = check_out(opts.out)
-    if opts.data is not None and not Path(opts.data).expanduser().exists():  # said now, not once the model loaded
-        raise OptionError(f"--data {opts.data}: no such file or directory")
+    if opts.data is not None:
+        data_path(opts.data)  # a missing one said now, not once the model loaded
     if opts.seq_len < 8:
         raise OptionError("--seq-len is at least 8")
     if opts.force_download:

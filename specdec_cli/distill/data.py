@@ -139,6 +139,18 @@ _TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".js", ".ts", ".c", ".cc", ".cpp
                   ".html", ".css", ".json", ".yaml", ".yml", ".toml", ".tex", ".csv")
 
 
+def data_path(path: str) -> Path:
+    """``--data``'s file or directory.
+
+    Raises:
+        OptionError: It is not there.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise OptionError(f"--data {path}: no such file or directory")
+    return root
+
+
 def read_source(path: Optional[str], seed: int = 0) -> Source:
     """The training source named by ``--data`` (None: the built-in seed prompts).
 
@@ -154,9 +166,7 @@ def read_source(path: Optional[str], seed: int = 0) -> Source:
         digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
         return Source(prompts=list(prompts), digest=digest,
                       description=f"the model's answers to built-in seed prompts ({len(prompts)} available)")
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise OptionError(f"--data {path}: no such file or directory")
+    root = data_path(path)
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
     files = [f for f in files if f.suffix in _TEXT_SUFFIXES + (".jsonl",)] if root.is_dir() else files
     source = Source(origin=f"from {path}")

@@ -29,6 +29,7 @@ from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_head import MTPHead
 from ..drafters.mtp_io import embedding_probe, save_head
+from ..errors import OptionError
 from ..loop.events import collect
 from ..loop.runner import run
 from ..model.taps import TargetParts
@@ -216,6 +217,7 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
         Stage, Generated, States, Training, Step, then Finished.
     """
     c = opts.train
+    width = c.seq_len + c.depth  # a training window's tokens
     fingerprint = tokenizer_fingerprint(tokenizer)
     source = read_source(opts.data, c.seed)
     key = _corpus_key(opts, fingerprint, source.digest, model_id)
@@ -241,8 +243,8 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
                 yield Generated(got + event.tokens, opts.tokens, answered, cut)
             if cut:
                 yield Stage("data", f"time limit: answers stop at {sum(map(len, seqs))} tokens")
-                if opts.answer_tokens >= c.seq_len + c.depth and not any(len(s) >= c.seq_len + c.depth for s in seqs):
-                    raise _too_short_for_the_limit(c.seq_len + c.depth)  # now, not after the states
+                if opts.answer_tokens >= width and not any(len(s) >= width for s in seqs):
+                    raise _too_short_for_the_limit(width)  # now, not after the states
         # What was used, counted after the fact: the numbers every later line and file reports.
         description = source.used(texts, answered)
         yield Stage("states", f"the target's distributions at {sum(map(len, seqs))} positions ({description})")
@@ -254,13 +256,10 @@ def distill(model: nn.Module, tokenizer, parts: TargetParts, out: Path, opts: Di
             save_corpus(cache_dir, key, seqs, states, description)
     data_seconds = time.perf_counter() - t0
 
-    width = c.seq_len + c.depth
     train_ix, held_ix = split(len(seqs), opts.heldout, c.seed)
     train = windows([seqs[i] for i in train_ix], [states[i] for i in train_ix], width)
     heldout = windows([seqs[i] for i in held_ix], [states[i] for i in held_ix], width)
     if train[0].shape[0] == 0:
-        from ..errors import OptionError
-
         if cut and opts.answer_tokens >= width:  # (longer answers could reach a window: more time helps)
             raise _too_short_for_the_limit(width)
         raise OptionError(f"the training text has no sequence of {width} tokens: give more text with --data, "
@@ -390,8 +389,6 @@ def _best(r: Result) -> str:
     return ""
 
 
-def _too_short_for_the_limit(width: int) -> Exception:
-    from ..errors import OptionError
-
+def _too_short_for_the_limit(width: int) -> OptionError:
     return OptionError(f"the time limit stopped the answers before any sequence reached {width} tokens: give a longer "
                        "--time-limit, or a smaller --seq-len")
