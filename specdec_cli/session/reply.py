@@ -134,14 +134,14 @@ class TextStream:
         if not self.stops:
             for t in tokens:
                 self.detok.add_token(t)
-            return self._raw(self._segment(), final=False)
+            return self._raw(self.detok.last_segment, final=False)
         # A token at a time, as plain decoding meets them: the reply ends at the token that completed a stop string
         # (never a later one's match, whatever the block held), and says which token that was.
         segment = ""
         for t in tokens:
             self.detok.add_token(t)
             self._tokens.append(t)
-            segment += self._segment()
+            segment += self.detok.last_segment
             if any(stop in self._held + segment for stop in self.stops):
                 break
         piece = self._raw(segment, final=False)
@@ -166,10 +166,6 @@ class TextStream:
         detok.finalize()
         return detok.text[1:] if kept else detok.text
 
-    def _segment(self) -> str:
-        """The detokenizer's text since the last call."""
-        return self.detok.last_segment
-
     def finish(self, cut: bool = False) -> Piece:
         """The reply ended: flush what was held back (a stop string found now still cuts it).
 
@@ -180,7 +176,7 @@ class TextStream:
             piece = Piece()  # the text before the stop string went out; the split may still hold some
         else:
             self.detok.finalize()
-            piece = self._raw(self._segment(), final=True)
+            piece = self._raw(self.detok.last_segment, final=True)
         if self._machine is not None:
             self._machine, rest, state = TextStateMachine.flush(self._machine)
             self._route(piece, state, rest)
