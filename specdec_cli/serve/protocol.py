@@ -75,12 +75,12 @@ def validation_error(e: ValidationError, skip: tuple = ("body",),
         # Without pydantic's union branch names ("str", "list[Item]"): the fields the client wrote.
         return tuple(p for p in error.get("loc", ()) if p not in skip and not _union_branch(p))
 
-    # The deepest field at fault: a list item's wrong field, not the union branch the list was tried against first;
-    # several branches that fail at that field say what each wanted.
-    deepest = max(map(len, map(path, errors)), default=0)
-    at = [er for er in errors if len(path(er)) == deepest][:1]
-    same = [er for er in errors if at and path(er) == path(at[0])] or [{}]
-    param = ".".join(str(p) for p in path(same[0])) or None
+    # The deepest field at fault (the first such): a list item's wrong field, not the union branch the list was tried
+    # against first; several branches that fail at that field say what each wanted.
+    paths = [path(er) for er in errors]
+    at = max(paths, key=len, default=())
+    same = [er for er, p in zip(errors, paths) if p == at] or [{}]
+    param = ".".join(str(p) for p in at) or None
     if param and rename is not None:
         param = rename(param)
     messages = []
