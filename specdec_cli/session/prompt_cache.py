@@ -74,6 +74,25 @@ class Entry:
             return False
         return all(other.target.can_resume(p) for p in (self.target.length, *self.target.checkpoints))
 
+    def prefix(self, length: int, copy: bool = True) -> "Entry":
+        """This entry cut to its first ``length`` tokens (``target.can_resume(length)`` must allow it).
+
+        ``copy`` as :meth:`SavedCache.prefix`: False gives views, to count what a copy would take.
+        """
+        draft = None
+        if self.draft is not None:
+            n = self.draft.best(length)
+            draft = self.draft.prefix(n, copy) if n > 0 else None
+        hidden = None
+        if self.hidden is not None:
+            hidden = self.hidden.rows(0, length)
+            if copy:
+                hidden = Hidden(tuple(mx.array(h) for h in hidden.layers),
+                                None if hidden.final is None else mx.array(hidden.final))
+                mx.eval(list(hidden.layers) + ([hidden.final] if hidden.final is not None else []))
+        return Entry(self.tokens[:length], self.target.prefix(length, copy), draft, hidden,
+                     tuple(m for m in self.marks if m <= length))
+
 
 @dataclass
 class Hit:
@@ -186,8 +205,13 @@ class PromptCache:
         if self.max_entries <= 0 or entry.target.length == 0:
             return
         size = entry.nbytes
+        if size > self.max_bytes:
+            # A conversation that outgrew the bound keeps the longest prefix that fits: its next turn
+            # resumes there instead of prefilling everything again.
+            entry = self._fit(entry)
+            size = entry.nbytes if entry is not None else 0
         dropped = []
-        if size <= self.max_bytes:  # one over the bound alone is not kept (nor does it empty the cache)
+        if entry is not None:
             # Only an entry that is kept makes the ones it extends redundant.
             dropped = [k for k, e in self._entries.items() if e.dominated_by(entry)]
             for key in dropped:
@@ -199,6 +223,18 @@ class PromptCache:
         while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
             self._drop(next(iter(self._entries)))
             dropped.append(None)
-        if dropped:
+        if dropped or entry is None:
             # MLX keeps freed buffers for its next allocations; what the cache let go goes back to the system.
             mx.clear_cache()
+
+    def _fit(self, entry: Entry) -> Optional[Entry]:
+        """The longest prefix of ``entry`` that fits in :attr:`max_bytes`, in buffers of its own (None: none fits)."""
+        lo, hi, best = 1, entry.target.length - 1, 0
+        while lo <= hi:  # bytes grow with the length kept: the last limit whose prefix fits
+            mid = (lo + hi) // 2
+            n = entry.target.best(mid)  # 0: nothing resumes up to mid, which takes no bytes
+            if n == 0 or entry.prefix(n, copy=False).nbytes <= self.max_bytes:
+                best, lo = max(best, n), mid + 1
+            else:
+                hi = mid - 1
+        return entry.prefix(best) if best > 0 else None

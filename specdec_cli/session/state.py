@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..cache.caches import Checkpoint, ModelCache, WindowKVCache, buffer_arrays, leaves, clone_layer, fixed_position, rebuild
@@ -101,6 +102,28 @@ class SavedCache:
         cache.length = length
         return cache
 
+    def prefix(self, length: int, copy: bool = True) -> "SavedCache":
+        """The state after the first ``length`` tokens as a saved state of its own, checkpoints below it kept.
+
+        Args:
+            length: Tokens to keep (:meth:`can_resume` must allow it).
+            copy: Give the cut layers buffers of their own, so that this longer state's memory can be
+                freed; False gives views, enough to count the bytes a copy would take.
+        """
+        if not self.can_resume(length):
+            raise ValueError(f"this saved cache cannot resume at {length} tokens")
+        kept = iter(self.checkpoints[length]) if length < self.length and length in self.checkpoints else None
+        cut = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
+               for c in leaves(self.layers)]
+        if copy:
+            for c in cut:
+                if type(c) is not ArraysCache:  # recurrent arrays are replaced whole, never viewed
+                    c.keys, c.values = _own(c.keys), _own(c.values)
+            mx.eval([a for c in cut for a in _arrays(c)])
+        out = SavedCache(length, rebuild(self.layers, cut))
+        out.checkpoints = {n: kept for n, kept in self.checkpoints.items() if n < length}
+        return out
+
     def checkpoint_at(self, length: int) -> tuple:
         """Copies of the fixed-position layers at ``length`` (the end, or a kept checkpoint)."""
         if length == self.length:
@@ -119,10 +142,18 @@ class SavedCache:
     def nbytes(self) -> int:
         """Bytes of the arrays held (each array object counted once, a view at its own size)."""
         held = leaves(self.layers) + [c for kept in self.checkpoints.values() for c in leaves(list(kept))]
-        seen: dict[int, int] = {}
-        for c in held:
-            arrays = c.cache if type(c) is ArraysCache else buffer_arrays(c.keys) + buffer_arrays(c.values)
-            for a in arrays:
-                if a is not None:
-                    seen[id(a)] = a.nbytes
+        seen = {id(a): a.nbytes for c in held for a in _arrays(c)}
         return sum(seen.values())
+
+
+def _arrays(leaf: Any) -> list:
+    """The arrays one layer cache holds."""
+    arrays = leaf.cache if type(leaf) is ArraysCache else buffer_arrays(leaf.keys) + buffer_arrays(leaf.values)
+    return [a for a in arrays if a is not None]
+
+
+def _own(x: Any) -> Any:
+    """A key or value buffer (a quantized one is a tuple) copied into buffers of its own."""
+    if x is None:
+        return None
+    return tuple(mx.array(a) for a in x) if isinstance(x, (tuple, list)) else mx.array(x)

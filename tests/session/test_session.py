@@ -159,20 +159,57 @@ def test_an_entry_a_longer_one_extends_is_dropped(setups):
     assert len(session.prompt_cache) == 1  # the second turn's entry serves everything the first did
 
 
-def test_an_entry_too_big_to_keep_drops_none_of_the_entries_it_extends(setups):
+def test_an_entry_over_the_bound_keeps_its_longest_prefix_that_fits(setups):
     setup = setups["llama"]
     short, long = Session(setup, 16, prompt_cache=PromptCache()), Session(setup, 16, prompt_cache=PromptCache())
     first, _ = gen(short, PROMPT)
     gen(long, PROMPT + first + MORE * 8, n=8)
     (a,), (b,) = short.prompt_cache._entries.values(), long.prompt_cache._entries.values()
     assert a.dominated_by(b) and a.nbytes < b.nbytes
-    cache = PromptCache(max_entries=10, max_bytes=(a.nbytes + b.nbytes) // 2)
+    bound = (a.nbytes + b.nbytes) // 2
+    cache = PromptCache(max_entries=10, max_bytes=bound)
     cache.insert(a)
     cache.insert(b)
-    assert list(cache._entries.values()) == [a] and cache.nbytes == a.nbytes
+    (kept,) = cache._entries.values()  # b's prefix, which extends a: a is redundant
+    assert len(a.tokens) < len(kept.tokens) < len(b.tokens) and kept.tokens == b.tokens[: len(kept.tokens)]
+    assert cache.nbytes == kept.nbytes <= bound
+    # The longest: one token more would not fit (each leaf is cut to its length, no spare room).
+    assert b.prefix(len(kept.tokens) + 1, copy=False).nbytes > bound
+    assert all(leaf.keys.shape[2] == len(kept.tokens) for leaf in kept.target.layers)
+    # Its caches are b's, cut: equal to caches built directly for those tokens.
+    model = setup.target.model
+    direct = ModelCache(model)
+    direct.prefill(list(kept.tokens), 16)
+    assert max_cache_diff(kept.target.resume(model, kept.target.length), direct) == 0.0
     cache.max_bytes = b.nbytes
-    cache.insert(b)  # kept: the entry it extends is now redundant
+    cache.insert(b)  # whole, now that it fits; its prefix is redundant
     assert list(cache._entries.values()) == [b] and cache.nbytes == b.nbytes
+    cache.max_bytes = 1
+    cache.insert(b)  # not one token fits: nothing is kept, and the cache empties past its bound
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_conversation_past_the_bound_resumes_its_next_turn_from_what_fit(setups, family):
+    """Before, a next turn whose entry outgrew the bound left nothing cached: every later turn prefilled all."""
+    setup = setups[family]
+    probe = Session(setup, 16, prompt_cache=PromptCache())
+    first, _ = gen(probe, PROMPT, boundaries=(len(PROMPT) - 1,))
+    whole = next(iter(probe.prompt_cache._entries.values())).nbytes
+    # Room for the first turn's prompt, not for the next turns'.
+    warm = Session(setup, 16, prompt_cache=PromptCache(max_bytes=whole * 3 // 2))
+    cold = Session(setup, 16)
+    first, _ = gen(warm, PROMPT, boundaries=(len(PROMPT) - 1,))
+    second = PROMPT + first + MORE * 4
+    answer, pre = gen(warm, second, boundaries=(len(PROMPT) + len(first) - 1,))
+    assert pre.cached > 0 and answer == gen(cold, second)[0]
+    (entry,) = warm.prompt_cache._entries.values()
+    assert 0 < entry.target.length < held(second, answer) and warm.prompt_cache.nbytes <= whole * 3 // 2
+    third = second + answer + MORE
+    out, pre = gen(warm, third)
+    assert pre.cached == entry.target.length and out == gen(cold, third)[0]
+    if family == "qwen3_5":  # a recurrent state resumes only at a checkpoint: a boundary, or the prompt's end
+        assert pre.cached in (len(PROMPT) - 1, len(PROMPT) + len(first) - 1, len(second) - 1)
 
 
 def test_a_draft_model_resumes_its_own_caches(dirs):
