@@ -10,12 +10,14 @@ and keeps the chat.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 from .display import print_loading, print_stderr, stderr_width, text_view
-from ..errors import OptionError
+from ..errors import Cancelled, OptionError
 from ..model.prompts import clean, render_messages
 from ..session import (
     MemoryLimitError,
@@ -163,14 +165,45 @@ def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict,
             messages.pop()
             print_stderr([f"error: {e}" + ("" if isinstance(e, OptionError) else "; /reset starts over")])
             continue
-        reply = Reply(session, request, TextStream(setup.tokenizer, chat=False))
-        answer, interrupted = _stream(reply, opts.live, setup.drafter_name)
+        with _CtrlC() as ctrl_c:
+            reply = Reply(session, request, TextStream(setup.tokenizer, chat=False), cancelled=ctrl_c.asked)
+            answer, interrupted = _stream(reply, opts.live, setup.drafter_name, ctrl_c)
         messages.append({"role": "assistant", "content": answer})
         print_stderr([turn_line(reply.stats, interrupted, stderr_width())])
     return 0
 
 
-def _stream(reply: Reply, live: bool, drafter: str) -> tuple[str, bool]:
+class _CtrlC:
+    """Ctrl-C during a turn: the first stops it where its caches hold whole tokens, a second at once.
+
+    A Ctrl-C raised inside a prefill chunk would leave the caches half written, and the
+    conversation's cached prefix (handed to this turn, not copied) would be lost with them:
+    stopped between chunks, what was fed is kept, and the next turn resumes it.
+    """
+
+    def __init__(self):
+        self.stop = False
+        self._before = None
+
+    def asked(self) -> bool:
+        return self.stop
+
+    def _handle(self, signum, frame) -> None:
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+            self._before = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is not None:
+            signal.signal(signal.SIGINT, self._before)
+
+
+def _stream(reply: Reply, live: bool, drafter: str, ctrl_c: Optional[_CtrlC] = None) -> tuple[str, bool]:
     """Show one answer as it comes; returns its text and whether Ctrl-C stopped it."""
     view = text_view(live, drafter, False)
     answer, interrupted = "", False
@@ -180,7 +213,10 @@ def _stream(reply: Reply, live: bool, drafter: str) -> tuple[str, bool]:
             answer += piece.content
             view.write(piece.content)
             view.update(reply.stats)
-    except KeyboardInterrupt:
+            if ctrl_c is not None and ctrl_c.stop:
+                interrupted = True
+                break
+    except (KeyboardInterrupt, Cancelled):
         interrupted = True
     finally:
         pieces.close()  # the session keeps its caches, as after any answer

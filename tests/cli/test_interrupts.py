@@ -23,7 +23,8 @@ from specdec_cli.loop.runner import run
 # work left than the test's own delays (a starved test process) before its signal lands: a 3000-token
 # prefill in 1-token chunks lasts >= 150 s, 4000 tokens in 2-token blocks >= 100 s. With MARK set, the
 # engine writes DECODING to stderr once its first block is committed (the consumer asked for the next
-# one), for a --json run, which streams no text to wait for.
+# one), for a --json run, which streams no text to wait for; with MARK_FORWARDS=N, once N forwards
+# were slowed.
 FORWARD_S = 0.05
 DECODING = b"test-marker: decoding"
 SITECUSTOMIZE = f"""
@@ -35,7 +36,13 @@ def _caches(module):
 
     def slow_forward(self, tokens, mode):
         out = forward(self, tokens, mode)
-        time.sleep({FORWARD_S})
+        # With SLOW_WHILE, only while that file exists (a test makes some turns slow, the others not).
+        if not os.environ.get("SLOW_WHILE") or os.path.exists(os.environ["SLOW_WHILE"]):
+            time.sleep({FORWARD_S})
+            module._slowed = getattr(module, "_slowed", 0) + 1
+            if os.environ.get("MARK_FORWARDS") == str(module._slowed):
+                sys.stderr.write("{DECODING.decode()}\\n")
+                sys.stderr.flush()
         return out
 
     module.ModelCache._forward = slow_forward
@@ -218,6 +225,42 @@ def test_ctrl_c_in_a_prompts_file_reports_the_batch_so_far(models, looping, slow
     assert summary["most_rows_together"] == 1 and summary["aggregate_tps"] > 0
     assert [r["finish_reason"] for r in rows] == ["interrupted"] * 3
     assert rows[0]["generated_tokens"] > 0 and rows[1]["generated_tokens"] == rows[2]["generated_tokens"] == 0
+
+
+def test_ctrl_c_in_a_chat_turns_prefill_keeps_the_conversations_cache(models, slow, tmp_path):
+    # The turn's prompt extends the cached conversation, whose caches are handed to it: a Ctrl-C raised
+    # inside a prefill chunk lost them all, and the next turn prefilled the whole conversation again.
+    flag = tmp_path / "slow"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "chat", "--model", str(models["llama"]), "--no-live",
+                             "-m", "4", "--prefill-step-size", "1", "--prompt-cache-disk-gb", "0"], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                            preexec_fn=_sigint_at_default, env={**slow, "SLOW_WHILE": str(flag), "MARK_FORWARDS": "40"})
+    try:
+        proc.stdin.write(b"Hello there\n")
+        first = _wait_for(proc.stderr, b"]\n")  # turn one's line of numbers: it is over
+        flag.touch()  # turn two's prefill: 1-token chunks, each slowed, for as long as the flag is there
+        long = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
+        proc.stdin.write(long.encode() + b"\n")
+        _wait_for(proc.stderr, DECODING)
+        proc.send_signal(signal.SIGINT)
+        second = _wait_for(proc.stderr, b"]\n")
+        flag.unlink()
+        proc.stdin.write(long.encode() + b" Again.\n/quit\n")
+        out, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, rest
+    err = (first + second + rest).decode()
+    lines = re.findall(r"^\[prompt (\d+) tokens(?: \((\d+) cached\))?.*\]$", err, re.M)
+    assert len(lines) == 3, err
+    assert "stopped (Ctrl-C)" in second.decode().splitlines()[-1] and "stopped" not in first.decode()
+    (p1, _), (p2, _), (p3, c3) = [(int(p), int(c or 0)) for p, c in lines]
+    # Turn two (resuming turn one) was stopped between its chunks, after 40 of them, and kept what it had fed:
+    # turn three resumes turn one's conversation and those tokens (before, it resumed nothing).
+    assert p1 + 40 <= c3 < p2 < p3, err
+    assert "Traceback" not in err
 
 
 def test_ctrl_c_while_the_command_line_loads_exits_130_quietly(tmp_path):
