@@ -35,7 +35,14 @@ and decode tok/s (the server's own ``timings.predicted_per_second``), medians,
 each against chat completions, and whether the three texts are identical.
 Results go to ``bench-results/serve-dialects.json``.
 
+With ``--conversation`` it runs only a longer conversation (six turns on the same document),
+the two servers' turns alternating, and with ``--prompt-cache-bytes N`` both servers' prompt
+caches are bounded to N bytes: set below what the conversation grows to, it shows what each
+server resumes once the conversation no longer fits (per turn: TTFT and cached tokens). Results
+go to ``bench-results/serve-conversation.json``.
+
 Usage: python scripts/bench_serve.py [--repeats 3] [--out bench-results/serve.json]
+       python scripts/bench_serve.py --conversation [--prompt-cache-bytes 30000000]
        python scripts/bench_serve.py --concurrency 1,2,4,8 [--decode-concurrency 8|default]
        python scripts/bench_serve.py --dialects [--repeats 5]
 """
@@ -85,6 +92,8 @@ OPEN = "Explain in a short paragraph why the sky is blue."
 DOCUMENT = " ".join([NOTICE] * 2)
 TURNS = [f"Read this notice carefully.\n\n{DOCUMENT}\n\nWhat is being repaired?",
          "When does the work start?", "Where should residents park?"]
+MORE_TURNS = ["How long will the work take?", "Who should residents call with questions?",
+              "Will the water be turned off every day?"]
 KINDS = {"edit": (EDIT, 256), "summary": (SUMMARY, 96), "open": (OPEN, 128)}
 COPY = ("Copy this text exactly: The city council met on Tuesday to discuss the new park. The park will have a "
         "playground, a small lake and walking paths. The council said the park will open next spring.")
@@ -273,9 +282,14 @@ def main() -> None:
                          "is 32; it only matters up to the number of clients)")
     ap.add_argument("--specdec-args", default="", help="More options for specdec serve, e.g. '--lookup-corpus 0' "
                     "(the workloads repeat their requests: with the corpus, a repeat copies the earlier answer)")
+    ap.add_argument("--conversation", action="store_true",
+                    help="only a six-turn conversation, the servers' turns alternating")
+    ap.add_argument("--prompt-cache-bytes", type=int, default=None,
+                    help="both servers' --prompt-cache-bytes (default: each server's own)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else None
-    name = "serve-dialects.json" if args.dialects else "serve-concurrency.json" if levels else "serve.json"
+    name = "serve-dialects.json" if args.dialects else "serve-concurrency.json" if levels else \
+        "serve-conversation.json" if args.conversation else "serve.json"
     args.out = args.out or str(ROOT / "bench-results" / name)
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
@@ -283,6 +297,8 @@ def main() -> None:
 
     ports = {"mlx_lm": free_port(), "specdec": free_port()}
     batch = ["--decode-concurrency", args.decode_concurrency] if levels and args.decode_concurrency != "default" else []
+    if args.prompt_cache_bytes is not None:
+        batch += ["--prompt-cache-bytes", str(args.prompt_cache_bytes)]
     procs = {} if args.dialects else {
         "mlx_lm": start([sys.executable, "-m", "mlx_lm", "server", "--model", str(f32), "--port",
                          str(ports["mlx_lm"]), *batch], ports["mlx_lm"], peer_env, work / "mlx_lm.log"),
@@ -300,6 +316,9 @@ def main() -> None:
             ask(ports[name], [{"role": "user", "content": "Hello"}], 8)
         if args.dialects:
             results["dialects"] = dialects(ports["specdec"], args.repeats)
+        elif args.conversation:
+            results["prompt_cache_bytes"] = args.prompt_cache_bytes
+            results["conversation"] = conversation(ports, TURNS + MORE_TURNS)
         elif levels:
             results["decode_concurrency"] = args.decode_concurrency
             results["specdec_args"] = args.specdec_args
@@ -394,6 +413,27 @@ def single(ports: dict, results: dict, repeats: int) -> None:
         print(f"chat     {name:8s} TTFT per turn " + ", ".join(f"{x:.3f}s" for x in ttft)
               + f" (later/first: {', '.join(f'{x / ttft[0]:.0%}' for x in ttft[1:])})", flush=True)
     results["conversation"] = convo
+
+
+def conversation(ports: dict, turns: list[str]) -> dict:
+    """One conversation per server, their turns alternating: TTFT and cached tokens per turn, texts compared."""
+    messages = {name: [] for name in ports}
+    out = {name: [] for name in ports}
+    for i, text in enumerate(turns):
+        for name in ports:
+            messages[name].append({"role": "user", "content": text})
+            r = ask(ports[name], messages[name], 48)
+            messages[name].append({"role": "assistant", "content": r["text"]})
+            out[name].append({k: r[k] for k in ("ttft_s", "prompt_tokens", "cached_tokens", "text")})
+        a, b = out["mlx_lm"][-1], out["specdec"][-1]
+        print(f"turn {i + 1}: prompt {b['prompt_tokens']:5d} tokens; TTFT mlx_lm {a['ttft_s']:.3f}s (cached "
+              f"{a['cached_tokens']}), specdec {b['ttft_s']:.3f}s (cached {b['cached_tokens']}): "
+              f"{a['ttft_s'] / b['ttft_s']:.2f}x; identical={a['text'] == b['text']}", flush=True)
+    later = slice(1, None)
+    ttft = {name: sum(t["ttft_s"] for t in out[name][later]) for name in ports}
+    print(f"later turns' TTFT, summed: mlx_lm {ttft['mlx_lm']:.3f}s, specdec {ttft['specdec']:.3f}s "
+          f"({ttft['mlx_lm'] / ttft['specdec']:.2f}x)", flush=True)
+    return {"turns": out, "later_ttft_s": ttft}
 
 
 if __name__ == "__main__":
