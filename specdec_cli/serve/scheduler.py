@@ -112,7 +112,10 @@ class Scheduler:
         self.max_rows = max_rows
         # The batch planner's forward costs by rows x tokens, measured once (see prepare).
         self._costs: Optional[CostTable] = None
-        self._jobs: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        # Bounded by submit (rows not yet filled count as room), not by the queue: a burst arrives faster
+        # than the generation thread, busy with a block, takes requests into free rows.
+        self._jobs: queue.Queue[Optional[Job]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="specdec-generation", daemon=True)
         self._stopping = threading.Event()
         # The requests in flight and their engine (built on the generation thread); each flight's tag is an _Ask.
@@ -169,10 +172,10 @@ class Scheduler:
             raise Busy(stalled)
         if self._stopping.is_set():
             raise Busy("the server is shutting down")
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise Busy(f"{self._jobs.maxsize} requests are already waiting") from None
+        waiting = self.waiting
+        if self.running + len(self._asks) + waiting >= self.max_rows + self.max_queue:
+            raise Busy(f"{waiting} requests are already waiting")
+        self._jobs.put_nowait(job)
         if self.fault is not None:  # the thread ended while this was queued: nobody would take it
             self._drain(Busy(self.dead))
 

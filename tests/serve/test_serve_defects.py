@@ -232,6 +232,33 @@ def alone(setup, prompt) -> list[int]:
     return reply.tokens
 
 
+def test_a_burst_fills_the_free_rows_and_the_queue_before_any_request_is_turned_away(setup):
+    # Requests arrive faster than the generation thread (busy with a block) takes them into rows: rows it has
+    # not filled yet are room too. Before, the queue alone bounded a burst: 3 of 6 got a 503 with 8 rows free.
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=4, max_queue=2)
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job(maker(session, PROMPTS[i % len(PROMPTS)]), loop) for i in range(6)]
+        for job in jobs:  # the thread is not started: nothing has been taken yet
+            scheduler.submit(job)
+        with pytest.raises(Busy, match="6 requests are already waiting"):
+            scheduler.submit(Job(maker(session, PROMPTS[0]), loop))
+        assert scheduler.waiting == 6
+        for job in jobs:
+            job.cancel()  # skipped when taken
+    finally:
+        scheduler.stop()
+        loop.close()
+    # Once started, the ones decoding leave room for as many again: 4 rows + 2 waiting.
+    scheduler = Scheduler(session, max_rows=4, max_queue=2)
+    try:
+        ends = run_jobs(scheduler, [maker(session, PROMPTS[i % len(PROMPTS)]) for i in range(6)])
+        assert all(isinstance(e, Done) for e in ends)
+    finally:
+        scheduler.stop()
+
+
 def test_a_fault_handling_one_rows_text_fails_that_row_alone(setup):
     session = Session(setup, 8)
     scheduler = Scheduler(session, max_rows=4)
