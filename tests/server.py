@@ -54,14 +54,24 @@ def env(**extra: str) -> dict:
     return out
 
 
+def _merged(base: dict, extra: Optional[dict], rank: int) -> dict:
+    """``base`` with one rank's own variables (None: unset) and its ``MLX_RANK``."""
+    out = {**base, **(extra or {}), "MLX_RANK": str(rank)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 class Server:
     """``specdec serve ARGS`` on a free port.
 
     Args:
         args: Command-line arguments after ``serve``.
+        extra_env: Variables for every process.
+        ranks: Processes started as ranks of MLX's ring backend (rank 0 serves HTTP).
+        rank_env: Each rank's own variables (None unsets one).
     """
 
-    def __init__(self, *args: str, extra_env: Optional[dict] = None, ranks: int = 1):
+    def __init__(self, *args: str, extra_env: Optional[dict] = None, ranks: int = 1,
+                 rank_env: Optional[dict[int, dict]] = None):
         self.args = [str(a) for a in args]
         cmd = [sys.executable, "-m", "specdec_cli", "serve", "--port", "0", *self.args]
         run_env = env(**(extra_env or {}))
@@ -75,13 +85,13 @@ class Server:
             run_env["MLX_HOSTFILE"] = str(hosts)
             for rank in range(1, ranks):
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                        env={**run_env, "MLX_RANK": str(rank)})
+                                        env=_merged(run_env, (rank_env or {}).get(rank), rank))
                 lines: list[str] = []
                 threading.Thread(target=lambda p=proc, out=lines: out.extend(x.rstrip("\n") for x in p.stderr),
                                  daemon=True).start()
                 self.others.append(proc)
                 self.other_lines.append(lines)
-            run_env["MLX_RANK"] = "0"
+            run_env = _merged(run_env, (rank_env or {}).get(0), 0)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
         self.lines: list[str] = []
         self._ready = threading.Event()

@@ -347,6 +347,12 @@ class Ranks:
         self.watchdog.tick()
         return all(row == rows[0] for row in rows)
 
+    def flags(self, flag: bool) -> list[bool]:
+        """Every rank's ``flag``, in rank order (one collective)."""
+        rows = self.gather(mx.array([int(flag)], dtype=mx.int32)).tolist()
+        self.watchdog.tick()
+        return [bool(row[0]) for row in rows]
+
     def share_one(self, value: int) -> int:
         """Rank 0's ``value``."""
         return self.share([value])[0]

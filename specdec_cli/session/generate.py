@@ -228,6 +228,17 @@ class Session:
         """Open the disk tier ``--prompt-cache-dir`` / ``--prompt-cache-disk-gb`` ask for; returns a warning
         for the user when it stays off though it was not turned off (None otherwise)."""
         self.disk, warning = open_disk_tier(self.setup, folder, gb, self.tap_spec())
+        if self.ranks is not None:
+            # Each rank opens a folder of its own machine. Where one could not (a path only some machines have,
+            # a full disk), the tier is off on all: ranks that looked up different tiers would part ways.
+            opened = self.ranks.flags(self.disk is not None)
+            if any(opened) and not all(opened):
+                if self.disk is not None:
+                    self.disk.close()
+                    self.disk = None
+                lost = ", ".join(str(rank) for rank, on in enumerate(opened) if not on)
+                warning = (f"the disk prompt cache is off on every rank: rank {lost} could not open its folder "
+                           f"(check --prompt-cache-dir on that machine; its reason is in its own log)")
         if self.disk is not None and self.corpus is not None:
             self.corpus.load(self.disk.corpus_path)  # recent answers outlive the process too
         if self.ranks is not None and self.corpus is not None:

@@ -194,6 +194,25 @@ def test_what_a_sharded_server_cannot_do_is_a_400(sharded):
                                                temperature=0).choices[0].text
 
 
+def test_a_disk_tier_one_rank_could_not_open_is_off_on_every_rank(models, tmp_path):
+    # Rank 1's cache folder cannot be made (a path only one machine has): the ranks used to look up different
+    # tiers, part ways in their collectives and hang on the first request until the watchdog ended them.
+    shared = {"SPECDEC_PROMPT_CACHE_DIR": None, "SPECDEC_PROMPT_CACHE_DISK_GB": "1",
+              "SPECDEC_DISTRIBUTED_TIMEOUT": "30"}
+    server = Server(*_args(models, "llama_lookup"), "--decode-concurrency", "1", ranks=2, extra_env=shared,
+                    rank_env={0: {"XDG_CACHE_HOME": str(tmp_path)}, 1: {"XDG_CACHE_HOME": "/proc/no-such-folder"}})
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        first = server.post("/v1/completions", body)
+        assert first.status_code == 200, first.text
+        again = server.post("/v1/completions", body)  # resumed from memory on both ranks alike
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert "the disk prompt cache is off on every rank: rank 1 could not open its folder" in server.log
+    finally:
+        server.stop()
+    assert not any(p.poll() not in (0, None) for p in server.others), server.other_lines
+
+
 def test_a_killed_rank_ends_the_server_with_one_line_and_no_hung_process(models):
     server = Server(*_args(models, "llama_lookup"), "--decode-concurrency", "4", ranks=2,
                     extra_env={"SPECDEC_DISTRIBUTED_TIMEOUT": "5"})
