@@ -636,6 +636,9 @@ ApiKeyOpt = Annotated[Optional[str], _opt(
     "but /health.", rich_help_panel=SERVER, **UNSET)]
 NoApiKeyOpt = Annotated[bool, _opt(
     "--no-api-key", help="Serve a non-loopback --host to anyone, without a key.", rich_help_panel=SERVER, **FLAG)]
+AllowOriginOpt = Annotated[Optional[List[str]], _opt(
+    "--allow-origin", metavar="ORIGIN", help="Let web pages from ORIGIN (e.g. http://localhost:3000; * for any) "
+    "call the server from a browser (CORS; repeatable).", rich_help_panel=SERVER, **UNSET)]
 PromptCacheSizeOpt = Annotated[int, _opt(
     "--prompt-cache-size", metavar="N", min=0, max=1 << 16, help="Most prompt caches kept (0: none).",
     rich_help_panel=LIMITS)]
@@ -684,6 +687,7 @@ def serve(
     port: PortOpt = 8080,
     api_key: ApiKeyOpt = None,
     no_api_key: NoApiKeyOpt = False,
+    allow_origin: AllowOriginOpt = None,
     model: ModelOpt = None,
     draft_model: DraftModelOpt = None,
     dtype: DTypeOpt = DType.auto,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import signal
 import socket
 import sys
@@ -58,6 +59,7 @@ class ServeOptions(RunOptions):
     port: int = 8080
     api_key: Optional[str] = None
     no_api_key: bool = False
+    allow_origin: Optional[list[str]] = None
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
     queue_size: int = 16
@@ -89,6 +91,15 @@ def check_access(opts: ServeOptions) -> Optional[str]:
                           "--no-api-key to serve it without one")
     return (f"serving on {opts.host} without an API key: anyone who can reach port {opts.port} there can "
             "use the model")
+
+
+def check_origins(origins: Optional[list[str]]) -> list[str]:
+    """``--allow-origin`` values: ``*``, or origins as a browser sends them (scheme://host[:port], no path)."""
+    for origin in origins or ():
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
+            raise OptionError(f"--allow-origin takes an origin like http://localhost:3000 (scheme, host and port, "
+                              f"no path), or * for any (got {origin!r})")
+    return list(origins or ())
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -130,6 +141,7 @@ def _serve(opts: ServeOptions) -> int:
     if opts.prompt_cache_size < 0 or (opts.prompt_cache_bytes is not None and opts.prompt_cache_bytes < 0):
         raise OptionError("--prompt-cache-size and --prompt-cache-bytes must be >= 0")
     warning = check_access(opts)
+    origins = check_origins(opts.allow_origin)
     primary = ranks is None or ranks.primary
     sock = bind(opts.host, opts.port) if primary else None  # rank 0 alone serves HTTP
     print_loading(opts.model, opts.draft_model)
@@ -175,7 +187,7 @@ def _serve(opts: ServeOptions) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         service.scheduler.follow()  # rank 0's loop passes, until it stops
         return 0
-    app = create_app(service, api_key=opts.api_key)
+    app = create_app(service, api_key=opts.api_key, allow_origins=origins)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     print_stderr(setup.start_lines() + [f"warning: {w}" for w in (warning, disk_warning) if w]

@@ -16,12 +16,13 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import SpecdecError
@@ -166,13 +167,15 @@ def _sse(body: dict, event: Optional[str] = None) -> str:
     return f"{named}data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: int = MAX_BODY_BYTES,
+               allow_origins: Sequence[str] = ()) -> FastAPI:
     """The ASGI application serving ``service``.
 
     Args:
         service: The session behind the API.
         api_key: When set, every request but ``GET /health`` needs ``Authorization: Bearer <api_key>``.
         max_body_bytes: Larger request bodies get a 413.
+        allow_origins: Origins whose web pages may call the server from a browser (CORS; ``*``: any).
     """
 
     @asynccontextmanager
@@ -216,7 +219,11 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
-    app.add_middleware(_AnthropicErrors)  # outermost: it sees every error answer
+    app.add_middleware(_AnthropicErrors)  # it sees every error answer
+    if allow_origins:
+        # Outermost: a browser's preflight carries no key and no body, and every answer needs the headers.
+        app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
 
     @app.get(HEALTH_PATH)
     async def health(request: Request):

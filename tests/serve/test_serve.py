@@ -456,6 +456,15 @@ def test_binding_beyond_loopback_needs_a_decision_about_keys(dirs):
         server.stop()
 
 
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/", "http://a.example/chat", "*.example"])
+def test_an_origin_that_is_not_one_is_refused_before_the_model_loads(dirs, origin):
+    result = CliRunner().invoke(app, ["serve", "--model", str(dirs["llama"]), "--allow-origin", "*",
+                                      "--allow-origin", origin])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: --allow-origin takes an origin like http://localhost:3000 (scheme, "
+                                     f"host and port, no path), or * for any (got {origin!r})")
+
+
 def test_a_port_in_use_is_one_line(servers, dirs):
     port = servers["llama"].url.rsplit(":", 1)[1]
     result = CliRunner().invoke(app, ["serve", "--model", str(dirs["llama"]), "--port", port])

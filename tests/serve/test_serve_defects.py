@@ -28,6 +28,7 @@ from specdec_cli.session.reply import Reply, TextStream
 from specdec_cli.session.synthetic import make_model_dir
 
 KEY = "sk-test-key"
+ORIGIN = "http://localhost:3000"
 # A tool call whose JSON is a number: mlx-lm's json_tools parser returns 42, not a call.
 BAD_CALL = "<tool_call> 42 </tool_call>"
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -61,7 +62,7 @@ def tools_server(root):
 
 @pytest.fixture(scope="module")
 def keyed(llama):
-    s = Server("--model", llama, "--api-key", KEY)
+    s = Server("--model", llama, "--api-key", KEY, "--allow-origin", ORIGIN)
     yield s
     s.stop()
 
@@ -403,6 +404,29 @@ def test_every_route_but_health_needs_the_key(keyed):
         assert r.status_code == 404 and r.json()["error"]["message"]
         assert http.head("/nowhere", headers={"authorization": f"Bearer {KEY}"}).status_code in (404, 405)
 
+
+
+def test_a_browser_page_from_an_allowed_origin_may_call_the_server(keyed):
+    # --allow-origin: the preflight is answered before the key is asked for (a browser sends none with it), and
+    # every answer, an error too, carries the header the page needs to read it. Other origins get no header.
+    with httpx.Client(base_url=keyed.url, timeout=ANSWER_S) as http:
+        pre = http.options("/v1/chat/completions", headers={
+            "origin": ORIGIN, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        denied = http.post("/v1/chat/completions", json=CHAT, headers={"origin": ORIGIN})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
+        ok = http.post("/v1/chat/completions", json=CHAT,
+                       headers={"origin": ORIGIN, "authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+        other = http.post("/v1/chat/completions", json=CHAT,
+                          headers={"origin": "http://evil.example", "authorization": f"Bearer {KEY}"})
+        assert "access-control-allow-origin" not in other.headers
+        refused = http.options("/v1/chat/completions", headers={"origin": "http://evil.example",
+                                                                 "access-control-request-method": "POST"})
+        assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
 
 # --- 3. boolean JSON schemas -----------------------------------------------------------------------------
 
