@@ -306,9 +306,10 @@ class Service:
         content = "".join(p.content for p in pieces)
         body: dict[str, Any] = {"id": prepared.id, "created": prepared.created, "model": self.model_id}
         if prepared.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            reasoning = "".join(p.reasoning for p in pieces)
             calls = [c for p in pieces for c in p.tool_calls]
+            # Only calls: null content, as OpenAI answers them.
+            message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+            reasoning = "".join(p.reasoning for p in pieces)
             if reasoning:
                 message["reasoning"] = reasoning
             if calls:

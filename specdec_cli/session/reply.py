@@ -119,6 +119,11 @@ class TextStream:
         self._tool_text = ""
         self._calls = 0
         self._state: Optional[str] = None  # the split's state after the last piece
+        # Where calls may come, the content since the last call or reasoning while it is only whitespace, held
+        # back (None: it holds real text, which goes out as it comes); _after_call: a call came last.
+        self._calls_possible = chat and tokenizer.has_tool_calling
+        self._space: Optional[str] = "" if self._calls_possible else None
+        self._after_call = False
         if chat and (tokenizer.has_thinking or tokenizer.has_tool_calling):
             machine = make_text_state_machine(tokenizer)
             initial = "normal"
@@ -183,6 +188,8 @@ class TextStream:
             if self._tool_text or state == "tool":
                 # No end marker came: a cut call is shown as written; one ended by EOS may still parse.
                 self._close_tool(piece, closed=False, parse=not (cut or self.stopped))
+            if self._space and not self._after_call:  # whitespace that ends a reply with no call before it
+                piece.add("content", self._space)
         return piece
 
     def _raw(self, segment: str, final: bool) -> Piece:
@@ -217,10 +224,27 @@ class TextStream:
     def _route(self, piece: Piece, state: Optional[str], text: str) -> None:
         if state == "tool":
             self._tool_text += text
-        elif state == "reasoning":
-            piece.add("reasoning", text)
         else:
-            piece.add("content", text)
+            self._part(piece, "reasoning" if state == "reasoning" else "content", text)
+
+    def _part(self, piece: Piece, kind: str, value: Any) -> None:
+        """Add text or a call to ``piece``; whitespace that only separates or surrounds calls is no content.
+
+        A newline between Hermes-style call blocks, or after ``</think>`` before one, is held until what
+        follows is known: real text takes it along, a call drops it (as does the reply's end after a call).
+        """
+        if not value:
+            return
+        if kind == "content" and self._space is not None:
+            if value.isspace():
+                self._space += value
+                return
+            value, self._space = self._space + value, None
+        elif kind != "content" and self._calls_possible:
+            if self._space and kind == "reasoning" and not self._after_call:
+                piece.add("content", self._space)
+            self._space, self._after_call = "", kind == "call"
+        piece.add(kind, value)
 
     def _close_tool(self, piece: Piece, closed: bool = True, parse: bool = True) -> None:
         """A tool call's text ended: parse it with mlx-lm's parser for this model.
@@ -232,26 +256,26 @@ class TextStream:
         # Never lose model output: a call that is not one is shown as the text the model wrote.
         written = f"{self.tokenizer.tool_call_start}{text}{end}"
         if not parse:
-            piece.add("content", written)
+            self._part(piece, "content", written)
             return
         try:
             parsed = self.tokenizer.tool_parser(text, self.tools)
         except Exception as e:  # parsers raise what their format's library raises
             log.warning("a tool call did not parse (%s); it is returned as text", " ".join(str(e).split()))
-            piece.add("content", written)
+            self._part(piece, "content", written)
             return
         calls = [_tool_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
         if not calls or None in calls:
             log.warning("a tool call is not a JSON object with a name (%s); it is returned as text",
                         type(parsed).__name__)
-            piece.add("content", written)
+            self._part(piece, "content", written)
             return
         if self.object_arguments and not all(_object(c["function"]["arguments"]) for c in calls):
             log.warning("a tool call's arguments are not a JSON object; it is returned as text")
-            piece.add("content", written)
+            self._part(piece, "content", written)
             return
         for call in calls:
-            piece.add("call", call)
+            self._part(piece, "call", call)
         self._calls += len(calls)
 
     @property

@@ -1,6 +1,6 @@
 """``specdec serve`` defects, each held by a test: a model's answer that stopped all generation, the API key's
 reach, boolean JSON schemas, a cut forced tool call, the prompt cache's bytes, pydantic's prefixes, JSON bodies
-sent as forms.
+sent as forms, whitespace between parallel tool calls.
 
 Real server processes (tests/server.py) where the defect shows over HTTP; the scheduler, the text stream and the
 prompt cache in this process where a fault must be injected or memory counted.
@@ -20,7 +20,9 @@ import pytest
 
 from server import TOOL_ANSWER, TOOL_QUESTION, WEATHER_TOOL, Server, said_model_dir, tool_model_dir, tools_tokenizer
 from specdec_cli.core.processors import Constraint, ConstraintError, Grammar, check_constraint, grammar_text
+from specdec_cli.serve import anthropic as messages_api
 from specdec_cli.serve import protocol
+from specdec_cli.serve import responses as responses_api
 from specdec_cli.serve.scheduler import Busy, Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
 from specdec_cli.session import prompt_cache as prompt_cache_module
@@ -651,3 +653,189 @@ def test_a_json_body_is_read_as_json_whatever_its_content_type(tools_server, con
         assert r.status_code == 200, (path, r.text)
     r = httpx.post(f"{tools_server.url}/v1/chat/completions", content=b"a=1&b=2", headers=headers, timeout=ANSWER_S)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+# --- 7. whitespace that only separates tool calls is no content ------------------------------------------
+
+# Qwen's and Hermes' parallel calls: a block each, a newline between. It came back as content "\n" beside the
+# calls, as a text block between two tool_use blocks, and as a message item between two function_call items,
+# which a Responses client sends back as two assistant turns (a prompt the model did not write).
+PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ROME = PARIS.replace("Paris", "Rome")
+PARALLEL = f"{PARIS}\n{ROME}"
+CITIES = ["Paris", "Rome"]
+RESPONSES_WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
+# Tokens enough for both calls (160 with the test tokenizer).
+BOTH = 200
+
+
+def split(tok, text: str, step: int, **kw) -> list:
+    """``text`` through a :class:`TextStream`, ``step`` tokens at a time: the pieces it gives."""
+    stream = TextStream(tok, tools=[WEATHER_TOOL], **kw)
+    ids = tok.encode(text, add_special_tokens=False)
+    return [stream.add(ids[i: i + step]) for i in range(0, len(ids), step)] + [stream.finish()]
+
+
+def written(pieces: list) -> list[tuple[str, str]]:
+    """The pieces' text and calls in order, text that follows text joined: ``("content", text)`` or
+    ``("call", city)``."""
+    out: list[tuple[str, str]] = []
+    for p in pieces:
+        for kind, value in p.in_order():
+            if kind == "call":
+                out.append(("call", json.loads(value["function"]["arguments"])["city"]))
+            elif out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1] + value)
+            else:
+                out.append((kind, value))
+    return out
+
+
+CALLS = [("call", "Paris"), ("call", "Rome")]
+
+
+@pytest.mark.parametrize("text, want", [
+    (PARALLEL, CALLS),
+    (f"\n\n{PARIS}\n \n{ROME}\n", CALLS),
+    (f"Let me check.\n{PARALLEL}", [("content", "Let me check.\n"), *CALLS]),
+    (f"{PARIS}\nThen Rome:\n{ROME}\n\nDone.",
+     [CALLS[0], ("content", "\nThen Rome:\n"), CALLS[1], ("content", "\n\nDone.")]),
+    (f"{PARIS}\n{BAD_CALL}", [CALLS[0], ("content", f"\n{BAD_CALL}")]),
+    ("\n\n", [("content", "\n\n")]),
+])
+def test_whitespace_that_only_separates_tool_calls_is_no_content(tok, text, want):
+    for step in (1, 2, 1000):  # streamed a token at a time, or whole: the same
+        assert written(split(tok, text, step)) == want, step
+
+
+@pytest.fixture(scope="module")
+def thinking_tok(root):
+    """The tools tokenizer with thinking markers, as Qwen3's: it thinks, then calls."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from tokenizers import Tokenizer
+
+    path = root / "thinking-tok"
+    tools_tokenizer(path)
+    hf = Tokenizer.from_file(str(path / "tokenizer.json"))
+    hf.add_special_tokens(["<think>", "</think>"])
+    hf.save(str(path / "tokenizer.json"))
+    return load_tokenizer(path)
+
+
+@pytest.mark.parametrize("text, want", [
+    (f"<think>\nhm\n</think>\n\n{PARALLEL}", [("reasoning", "\nhm\n"), *CALLS]),
+    ("<think>\nhm\n</think>\n\nHello", [("reasoning", "\nhm\n"), ("content", "\n\nHello")]),
+    ("\n<think>hm</think>\n", [("content", "\n"), ("reasoning", "hm"), ("content", "\n")]),
+])
+def test_whitespace_between_thinking_and_a_call_is_no_content(thinking_tok, text, want):
+    assert thinking_tok.has_thinking and thinking_tok.has_tool_calling
+    for step in (1, 1000):
+        assert written(split(thinking_tok, text, step)) == want, step
+
+
+def test_the_messages_and_responses_shapes_keep_real_text_beside_calls_and_no_whitespace(tok):
+    for text, texts in ((PARALLEL, []), (f"Let me check.\n{PARALLEL}", ["Let me check.\n"])):
+        for step in (1, 1000):
+            shape = messages_api.MessageShape("m", 1, lambda reply: {})
+            for p in split(tok, text, step, object_arguments=True):
+                shape.piece(p)
+            assert [b.get("text", b.get("input")) for b in shape.blocks] == \
+                [*texts, {"city": "Paris"}, {"city": "Rome"}], (text, step)
+            out = responses_api.ResponseShape(responses_api.ResponsesRequest(input="hi"), "m", lambda reply: {})
+            for p in split(tok, text, step):
+                out.piece(p)
+            assert [i["content"][0]["text"] if i["type"] == "message" else json.loads(i["arguments"])
+                    for i in out.output] == [*texts, {"city": "Paris"}, {"city": "Rome"}], (text, step)
+
+
+@pytest.fixture(scope="module")
+def parallel_model(root):
+    return said_model_dir(root / "parallel", PARALLEL, steps=400)
+
+
+@pytest.fixture(scope="module")
+def parallel_server(parallel_model):
+    s = Server("--model", parallel_model)
+    yield s
+    s.stop()
+
+
+def test_parallel_calls_over_chat_completions_have_no_content(parallel_server):
+    client = parallel_server.client(timeout=ANSWER_S)
+    body = {"model": "default_model", "messages": TOOL_QUESTION, "tools": [WEATHER_TOOL], "max_tokens": BOTH}
+    for choice in ({}, {"tool_choice": "required"},
+                   {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
+        out = client.chat.completions.create(**body, **choice)
+        message = out.choices[0].message
+        assert message.content is None and out.choices[0].finish_reason == "tool_calls", (choice, message)
+        assert [json.loads(c.function.arguments)["city"] for c in message.tool_calls] == CITIES
+        chunks = list(client.chat.completions.create(**body, **choice, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "", choice
+        calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [(c.index, json.loads(c.function.arguments)["city"]) for c in calls] == [(0, "Paris"), (1, "Rome")]
+
+
+def test_parallel_calls_over_the_messages_api_are_tool_use_blocks_alone(parallel_server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=parallel_server.url, api_key="none", max_retries=0, timeout=ANSWER_S)
+    body = {"model": "default_model", "max_tokens": BOTH, "messages": TOOL_QUESTION, "tools": [ANTHROPIC_WEATHER]}
+    for choice in ({}, {"tool_choice": {"type": "any"}}, {"tool_choice": {"type": "tool", "name": "get_weather"}}):
+        out = client.messages.create(**body, **choice)
+        with client.messages.stream(**body, **choice) as s:
+            final = s.get_final_message()
+        for message in (out, final):
+            assert [(b.type, b.input["city"]) for b in message.content] == [("tool_use", c) for c in CITIES], \
+                (choice, message.content)
+            assert message.stop_reason == "tool_use"
+
+
+def test_parallel_calls_over_responses_are_function_call_items_alone(parallel_server):
+    client = parallel_server.client(timeout=ANSWER_S)
+    body = {"model": "default_model", "input": TOOL_QUESTION, "tools": [RESPONSES_WEATHER], "max_output_tokens": BOTH}
+    for choice in ({}, {"tool_choice": "required"}, {"tool_choice": {"type": "function", "name": "get_weather"}}):
+        out = client.responses.create(**body, **choice)
+        events = list(client.responses.create(**body, **choice, stream=True))
+        for output in (out.output, events[-1].response.output):
+            assert [(i.type, json.loads(i.arguments)["city"]) for i in output] == \
+                [("function_call", c) for c in CITIES], (choice, output)
+        assert not [e for e in events if e.type.startswith(("response.output_text", "response.content_part"))]
+
+
+def test_parallel_calls_sent_back_over_responses_are_one_assistant_turn(parallel_server, parallel_model, tok):
+    from specdec_cli.model.prompts import render_messages
+
+    client = parallel_server.client(timeout=ANSWER_S)
+    out = client.responses.create(model="default_model", input=TOOL_QUESTION, tools=[RESPONSES_WEATHER],
+                                  max_output_tokens=BOTH)
+    made = [i for i in out.output if i.type == "function_call"]
+    results = [{"type": "function_call_output", "call_id": i.call_id, "output": f"sunny in {city}"}
+               for i, city in zip(made, CITIES)]
+    # Sent back as Codex sends it: every output item, then the calls' outputs.
+    follow = TOOL_QUESTION + [i.model_dump(exclude_none=True) for i in out.output] + results
+    # The same conversation as chat completions carries it: one assistant message with both calls.
+    calls = [{"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
+             for i in made]
+    chat_follow = TOOL_QUESTION + [{"role": "assistant", "content": None, "tool_calls": calls}] + \
+        [{"role": "tool", "tool_call_id": r["call_id"], "content": r["output"]} for r in results]
+
+    def prompt(req: protocol.ChatRequest) -> list[int]:
+        return render_messages(tok, protocol.chat_messages(req), tools=req.tools).ids
+
+    request = responses_api.ResponsesRequest.model_validate_json(
+        json.dumps({"input": follow, "tools": [RESPONSES_WEATHER]}))
+    chat_request = protocol.ChatRequest.model_validate_json(json.dumps({"messages": chat_follow,
+                                                                        "tools": [WEATHER_TOOL]}))
+    assert prompt(responses_api.to_chat(request)) == prompt(chat_request)
+    after = client.responses.create(model="default_model", input=follow, tools=[RESPONSES_WEATHER],
+                                    max_output_tokens=1)
+    # The chat route from the same start (a fresh server: its prompt cache holds what this one's held).
+    fresh = Server("--model", parallel_model)
+    try:
+        chat = fresh.client(timeout=ANSWER_S).chat.completions
+        chat.create(model="default_model", messages=TOOL_QUESTION, tools=[WEATHER_TOOL], max_tokens=BOTH)
+        same = chat.create(model="default_model", messages=chat_follow, tools=[WEATHER_TOOL], max_tokens=1)
+    finally:
+        fresh.stop()
+    assert (after.usage.input_tokens, after.usage.input_tokens_details.cached_tokens) == \
+        (same.usage.prompt_tokens, same.usage.prompt_tokens_details.cached_tokens)
