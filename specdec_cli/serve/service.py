@@ -11,6 +11,7 @@ queues it and streams or collects what comes back.
 from __future__ import annotations
 
 import asyncio
+import codecs
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -51,8 +52,10 @@ class Prepared:
     created: int = field(default_factory=protocol.now)
     # Tool calls streamed so far (each streamed call carries its index).
     calls: int = 0
-    # Completions' logprobs: characters of the tokens already reported (their text_offset).
+    # Completions' logprobs: characters of the tokens already reported (their text_offset), and the decoder
+    # holding the bytes of a character whose tokens have not all come.
     offset: int = 0
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
 class Service:
@@ -362,6 +365,15 @@ class Service:
         return [{**self._entry(t, lp), "top_logprobs": [self._entry(a, alp) for a, alp in top]}
                 for t, lp, top in entries]
 
+    def _legacy_token(self, token: int) -> str:
+        """A token as the legacy shape names it: its text, or OpenAI's ``bytes:\\xNN...`` where its bytes are not
+        whole UTF-8 characters (so the pieces of one character stay distinct keys of ``top_logprobs``)."""
+        raw = token_bytes(self.tokenizer, token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     def _logprobs(self, prepared: Prepared, pieces: list, chunk: bool = False) -> Optional[dict]:
         """A choice's ``logprobs`` for these pieces' tokens (None when the request did not ask for them)."""
         if prepared.request.logprobs is None:
@@ -373,11 +385,11 @@ class Service:
             return {"content": self.chat_logprobs(entries), "refusal": None}
         tokens, offsets, tops = [], [], []
         for t, lp, top in entries:
-            text = self._entry(t, lp)["token"]
-            tokens.append(text)
+            tokens.append(self._legacy_token(t))
+            # A token in the middle of a character starts where that character does.
             offsets.append(prepared.offset)
-            prepared.offset += len(text)
-            tops.append({self._entry(a, 0.0)["token"]: alp for a, alp in top})
+            prepared.offset += len(prepared.decoder.decode(token_bytes(self.tokenizer, t)))
+            tops.append({self._legacy_token(a): alp for a, alp in top})
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": tops if prepared.request.logprobs else None, "text_offset": offsets}
 

@@ -511,6 +511,7 @@ def test_the_bundled_model_serves_with_no_options():
         cut = client.completions.create(model="default_model", prompt="The capital of France is", max_tokens=4,
                                         stop=[lp.tokens[0]])
         assert (cut.choices[0].text, cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("", "stop", 1)
+        legacy_logprobs_of_split_characters(client)
     finally:
         server.stop()
     assert "decode concurrency" in server.log and "batch forward costs measured at start-up" in server.log
@@ -519,6 +520,33 @@ def test_the_bundled_model_serves_with_no_options():
     assert result.returncode == 0, result.stderr
     assert text == json.loads(result.stdout)["text"]
     assert out.model_extra["timings"]["drafter"] == "lookup"
+
+
+def legacy_logprobs_of_split_characters(client) -> None:
+    """Emoji the bundled model writes a byte or two per token: each such token is named by its bytes (distinct
+    keys, the chosen one's own log-probability) and starts where its character does, streamed or not."""
+    ask = {"model": "default_model", "prompt": "Emoji list: \U0001F600\U0001F389", "max_tokens": 4, "logprobs": 5}
+    done = client.completions.create(**ask)
+    text, lp = done.choices[0].text, done.choices[0].logprobs
+    assert any(t.startswith("bytes:") for t in lp.tokens), lp.tokens  # the case is met
+    starts, at, pending = [], 0, b""
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        raw = bytes.fromhex(token[len("bytes:"):].replace("\\x", "")) if token.startswith("bytes:") else token.encode()
+        if token.startswith("bytes:"):
+            with pytest.raises(UnicodeDecodeError):
+                raw.decode()
+        assert len(top) == 5 and top[token] == logprob
+        starts.append(at)
+        pending += raw
+        try:
+            at, pending = at + len(pending.decode()), b""
+        except UnicodeDecodeError:
+            pass
+    assert lp.text_offset == starts and all(0 <= o < len(text) for o in lp.text_offset), (text, lp.text_offset)
+    chunks = list(client.completions.create(**ask, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert [t for p in parts for t in p.tokens] == lp.tokens
 
 
 def test_chat_in_the_terminal_reuses_the_last_turn(dirs):
