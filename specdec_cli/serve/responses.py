@@ -294,6 +294,9 @@ def _tools(req: ResponsesRequest, seen: dict[tuple[Optional[str], str], str]) ->
 def _format(req: ResponsesRequest) -> Optional[dict]:
     """``text.format`` as chat's ``response_format``."""
     fmt = (req.text or {}).get("format") or {}
+    if not isinstance(fmt, dict):
+        raise ApiError(400, "text.format is an object: {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}", "text.format", "invalid_value")
     kind = fmt.get("type", "text")
     if kind == "json_schema":
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),

@@ -839,3 +839,12 @@ def test_parallel_calls_sent_back_over_responses_are_one_assistant_turn(parallel
         fresh.stop()
     assert (after.usage.input_tokens, after.usage.input_tokens_details.cached_tokens) == \
         (same.usage.prompt_tokens, same.usage.prompt_tokens_details.cached_tokens)
+# --- 7a. a text.format that is not an object -------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_format_that_is_not_an_object_is_a_400_naming_it(tools_server, stream):
+    for fmt in ("json_object", 5, ["json_object"]):
+        r = post(tools_server, "/v1/responses", {"input": "hi", "max_output_tokens": 3, "stream": stream,
+                                                 "text": {"format": fmt}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert "Traceback" not in tools_server.log
