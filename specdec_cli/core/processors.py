@@ -252,6 +252,37 @@ class Constraint:
         return Constraint("tool_call", tools=json.dumps(flat), parallel=parallel)
 
 
+# llguidance takes a schema's range bounds as 64-bit integers and its other numbers (a const, an enum) as 64-bit
+# floats: an integer beyond those would be matched as another value, or fail (one near -2**63 crashes the process).
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+BOUND_RANGE = (-(2**63), 2**64 - 1)
+EXACT_RANGE = (-(2**53), 2**53)
+
+
+def _unreadable_number(value: Any, path: str = "") -> Optional[str]:
+    """Where in a JSON schema a number lies beyond what llguidance reads exactly (with the number), or None."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{where} ({item})"
+        if isinstance(item, int) and not isinstance(item, bool):
+            low, high = BOUND_RANGE if key in _BOUNDS else EXACT_RANGE
+            if not low <= item <= high:
+                return f"{where} ({item})"
+        found = _unreadable_number(item, where)
+        if found:
+            return found
+    return None
+
+
+def _check_numbers(schema: Any, what: str, path: str = "") -> None:
+    where = _unreadable_number(schema, path)
+    if where:
+        raise ConstraintError(f"{what} holds a number the grammar cannot match exactly at {where}: keep minimum and "
+                              "maximum within 64-bit integers, other integers within +-2^53, and every number finite")
+
+
 def grammar_text(constraint: Constraint, tokenizer) -> str:
     """The llguidance grammar of a constraint for this tokenizer.
 
@@ -270,6 +301,7 @@ def grammar_text(constraint: Constraint, tokenizer) -> str:
             raise ConstraintError("a JSON schema is an object (or true / false)")
         if schema is False:
             raise ConstraintError("the schema false matches no value: give a schema an answer can meet")
+        _check_numbers(schema, "the schema")
         # true is any JSON value: the empty schema (llguidance takes only an object to apply its options to).
         return llg.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=JSON_OPTIONS)
     if constraint.kind == "tool_call":
@@ -308,6 +340,8 @@ def _tool_grammar(constraint: Constraint, tokenizer) -> str:
     tools = json.loads(constraint.tools or "[]")
     if not tools:
         raise ConstraintError("forcing a tool call needs tools")
+    for t in tools:
+        _check_numbers(t["parameters"], f"tool {t['name']!r}", "parameters")
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import weakref
 
 import httpx
@@ -847,4 +848,38 @@ def test_a_text_format_that_is_not_an_object_is_a_400_naming_it(tools_server, st
         r = post(tools_server, "/v1/responses", {"input": "hi", "max_output_tokens": 3, "stream": stream,
                                                  "text": {"format": fmt}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert "Traceback" not in tools_server.log
+
+
+# --- 7b. integers a grammar cannot match exactly -----------------------------------------------------------
+
+def test_a_schema_number_the_grammar_cannot_match_exactly_is_refused_by_its_place(tok):
+    # llguidance's binding refuses integers beyond 64 bits (ValueError), reads a const or an enum as a float
+    # (2**53 + 1 would be matched as 2**53) and crashes on one near -2**63.
+    for schema, where in (({"type": "integer", "maximum": 2**64}, "at maximum"),
+                          ({"type": "integer", "minimum": -(2**63) - 1}, "at minimum"),
+                          ({"properties": {"a": {"enum": [1, -(2**63) + 1]}}}, "at properties.a.enum[1]"),
+                          ({"const": 2**53 + 1}, "at const")):
+        with pytest.raises(ConstraintError, match=re.escape(where)):
+            grammar_text(Constraint.json_schema(schema), tok)
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**64}}}}
+    with pytest.raises(ConstraintError, match=r"tool 'f' .* at parameters\.properties\.n\.maximum"):
+        grammar_text(Constraint.tool_call([tool]), tok)
+    for schema in ({"type": "integer", "maximum": 2**63 - 1, "minimum": -(2**63)}, {"const": 2**53}):
+        grammar_text(Constraint.json_schema(schema), tok)  # within reach: taken as before
+
+
+def test_an_integer_beyond_64_bits_in_a_schema_is_a_400_naming_the_field(tools_server):
+    big = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**64}}}
+    r = post(tools_server, "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": big}}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema" and "properties.n.maximum" in error["message"]
+    r = post(tools_server, "/v1/chat/completions", {**CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": big}}]})
+    assert r.status_code == 400 and "parameters.properties.n.maximum" in r.json()["error"]["message"], r.text
+    r = post(tools_server, "/v1/responses", {"input": "hi", "max_output_tokens": 3, "text": {
+        "format": {"type": "json_schema", "name": "x", "schema": {"type": "integer", "minimum": -(2**63) - 1}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
     assert "Traceback" not in tools_server.log
