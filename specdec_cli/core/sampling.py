@@ -112,6 +112,9 @@ def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
     total_mass = mass_above[..., :1] + sorted_probs[..., :1]
     num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
+    # A top_p whose share of the mass rounds to 0 in float32 (1e-46) would drop every token: the likeliest stays,
+    # as it does in mlx-lm for any top_p that float32 holds.
+    num_dropped = mx.minimum(num_dropped, logprobs.shape[-1] - 1)
     threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
     return mx.where(logprobs < threshold, -float("inf"), logprobs)
 

@@ -286,3 +286,23 @@ def test_no_filter_is_compiled_with_the_random_state():
         source = path.read_text()
         assert "mlx_lm.sample_utils import apply_" not in source, path
         assert "outputs=mx.random.state" not in source, path
+
+
+@pytest.mark.parametrize("kind", ["plain", "model", "lookup"])
+def test_a_top_p_below_float32s_smallest_value_keeps_the_likeliest_token(kind):
+    # top_p * mass rounds to 0: without a floor every token was dropped and the draws were garbage. Only the
+    # likeliest token is left, so plain decoding and verification both give greedy decoding's tokens.
+    tiny = SamplingParams(temp=1.0, top_p=1e-46)
+    x = log_probs(mx.array([[1.0, 3.0, 2.0, 0.5]]), tiny)
+    assert x[0].tolist() == [-math.inf, 0.0, -math.inf, -math.inf]
+    target, draft = models()
+    cache, snap = _prefilled(target)
+    dcache, dsnap = _prefilled(draft)
+
+    def tokens(params: SamplingParams) -> list[int]:
+        return [t for b in _blocks(kind, params, 3, (cache, snap), (draft, dcache, dsnap)) for t in b.tokens]
+
+    expected = tokens(SamplingParams())
+    for seed in (None, 1, 2):
+        mx.random.seed(seed or 0)
+        assert tokens(SamplingParams(temp=1.0, top_p=1e-46, seed=seed)) == expected, seed
