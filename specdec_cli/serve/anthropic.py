@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..session.reply import Piece
 from .dialect import chat_request, check_text
-from .protocol import ApiError, ChatRequest, StrictModel
+from .protocol import ApiError, ChatRequest, NullableFlag, StrictModel
 
 # Anthropic's error type for each HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -122,7 +122,7 @@ class MessagesRequest(CountTokensRequest):
 
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[list[str]] = None
-    stream: bool = False
+    stream: NullableFlag = False
     temperature: Optional[float] = Field(default=None, ge=0, le=1)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..core.stats import Stats
 from ..loop.compare import Comparison
@@ -102,6 +102,10 @@ def _union_branch(part: Any) -> bool:
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
 
 
+# A flag the APIs let be null ("stream": null): null is its default, false.
+NullableFlag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
+
+
 class StrictModel(BaseModel):
     # Strict types (no "10" for 10, no true for 1); unknown fields are kept and looked at.
     model_config = ConfigDict(strict=True, extra="allow")
@@ -167,14 +171,14 @@ class Message(StrictModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: NullableFlag = False
 
 
 class _Common(StrictModel):
     """Fields chat and text completions share."""
 
     model: Optional[str] = None
-    stream: bool = False
+    stream: NullableFlag = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = _finite(ge=0, le=2)

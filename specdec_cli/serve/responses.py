@@ -24,7 +24,7 @@ from pydantic import Field
 from ..session.reply import Piece
 from . import protocol
 from .dialect import chat_request, check_text
-from .protocol import ApiError, ChatRequest, StrictModel
+from .protocol import ApiError, ChatRequest, NullableFlag, StrictModel
 
 # Fields of ours (not OpenAI's) a request may add, passed on to the chat request as they are:
 # sampling extensions and the chat API's logits processors.
@@ -84,7 +84,7 @@ class ResponsesRequest(StrictModel):
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
-    stream: bool = False
+    stream: NullableFlag = False
     metadata: Optional[dict[str, Any]] = None
     # Accepted and not acted on: reasoning (the chat template decides), include (nothing more to include).
     reasoning: Optional[dict[str, Any]] = None

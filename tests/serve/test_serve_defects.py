@@ -883,3 +883,15 @@ def test_an_integer_beyond_64_bits_in_a_schema_is_a_400_naming_the_field(tools_s
         "format": {"type": "json_schema", "name": "x", "schema": {"type": "integer", "minimum": -(2**63) - 1}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
     assert "Traceback" not in tools_server.log
+
+
+# --- 7c. "stream": null -------------------------------------------------------------------------------------
+
+def test_a_null_stream_is_false_on_every_route(tools_server):
+    for path, body in ROUTES:
+        r = tools_server.post(path, {**body, "stream": None})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/json"), (path, r.text)
+    r = post(tools_server, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": None}})
+    chunks = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert r.status_code == 200 and chunks and not any("usage" in c for c in chunks), r.text
