@@ -357,6 +357,9 @@ _CHAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"),
 
 def client_error(e: ApiError) -> ApiError:
     """``e`` (from checking the chat request :func:`to_chat` made) naming the Responses API's field."""
+    if e.param == "messages":  # the whole prompt (over the context, or a chat template that failed on it)
+        e.param = "input"
+        return e
     for chat, ours in _CHAT_FIELDS:
         if e.param and (e.param == chat or e.param.startswith(chat + ".")):
             e.param = ours + e.param[len(chat):]

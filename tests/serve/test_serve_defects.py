@@ -895,3 +895,15 @@ def test_a_null_stream_is_false_on_every_route(tools_server):
     chunks = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
               if line.startswith("data: {")]
     assert r.status_code == 200 and chunks and not any("usage" in c for c in chunks), r.text
+
+
+# --- 7d. a prompt over the context names the route's own field ------------------------------------------------
+
+def test_a_prompt_over_the_context_names_input_on_the_responses_api_and_messages_on_anthropics(tools_server):
+    long = "x " * 5000
+    r = post(tools_server, "/v1/responses", {"input": long, "max_output_tokens": 3})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "input", r.text
+    r = tools_server.post("/v1/messages", {"model": "default_model", "max_tokens": 3,
+                                           "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: "), r.text
