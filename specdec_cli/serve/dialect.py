@@ -12,22 +12,27 @@ from typing import Any, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from .protocol import ApiError, ChatRequest, _unpaired_surrogate, validation_error
+from .protocol import NON_FINITE, ApiError, ChatRequest, _non_finite, _unpaired_surrogate, validation_error
 
 # A chat field path's message index: "messages.3.content" or "messages[3].content".
 _MESSAGE = re.compile(r"^messages(?:\.|\[)(\d+)\]?")
 
 
 def check_text(req: BaseModel, *, exclude: Sequence[str] = ()) -> None:
-    """Refuse text no tokenizer can encode (a lone UTF-16 surrogate), naming the client's field.
+    """Refuse text no tokenizer can encode (a lone UTF-16 surrogate) and numbers no JSON answer can hold
+    (``1e999``, ``NaN``), naming the client's field.
 
     Raises:
-        ApiError: A 400 naming where the surrogate is.
+        ApiError: A 400 naming where the surrogate or the number is.
     """
-    where = _unpaired_surrogate(req.model_dump(exclude_none=True, exclude=set(exclude)), "")
+    body = req.model_dump(exclude_none=True, exclude=set(exclude))
+    where = _unpaired_surrogate(body, "")
     if where:
         raise ApiError(400, f"{where}: the text holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), "
                        "which no tokenizer can encode: send valid Unicode text", where, "invalid_value")
+    where = _non_finite(body, "")
+    if where:
+        raise ApiError(400, f"{where}: {NON_FINITE}", where, "invalid_value")
 
 
 def client_param(param: Optional[str], origins: Sequence[str]) -> Optional[str]:

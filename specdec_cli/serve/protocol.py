@@ -10,6 +10,7 @@ processors and log-probabilities a request asks for.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Annotated, Any, Callable, Literal, Optional, Union
@@ -138,6 +139,25 @@ def _unpaired_surrogate(value: Any, path: str) -> Optional[str]:
         if found:
             return found
     return None
+
+
+def _non_finite(value: Any, path: str) -> Optional[str]:
+    """Where in a decoded JSON value a number is not finite (``1e999``, ``Infinity``, ``NaN``), or None.
+
+    JSON has no value for one, so no answer that echoes it (or a grammar built from it) could be written.
+    """
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path or "body"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+NON_FINITE = ("a number out of a 64-bit float's range or not a number (1e999, Infinity, NaN), which no JSON "
+              "answer can hold: send a finite number")
 
 
 def _finite(default=None, **bounds):

@@ -907,3 +907,25 @@ def test_a_prompt_over_the_context_names_input_on_the_responses_api_and_messages
     r = tools_server.post("/v1/messages", {"model": "default_model", "max_tokens": 3,
                                            "messages": [{"role": "user", "content": long}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: "), r.text
+
+
+# --- 7e. a number JSON cannot hold (1e999) --------------------------------------------------------------------
+
+def test_a_number_out_of_floats_range_is_a_400_naming_it_before_generating_on_every_api(tools_server):
+    schema = {"type": "object", "properties": {"a": {"type": "number", "maximum": 1e999}}}
+    asks = [("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+                "name": "f", "parameters": schema}}]}, "tools[0].function.parameters.properties.a.maximum"),
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "x_ours": [float("nan")]}, "x_ours[0]"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 3, "tools": [
+                {"type": "function", "name": "f", "parameters": schema}]}, "tools[0].parameters.properties.a.maximum"),
+            ("/v1/messages", {"model": "default_model", "max_tokens": 3, "messages": HELLO, "tools": [
+                {"name": "f", "input_schema": schema}]}, "tools[0].input_schema.properties.a.maximum")]
+    for path, body, where in asks:
+        before = len(tools_server.lines)
+        r = tools_server.post(path, json.dumps(body).replace("Infinity", "1e999"))  # as a client writes it
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert error["message"].startswith(f"{where}: a number out of"), (path, r.text)
+        assert error.get("param", where) == where
+        assert not any("generated" in line for line in tools_server.lines[before:]), path  # refused before
+    assert "Traceback" not in tools_server.log
