@@ -183,13 +183,15 @@ class _CtrlC:
 
     def __init__(self):
         self.stop = False
+        # Set while the turn's generator is closed (its caches leave the engine): a press then is not a second one.
+        self.closing = False
         self._before = None
 
     def asked(self) -> bool:
         return self.stop
 
     def _handle(self, signum, frame) -> None:
-        if self.stop:
+        if self.stop and not self.closing:
             raise KeyboardInterrupt
         self.stop = True
 
@@ -219,6 +221,8 @@ def _stream(reply: Reply, live: bool, drafter: str, ctrl_c: Optional[_CtrlC] = N
     except (KeyboardInterrupt, Cancelled):
         interrupted = True
     finally:
+        if ctrl_c is not None:
+            ctrl_c.closing = True
         pieces.close()  # the session keeps its caches, as after any answer
         view.close()
     return answer, interrupted

@@ -263,6 +263,35 @@ def test_ctrl_c_in_a_chat_turns_prefill_keeps_the_conversations_cache(models, sl
     assert "Traceback" not in err
 
 
+def test_a_ctrl_c_while_a_stopped_chat_turn_cleans_up_is_not_a_second_press():
+    # The first Ctrl-C stops the turn after its next piece; closing the turn then takes the caches out of the
+    # engine and keeps them. A press during that used to raise out of the chat (exit 130, the conversation lost).
+    from specdec_cli.cli.chat import _CtrlC, _stream
+    from specdec_cli.core.stats import Stats
+    from specdec_cli.session.reply import Piece
+
+    class Turn:
+        stats = Stats()
+
+        def __iter__(self):
+            try:
+                yield Piece(content="a")
+                os.kill(os.getpid(), signal.SIGINT)  # the first press, while the next block runs
+                yield Piece(content="b")
+                yield Piece(content="c")
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)  # another, while the turn cleans up
+                time.sleep(0.01)
+
+    before = signal.getsignal(signal.SIGINT)
+    with _CtrlC() as ctrl_c:
+        assert _stream(Turn(), False, "lookup", ctrl_c) == ("ab", True)
+    assert signal.getsignal(signal.SIGINT) is before
+    with _CtrlC() as ctrl_c, pytest.raises(KeyboardInterrupt):  # two presses while it runs: at once
+        ctrl_c._handle(signal.SIGINT, None)
+        ctrl_c._handle(signal.SIGINT, None)
+
+
 def test_ctrl_c_while_the_command_line_loads_exits_130_quietly(tmp_path):
     # Ctrl-C lands while the CLI's modules are imported (the first second of a run): a test-only
     # sitecustomize raises it at the import of the app, as the signal would.
