@@ -229,7 +229,8 @@ class PromptCache:
 
     def _fit(self, entry: Entry) -> Optional[Entry]:
         """The longest prefix of ``entry`` that fits in :attr:`max_bytes`, in buffers of its own (None: none fits)."""
-        lo, hi, best = 1, entry.target.length - 1, 0
+        # The whole entry too: its live buffers' spare room may be what put it over, and a copy has none.
+        lo, hi, best = 1, entry.target.length, 0
         while lo <= hi:  # bytes grow with the length kept: the last limit whose prefix fits
             mid = (lo + hi) // 2
             n = entry.target.best(mid)  # 0: nothing resumes up to mid, which takes no bytes

@@ -181,8 +181,15 @@ def test_an_entry_over_the_bound_keeps_its_longest_prefix_that_fits(setups):
     direct = ModelCache(model)
     direct.prefill(list(kept.tokens), 16)
     assert max_cache_diff(kept.target.resume(model, kept.target.length), direct) == 0.0
+    # Over the bound by its buffers' spare room alone: kept whole, copied without it.
+    compact = b.prefix(len(b.tokens), copy=False).nbytes
+    assert compact < b.nbytes
+    cache.max_bytes = compact
+    cache.insert(b)
+    (whole,) = cache._entries.values()
+    assert whole is not b and whole.tokens == b.tokens and cache.nbytes == compact
     cache.max_bytes = b.nbytes
-    cache.insert(b)  # whole, now that it fits; its prefix is redundant
+    cache.insert(b)  # as it is, now that it fits; the copy is redundant
     assert list(cache._entries.values()) == [b] and cache.nbytes == b.nbytes
     cache.max_bytes = 1
     cache.insert(b)  # not one token fits: nothing is kept, and the cache empties past its bound
@@ -196,20 +203,21 @@ def test_a_conversation_past_the_bound_resumes_its_next_turn_from_what_fit(setup
     probe = Session(setup, 16, prompt_cache=PromptCache())
     first, _ = gen(probe, PROMPT, boundaries=(len(PROMPT) - 1,))
     whole = next(iter(probe.prompt_cache._entries.values())).nbytes
-    # Room for the first turn's prompt, not for the next turns'.
-    warm = Session(setup, 16, prompt_cache=PromptCache(max_bytes=whole * 3 // 2))
+    # Room for the first turn's entry, not for the next turns'.
+    warm = Session(setup, 16, prompt_cache=PromptCache(max_bytes=whole))
     cold = Session(setup, 16)
     first, _ = gen(warm, PROMPT, boundaries=(len(PROMPT) - 1,))
+    ended = held(PROMPT, first)
     second = PROMPT + first + MORE * 4
     answer, pre = gen(warm, second, boundaries=(len(PROMPT) + len(first) - 1,))
     assert pre.cached > 0 and answer == gen(cold, second)[0]
     (entry,) = warm.prompt_cache._entries.values()
-    assert 0 < entry.target.length < held(second, answer) and warm.prompt_cache.nbytes <= whole * 3 // 2
+    assert 0 < entry.target.length < held(second, answer) and warm.prompt_cache.nbytes <= whole
     third = second + answer + MORE
     out, pre = gen(warm, third)
     assert pre.cached == entry.target.length and out == gen(cold, third)[0]
-    if family == "qwen3_5":  # a recurrent state resumes only at a checkpoint: a boundary, or the prompt's end
-        assert pre.cached in (len(PROMPT) - 1, len(PROMPT) + len(first) - 1, len(second) - 1)
+    if family == "qwen3_5":  # a recurrent state resumes only at a checkpoint: a boundary, a prompt's or a turn's end
+        assert pre.cached in (len(PROMPT) - 1, len(PROMPT) + len(first) - 1, len(second) - 1, ended)
 
 
 def test_a_draft_model_resumes_its_own_caches(dirs):
