@@ -252,10 +252,11 @@ class Constraint:
         return Constraint("tool_call", tools=json.dumps(flat), parallel=parallel)
 
 
-# llguidance takes a schema's range bounds as 64-bit integers and its other numbers (a const, an enum) as 64-bit
-# floats: an integer beyond those would be matched as another value, or fail (one near -2**63 crashes the process).
+# llguidance takes a schema's range bounds as signed 64-bit integers (a bound past 2**63 - 1 is capped there: a wrong
+# grammar) and its other numbers (a const, an enum) as 64-bit floats: an integer beyond those would be matched as
+# another value, or fail (one near -2**63 crashes the process).
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
-BOUND_RANGE = (-(2**63), 2**64 - 1)
+BOUND_RANGE = (-(2**63), 2**63 - 1)
 EXACT_RANGE = (-(2**53), 2**53)
 
 
@@ -280,7 +281,7 @@ def _check_numbers(schema: Any, what: str, path: str = "") -> None:
     where = _unreadable_number(schema, path)
     if where:
         raise ConstraintError(f"{what} holds a number the grammar cannot match exactly at {where}: keep minimum and "
-                              "maximum within 64-bit integers, other integers within +-2^53, and every number finite")
+                              "maximum within signed 64-bit integers, other integers within +-2^53, and every number finite")
 
 
 def grammar_text(constraint: Constraint, tokenizer) -> str:

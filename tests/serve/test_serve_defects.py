@@ -856,7 +856,9 @@ def test_a_text_format_that_is_not_an_object_is_a_400_naming_it(tools_server, st
 def test_a_schema_number_the_grammar_cannot_match_exactly_is_refused_by_its_place(tok):
     # llguidance's binding refuses integers beyond 64 bits (ValueError), reads a const or an enum as a float
     # (2**53 + 1 would be matched as 2**53) and crashes on one near -2**63.
+    # A bound past 2**63 - 1 is capped there: 2**63 - 1 would be matched, 2**63 + 8 (in range) not.
     for schema, where in (({"type": "integer", "maximum": 2**64}, "at maximum"),
+                          ({"type": "integer", "minimum": 2**63 + 5, "maximum": 2**63 + 10}, "at minimum"),
                           ({"type": "integer", "minimum": -(2**63) - 1}, "at minimum"),
                           ({"properties": {"a": {"enum": [1, -(2**63) + 1]}}}, "at properties.a.enum[1]"),
                           ({"const": 2**53 + 1}, "at const")):
