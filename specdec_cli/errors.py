@@ -44,3 +44,7 @@ class OptionError(SpecdecError):
 
 class Cancelled(Exception):
     """A generation was cancelled from outside (a client went away); not an error to report."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: Ctrl-C's path (the text so far, the summary, exit 130), where nothing goes on after it (a chat ends)."""

@@ -26,7 +26,7 @@ from .. import __version__
 from ..defaults import AUTO_ROWS, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_SIZE, DISTILL, KNEE_GAIN, MAX_DISK_GB
 from ..drafters.kinds import (DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX,
                               NGRAM_MIN)
-from ..errors import EXIT_INTERRUPTED, SpecdecError
+from ..errors import EXIT_INTERRUPTED, SpecdecError, Terminated
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
 EXIT_USAGE = 2
@@ -188,7 +188,7 @@ def error_boundary(debug: bool) -> Iterator[None]:
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 @contextmanager

@@ -5,7 +5,7 @@ generates on a :class:`~specdec_cli.session.Session` with a prompt cache, so a
 turn prefills only what the last one did not (the new message). The answer
 streams above the live stats line; a line of numbers follows it on stderr.
 ``/reset`` starts over, ``/quit`` or Ctrl-D leaves, Ctrl-C stops an answer
-and keeps the chat.
+and keeps the chat; SIGTERM ends it (exit 130).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .display import print_loading, print_stderr, stderr_width, text_view
-from ..errors import Cancelled, OptionError
+from ..errors import Cancelled, OptionError, Terminated
 from ..model.prompts import clean, render_messages
 from ..session import (
     MemoryLimitError,
@@ -145,6 +145,8 @@ def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict,
     while True:
         try:
             line = _read("> " if interactive else "")
+        except Terminated:
+            raise
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             continue
@@ -218,6 +220,8 @@ def _stream(reply: Reply, live: bool, drafter: str, ctrl_c: Optional[_CtrlC] = N
             if ctrl_c is not None and ctrl_c.stop:
                 interrupted = True
                 break
+    except Terminated:
+        raise  # SIGTERM ends the chat, not the answer alone
     except (KeyboardInterrupt, Cancelled):
         interrupted = True
     finally:

@@ -263,6 +263,26 @@ def test_ctrl_c_in_a_chat_turns_prefill_keeps_the_conversations_cache(models, sl
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("when", ["answering", "waiting"])
+def test_sigterm_ends_a_chat(models, slow, when):
+    # SIGTERM takes Ctrl-C's path, and chat goes on after a Ctrl-C: `kill PID` only stopped the answer, and at
+    # the prompt did nothing at all.
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_cli", "chat", "--model", str(models["llama"]), "--no-live",
+                             "-m", "4000" if when == "answering" else "4", "--no-adaptive", "--block-size", "2",
+                             "--prompt-cache-disk-gb", "0"], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, preexec_fn=_sigint_at_default,
+                            env={**slow, "MARK": "1"})
+    try:
+        proc.stdin.write(b"ab ab ab ab ab ab\n")
+        _wait_for(proc.stderr, DECODING if when == "answering" else b"]\n")
+        out, err, took = _interrupt(proc, signal.SIGTERM)
+    finally:
+        proc.stdin.close()
+    assert proc.returncode == 130, err
+    assert took < 30, took
+    assert b"interrupted" in err and b"Traceback" not in err
+
+
 def test_a_ctrl_c_while_a_stopped_chat_turn_cleans_up_is_not_a_second_press():
     # The first Ctrl-C stops the turn after its next piece; closing the turn then takes the caches out of the
     # engine and keeps them. A press during that used to raise out of the chat (exit 130, the conversation lost).
