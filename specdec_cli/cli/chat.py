@@ -49,7 +49,8 @@ class ChatOptions(RunOptions):
     prompt_cache_size: int = 10
 
 
-def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = None) -> str:
+def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = None,
+              cut: Optional[tuple[str, str]] = None) -> str:
     """The numbers of one answer, in one line no wider than ``width`` where it can be.
 
     A wrapped line breaks mid-word, so on a narrow terminal the words are shortened
@@ -60,6 +61,7 @@ def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = No
         stats: The answer's statistics.
         interrupted: Whether Ctrl-C stopped the answer.
         width: Columns available; None (not a terminal) for the full line.
+        cut: What cut the answer short, in full and short: the tokens allowed, or the model's context.
 
     Returns:
         The line, bracketed; the shortest form when even that is wider than ``width``.
@@ -83,6 +85,8 @@ def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = No
             if rank <= keep:
                 groups.setdefault(group, []).append(brief if short else full)
         end = ("; stopped" if short else "; stopped (Ctrl-C)") if interrupted else ""
+        if cut is not None and not interrupted:
+            end = "; " + (cut[1] if short else cut[0])
         return "[" + " | ".join(", ".join(g) for g in groups.values()) + end + "]"
 
     candidates = [line(False, 4)] + [line(True, keep) for keep in (4, 3, 2, 1, 0)]
@@ -161,17 +165,23 @@ def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict,
         messages.append({"role": "user", "content": clean(line, "the message")})
         try:
             rendered = render_messages(setup.tokenizer, messages, template_kwargs=setup.template_kwargs)
-            request = fit_request(setup, rendered.ids, opts.max_tokens, sampling=sampling, seed=opts.seed,
-                                  boundaries=rendered.boundaries, **controls).request
+            fitted = fit_request(setup, rendered.ids, opts.max_tokens, sampling=sampling, seed=opts.seed,
+                                 boundaries=rendered.boundaries, **controls)
+            request = fitted.request
         except (OptionError, PromptTooLongError, MemoryLimitError) as e:
             messages.pop()
-            print_stderr([f"error: {e}" + ("" if isinstance(e, OptionError) else "; /reset starts over")])
+            print_stderr([f"error: {e}" + ("" if isinstance(e, OptionError) else
+                                           "; the message was not sent (/reset starts the conversation over)")])
             continue
         with _CtrlC() as ctrl_c:
             reply = Reply(session, request, TextStream(setup.tokenizer, chat=False), cancelled=ctrl_c.asked)
             answer, interrupted = _stream(reply, opts.live, setup.drafter_name, ctrl_c)
         messages.append({"role": "assistant", "content": answer})
-        print_stderr([turn_line(reply.stats, interrupted, stderr_width())])
+        cut = None
+        if reply.stats.finish_reason == "length":  # never silent: the answer did not end by itself
+            cut = (f"cut at the model's context ({fitted.context} tokens): /reset starts over", "cut at the context") \
+                if fitted.capped else (f"cut at --max-tokens {opts.max_tokens}", "cut at -m")
+        print_stderr([turn_line(reply.stats, interrupted, stderr_width(), cut)])
     return 0
 
 

@@ -173,3 +173,6 @@ def test_chat_line_too_narrow_for_anything_keeps_the_essentials():
     from specdec_cli.cli.chat import turn_line
 
     assert turn_line(_chat_stats(), True, 10) == "[400 tokens, 500.0 tok/s; stopped]"
+    cut = ("cut at the model's context (128 tokens): /reset starts over", "cut at the context")
+    assert turn_line(_chat_stats(), False, 10, cut) == "[400 tokens, 500.0 tok/s; cut at the context]"
+    assert turn_line(_chat_stats(), False, None, cut).endswith("tokens per block; " + cut[0] + "]")

@@ -142,6 +142,21 @@ def test_chat_ends_the_prompt_line_at_ctrl_d(models, monkeypatch):
     assert result.exit_code == 0 and result.stdout == ""
 
 
+def test_a_chat_answer_cut_short_says_what_cut_it(tmp_path):
+    # It stopped at 98 tokens with no word of why, and the next turn was then refused for the context.
+    from specdec_cli.session.synthetic import TINY_CONFIGS, make_model_dir
+
+    model = make_model_dir(tmp_path / "llama128", {**TINY_CONFIGS["llama"], "max_position_embeddings": 128})
+    args = ["chat", "--model", str(model), "--no-live", "--prompt-cache-disk-gb", "0"]
+    result = CliRunner().invoke(app, [*args, "-m", "200"], input="hello there\n")
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("[prompt")]
+    assert line.endswith("; cut at the model's context (128 tokens): /reset starts over]"), line
+    result = CliRunner().invoke(app, [*args, "-m", "5"], input="hello there\n")
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("[prompt")]
+    assert "| 5 tokens," in line and line.endswith("; cut at --max-tokens 5]"), line
+
+
 # --- sweep measures generate's default ------------------------------------------------------
 
 def test_sweep_measures_generates_default_as_a_row_of_its_own(models):
