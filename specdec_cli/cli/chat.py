@@ -10,6 +10,7 @@ and keeps the chat; SIGTERM ends it (exit 130).
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -36,7 +37,7 @@ from ..session.options import RunOptions
 from ..session.reply import Reply, TextStream
 from ..core.stats import Stats
 
-HELP = "Type a message. /reset starts over, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer."
+HELP = "Type a message. /reset starts over, /quit (or Ctrl-D) leaves, /help shows this; Ctrl-C stops an answer."
 
 
 @dataclass
@@ -159,6 +160,12 @@ def _turns(opts: ChatOptions, setup, session: Session, sampling, controls: dict,
         if line.strip() == "/reset":
             messages = list(start)
             print_stderr(["(the conversation starts over)"])
+            continue
+        if re.fullmatch(r"/[A-Za-z?]+", line.rstrip()):  # a command, never a message (a typo of /reset would stay)
+            word = line.rstrip()
+            print_stderr([HELP if word in ("/help", "/?") else
+                          f"unknown command {word}: /reset starts over, /quit leaves (a message starting with / "
+                          "needs a space before it)"])
             continue
         if not line.strip():
             continue

@@ -157,6 +157,17 @@ def test_a_chat_answer_cut_short_says_what_cut_it(tmp_path):
     assert "| 5 tokens," in line and line.endswith("; cut at --max-tokens 5]"), line
 
 
+def test_chat_commands_it_does_not_know_are_not_sent_to_the_model(models):
+    result = CliRunner().invoke(app, ["chat", "--model", str(models["llama"]), "--no-live", "-m", "4",
+                                      "--prompt-cache-disk-gb", "0"], input="/rset\n/help\n /rset\n")
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    assert "unknown command /rset: /reset starts over, /quit leaves" in err
+    assert err.count("/help shows this") == 2  # at the start, and asked for
+    # With a space before it, it is a message: one answer.
+    assert len([x for x in err.splitlines() if x.startswith("[prompt")]) == 1
+
+
 # --- sweep measures generate's default ------------------------------------------------------
 
 def test_sweep_measures_generates_default_as_a_row_of_its_own(models):
