@@ -122,6 +122,8 @@ class Scheduler:
         self._rows: Optional[Flights] = None
         # A request taken from the queue that waits for memory (rows to finish) before it is opened.
         self._held: Optional[tuple[Job, Reply]] = None
+        # A request taken from the queue and not yet opened, held or dropped (submit counts it as waiting).
+        self._in_hand: Optional[Job] = None
         # Why the thread ended though nobody stopped it (None: it runs, or it was stopped).
         self.fault: Optional[BaseException] = None
         # Opens and leaves: done at once in one process, sent to every rank once per pass under mlx.launch.
@@ -146,8 +148,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Requests queued, not yet started (one held for memory included)."""
-        return self._jobs.qsize() + (self._held is not None)
+        """Requests queued, not yet started (one held for memory, and one being opened, included)."""
+        return self._jobs.qsize() + (self._held is not None) + (self._in_hand is not None)
 
     @property
     def running(self) -> int:
@@ -353,10 +355,17 @@ class Scheduler:
 
     def _take_jobs(self) -> bool:
         """Start waiting jobs while rows and memory are free; wait for one when nothing runs. False: stop."""
+        try:
+            return self._take()
+        finally:
+            self._in_hand = None
+
+    def _take(self) -> bool:
         while len(self._flights) + len(self._asks) < self.max_rows:
+            self._in_hand = None
             if self._held is not None:
                 job, reply = self._held
-                self._held = None
+                self._in_hand, self._held = job, None
             else:
                 try:
                     # Under ranks an idle pass still goes out now and then: the ranks' heartbeat.
@@ -366,6 +375,7 @@ class Scheduler:
                     return True
                 if job is None or self._stopping.is_set():
                     return False
+                self._in_hand = job
                 reply = None
             if job.cancelled.is_set():
                 log.info("skipped a queued request whose client went away")

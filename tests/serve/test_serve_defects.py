@@ -263,6 +263,38 @@ def test_a_burst_fills_the_free_rows_and_the_queue_before_any_request_is_turned_
         scheduler.stop()
 
 
+def test_a_request_being_opened_still_counts_against_the_bound(setup):
+    # Taken from the queue and not yet a row (its prompt rendered, its memory checked, its cache looked up): it
+    # counted nowhere, so one more than rows + queue got in.
+    import threading
+
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=1, max_queue=1)
+    taken, release = threading.Event(), threading.Event()
+    make = maker(session, PROMPTS[0])
+
+    def slow_make():
+        taken.set()
+        release.wait(ANSWER_S)
+        return make()
+
+    loop = asyncio.new_event_loop()
+    jobs = [Job(slow_make, loop), Job(maker(session, PROMPTS[1]), loop)]
+    try:
+        scheduler.start()
+        scheduler.submit(jobs[0])
+        assert taken.wait(ANSWER_S)
+        scheduler.submit(jobs[1])  # the queue's one place
+        with pytest.raises(Busy):
+            scheduler.submit(Job(maker(session, PROMPTS[2]), loop))
+    finally:
+        for job in jobs:
+            job.cancel()
+        release.set()
+        scheduler.stop()
+        loop.close()
+
+
 def test_a_fault_handling_one_rows_text_fails_that_row_alone(setup):
     session = Session(setup, 8)
     scheduler = Scheduler(session, max_rows=4)
