@@ -93,14 +93,17 @@ class SavedCache:
 
     def resume(self, model, length: int) -> ModelCache:
         """A live :class:`ModelCache` for ``model`` holding the first ``length`` tokens."""
+        cache = ModelCache(model, rebuild(self.layers, self._cut(length)))
+        cache.length = length
+        return cache
+
+    def _cut(self, length: int) -> list:
+        """Each leaf at ``length`` tokens (leaf order), sharing no array object with this state's."""
         if not self.can_resume(length):
             raise ValueError(f"this saved cache cannot resume at {length} tokens")
         kept = iter(self.checkpoints[length]) if length < self.length and length in self.checkpoints else None
-        resumed = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
-                   for c in leaves(self.layers)]
-        cache = ModelCache(model, rebuild(self.layers, resumed))
-        cache.length = length
-        return cache
+        return [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
+                for c in leaves(self.layers)]
 
     def prefix(self, length: int, copy: bool = True) -> "SavedCache":
         """The state after the first ``length`` tokens as a saved state of its own, checkpoints below it kept.
@@ -110,11 +113,7 @@ class SavedCache:
             copy: Give the cut layers buffers of their own, so that this longer state's memory can be
                 freed; False gives views, enough to count the bytes a copy would take.
         """
-        if not self.can_resume(length):
-            raise ValueError(f"this saved cache cannot resume at {length} tokens")
-        kept = iter(self.checkpoints[length]) if length < self.length and length in self.checkpoints else None
-        cut = [clone_layer(next(kept) if kept is not None and fixed_position(c) else c, length)
-               for c in leaves(self.layers)]
+        cut = self._cut(length)
         if copy:
             for c in cut:
                 if type(c) is not ArraysCache:  # recurrent arrays are replaced whole, never viewed
