@@ -273,9 +273,25 @@ class Scheduler:
     def _pass(self) -> None:
         """Under ranks, the opens and leaves decided since the last pass: sent to every rank, then done here."""
         ops = self._steps.send()
-        asks = {op.id: self._asks.pop(op.id) for op in ops if isinstance(op, Open)}
+        asks: dict[int, _Ask] = {}
+
+        def tag(i: int) -> _Ask:
+            # Taken from the asks as it is opened, and counted as waiting until it is a flight (submit's bound).
+            asks[i] = self._asks.pop(i)
+            self._in_hand = asks[i].job
+            return asks[i]
+
         self._leaving.clear()
-        for op, error in self._steps.apply(ops, self._rows, asks.__getitem__):
+        try:
+            failed = self._steps.apply(ops, self._rows, tag)
+        except BaseException:
+            # The ranks are lost (the thread ends): asks not yet in flight go back where _end fails them.
+            flying = {id(f.tag) for f in self._rows.flights}
+            self._asks.update({i: a for i, a in asks.items() if id(a) not in flying})
+            raise
+        finally:
+            self._in_hand = None
+        for op, error in failed:
             if isinstance(op, Open):
                 asks[op.id].job.send(Failed(error))  # the HTTP side decides what the client sees
             else:

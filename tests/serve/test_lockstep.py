@@ -111,3 +111,75 @@ def test_ops_are_done_at_once_in_one_process_and_queued_under_ranks(setup):
     # An op that fails is reported and does nothing more; the others go on.
     failed = under.apply([Open(3, Request([], N)), Leave(2, keep=False)], rows)
     assert [type(op) for op, _ in failed] == [Open] and not rows.flights
+
+
+def test_under_ranks_a_request_being_opened_in_a_pass_counts_against_the_bound(setup, monkeypatch):
+    # Taken from the asks for its pass and not yet a flight (its cache looked up, from disk maybe): it counted
+    # nowhere, so one more than rows + --queue-size got in.
+    import asyncio
+    import threading
+
+    from specdec_cli.serve.scheduler import Busy, Job
+    from specdec_cli.session.reply import Reply, TextStream
+
+    session = ranked(setup, Recorded())
+    opening, release = threading.Event(), threading.Event()
+    real = Flights.open
+
+    def slow_open(self, request, tag=None):
+        opening.set()
+        release.wait(60)
+        return real(self, request, tag)
+
+    monkeypatch.setattr(Flights, "open", slow_open)
+
+    def maker(prompt):
+        return lambda: Reply(session, Request(prompt, N), TextStream(setup.tokenizer, chat=False))
+
+    scheduler = Scheduler(session, max_rows=1, max_queue=1)
+    loop = asyncio.new_event_loop()
+    jobs = [Job(maker(PROMPTS[0]), loop), Job(maker(PROMPTS[1]), loop)]
+    try:
+        scheduler.start()
+        scheduler.submit(jobs[0])
+        assert opening.wait(60)
+        scheduler.submit(jobs[1])  # the queue's one place
+        with pytest.raises(Busy):
+            scheduler.submit(Job(maker(PROMPTS[2]), loop))
+    finally:
+        for job in jobs:
+            job.cancel()
+        release.set()
+        scheduler.stop()
+        loop.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread ends raising it
+def test_a_request_whose_open_loses_the_ranks_is_failed_not_left_waiting(setup, monkeypatch):
+    # The ranks lost while it was opened (the thread ends): it was in neither the asks nor the flights, so its
+    # client was never answered.
+    import asyncio
+
+    from specdec_cli.model.distributed import DistributedError
+    from specdec_cli.serve.scheduler import Failed, Job
+    from specdec_cli.session.reply import Reply, TextStream
+
+    session = ranked(setup, Recorded())
+
+    def lost(self, request, tag=None):
+        raise DistributedError("rank 1 is gone")
+
+    monkeypatch.setattr(Flights, "open", lost)
+    scheduler = Scheduler(session, max_rows=2)
+    loop = asyncio.new_event_loop()
+    job = Job(lambda: Reply(session, Request(PROMPTS[0], N), TextStream(setup.tokenizer, chat=False)), loop)
+    try:
+        scheduler.start()
+        scheduler.submit(job)
+        scheduler._thread.join(60)
+        assert not scheduler._thread.is_alive() and scheduler.fault is not None
+        got = loop.run_until_complete(asyncio.wait_for(job.out.get(), 10))
+        assert isinstance(got, Failed)
+    finally:
+        scheduler.stop()
+        loop.close()
