@@ -15,10 +15,11 @@ import urllib.request
 from typing import Optional
 
 from .. import __version__
-from ..model import blas, bundled
+from ..model import backend, blas, bundled
 
-PACKAGES = ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "mlx-lm", "transformers", "typer", "huggingface-hub",
-            "rich")
+# MLX's backend builds by their distribution names (mlx-cpu, mlx-cuda-13, mlx-cuda-12 on Linux; mlx-metal on macOS):
+# a CUDA install is reported by the build it installed (there is no "mlx-cuda" distribution in MLX 0.32).
+PACKAGES = ("mlx", *backend.BACKENDS, "mlx-metal", "mlx-lm", "transformers", "typer", "huggingface-hub", "rich")
 HUB_TIMEOUT_S = 2.0
 
 
@@ -154,6 +155,11 @@ def collect(check_hub: bool = True) -> dict:
 def notes(report: dict) -> list[str]:
     """What to fix, one line each."""
     out = []
+    # The start-up warning (a GPU build installed but the CPU library in place, ...) goes to stderr; here it is
+    # in the report too, so that doctor --json carries it.
+    problem, _ = backend.backend_problem()
+    if problem:
+        out.append(problem)
     if report["mlx"].get("error"):
         out.append(f"{report['mlx']['error']}: reinstall with `python3 -m pip install --force-reinstall mlx`")
     b = report.get("blas")

@@ -359,6 +359,29 @@ def test_doctor_json(no_network):
         assert report["blas"]["in_use"] == blas.in_use().name
 
 
+def test_doctor_lists_every_mlx_backend_build_mlx_declares():
+    """mlx's extras name its backend builds (mlx-cpu, mlx-cuda-12, mlx-cuda-13, mlx-metal): doctor reports each
+    by that name, so a CUDA install's build is in the report (it asked for "mlx-cuda", which MLX 0.32 has not)."""
+    import re
+    from importlib import metadata
+
+    declared = {re.split(r"[ ;=<>!~\[]", r, maxsplit=1)[0] for r in metadata.requires("mlx") or ()}
+    builds = {name for name in declared if re.fullmatch(r"mlx-(cpu|metal|cuda(-\d+)?)", name)}
+    assert builds and builds <= set(doctor.PACKAGES), (builds, doctor.PACKAGES)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's backends are separate builds on Linux only")
+def test_doctor_json_carries_the_backend_warning(no_network, monkeypatch):
+    from specdec_cli.model import backend
+
+    monkeypatch.setattr(backend, "installed_backends", lambda: ["mlx-cpu", "mlx-cuda-13"])
+    monkeypatch.setattr(backend, "active_backend", lambda found: "mlx-cpu")
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.stdout)["notes"]
+    assert any("pip install --force-reinstall --no-deps mlx-cuda-13" in n for n in notes), notes
+
+
 def test_doctor_reports_a_damaged_model_and_still_exits_zero(broken_bundle, no_network):
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0
