@@ -231,9 +231,9 @@ def _root(
     """Lossless speculative decoding for MLX / mlx-lm."""
     from ..model.backend import backend_problem
 
+    if ctx.invoked_subcommand == "doctor":
+        return  # it runs whatever the install, and reports the problem among its notes (once, --json too)
     problem, fatal = backend_problem()
-    # doctor still runs: it is where a broken install gets reported.
-    fatal = fatal and ctx.invoked_subcommand != "doctor"
     if problem:
         _err(f"{'error' if fatal else 'warning'}: {problem}")
         if fatal:

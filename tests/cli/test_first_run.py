@@ -380,6 +380,8 @@ def test_doctor_json_carries_the_backend_warning(no_network, monkeypatch):
     assert result.exit_code == 0, result.output
     notes = json.loads(result.stdout)["notes"]
     assert any("pip install --force-reinstall --no-deps mlx-cuda-13" in n for n in notes), notes
+    plain = CliRunner().invoke(app, ["doctor"])  # said once, among its notes (not again as the start-up warning)
+    assert plain.exit_code == 0 and plain.output.count("--no-deps mlx-cuda-13") == 1, plain.output
 
 
 def test_doctor_reports_a_damaged_model_and_still_exits_zero(broken_bundle, no_network):
