@@ -305,6 +305,16 @@ def parse_block_sizes(text: str) -> list[int]:
     return parse_int_list(text, "--block-sizes", "2,4,8", "block size", "size")
 
 
+# A block drafts at most the room left less one (the token it commits after its drafts), so at 1 token no
+# block can draft: every row would time plain steps and call it a speedup.
+MIN_SWEEP_TOKENS = 2
+
+
+def _sweep_room(what: str) -> str:
+    return (f"{what} leaves no room for a draft (a block commits its drafts and one token more), so a sweep "
+            "measures nothing")
+
+
 def sweep_command(opts: SweepOptions) -> int:
     """Run ``specdec sweep``; returns the exit code (under ``mlx.launch``, on every rank)."""
     with peer_errors():
@@ -319,6 +329,9 @@ def _sweep(opts: SweepOptions) -> int:
         raise OptionError("--concurrency decodes rows together in one process; under mlx.launch drop it (or give 1)")
     if opts.repeats < 1 or opts.warmup < 0:
         raise OptionError("--repeats must be >= 1 and --warmup >= 0")
+    if opts.max_tokens < MIN_SWEEP_TOKENS:
+        raise OptionError(_sweep_room(f"--max-tokens {opts.max_tokens}") + f": give --max-tokens "
+                          f"{MIN_SWEEP_TOKENS} or more; a few dozen measure something (the default is 128)")
     kind = check_model_options(opts)
     check_distributed_options(opts, kind, ranks is not None)
     for size in sizes:
@@ -331,7 +344,10 @@ def _sweep(opts: SweepOptions) -> int:
     print_stderr(setup.start_lines())
     for size in sizes:
         setup.block_size(size, size, "--block-sizes")
-    max_tokens, _ = setup.fit_context(len(ids), opts.max_tokens)
+    max_tokens, context = setup.fit_context(len(ids), opts.max_tokens)
+    if max_tokens < MIN_SWEEP_TOKENS:
+        raise OptionError(_sweep_room(f"the prompt's {len(ids)} tokens in the model's context of {context} leave "
+                                      f"room for {max_tokens}, which") + ": shorten the prompt")
     if levels != [1]:
         return sweep_concurrency(opts, setup, ids, sizes, levels, max_tokens)
     setup.check_memory(len(ids) + max_tokens)

@@ -173,3 +173,13 @@ def test_help_has_panels_defaults_flags_and_an_example(command):
     if command == "generate":
         assert re.search(r"--live --no-live", text)
     assert CliRunner().invoke(app, ["-h"]).exit_code == 0
+
+
+def test_a_sweep_too_short_to_draft_is_refused_before_the_model_loads(monkeypatch):
+    # A block drafts at most the room left less one: at -m 1 nothing drafts, and a table of "speedups"
+    # of plain steps would be noise read as a result.
+    monkeypatch.setattr(commands, "load_setup", lambda *a, **k: pytest.fail("the model loaded"))
+    result = CliRunner().invoke(app, ["sweep", "--model", "x", "Hi", "-m", "1"])
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert "--max-tokens 1 leaves no room for a draft" in line and "--max-tokens 2 or more" in line

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from typer.testing import CliRunner
+
 from cli_fixtures import generate, models, one_line  # noqa: F401 (models: a fixture)
+import specdec_cli.cli.commands as commands
 import specdec_cli.session.setup as session_setup
+from specdec_cli.cli.app import app
 from specdec_cli.cache.caches import ModelCache, make_cache
 from specdec_cli.cache.limits import cache_bytes, context_length
 from specdec_cli.session.loading import load
@@ -63,3 +68,13 @@ def test_a_run_over_the_device_memory_is_refused_with_both_figures(models, monke
     line = one_line(result)
     assert "needs about" in line and "0.00 GB (available RAM)" in line and "--no-memory-check" in line
     assert generate("--model", models["llama"], "Hi", "-m", "8", "--no-memory-check").exit_code == 0
+
+
+def test_a_sweep_whose_prompt_leaves_no_room_to_draft_is_refused(models, monkeypatch):
+    # -m 128 asked, but the context caps generation at 1 token: no block could draft.
+    monkeypatch.setattr(commands, "sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    result = CliRunner().invoke(app, ["sweep", "--model", str(models["small-context"]), "x" * 63,
+                                      "--ignore-chat-template", "--block-sizes", "2"])
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert "63 tokens in the model's context of 64 leave room for 1" in line and "shorten the prompt" in line
