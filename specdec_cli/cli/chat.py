@@ -71,14 +71,17 @@ def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = No
     accept, tpb = f"{100 * stats.acceptance:.0f}%", f"{stats.tokens_per_block:.2f}"
     # (group, full text, short text, drop rank): groups are joined by " | ", their
     # parts by ", "; the highest rank goes first, rank 0 never.
+    # Ctrl-C in the prefill: no time was reported, and "0.00 s" would read as an instant prompt.
+    prefill = f"{stats.prefill_s:.2f} s" if stats.prefill_finished else "prefill stopped"
     parts = [
         (0, f"prompt {stats.prompt_tokens} tokens{cached}", f"prompt {stats.prompt_tokens}{cached}", 3),
-        (0, f"{stats.prefill_s:.2f} s", f"{stats.prefill_s:.2f} s", 4),
+        (0, prefill, prefill, 4),
         (1, f"{stats.generated} tokens", f"{stats.generated} tokens", 0),
         (1, f"{stats.decode_tps:.1f} tok/s", f"{stats.decode_tps:.1f} tok/s", 0),
-        (2, f"acceptance {accept}", f"accept {accept}", 1),
-        (2, f"{tpb} tokens per block", f"{tpb} tok/block", 2),
     ]
+    if stats.blocks:  # no block ran: no acceptance of nothing (generate's summary leaves it out too)
+        parts += [(2, f"acceptance {accept}", f"accept {accept}", 1),
+                  (2, f"{tpb} tokens per block", f"{tpb} tok/block", 2)]
 
     def line(short: bool, keep: int) -> str:
         groups: dict[int, list[str]] = {}

@@ -318,7 +318,7 @@ def speed_lines(stats: Stats) -> list[str]:
     if stats.cached_tokens:
         disk = f", {stats.disk_tokens} of them from disk" if stats.disk_tokens else ""
         prompt += f" ({stats.cached_tokens} cached{disk})"
-    if stats.prefill_s == 0 and not stats.blocks:
+    if not stats.prefill_finished:
         prompt = f"Prompt: {stats.prompt_tokens} tokens, prefill not finished"
     return [prompt, f"Generation: {stats.generated} tokens, {stats.decode_tps:.3f} tokens-per-sec"]
 

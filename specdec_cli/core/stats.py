@@ -155,6 +155,11 @@ class Stats:
         return self.generated / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
+    def prefill_finished(self) -> bool:
+        """Whether the prefill reported its time: not when Ctrl-C stopped it (no prefill time, no prompt rate)."""
+        return self.prefill_s > 0 or self.blocks > 0
+
+    @property
     def prompt_tps(self) -> float:
         return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s > 0 else 0.0
 
@@ -182,8 +187,9 @@ class Stats:
             "cached_tokens": self.cached_tokens,
             "disk_tokens": self.disk_tokens,
             "generated_tokens": self.generated,
-            "prefill_s": self.prefill_s,
-            "prompt_tps": self.prompt_tps,
+            # null, not 0.0, for a prefill Ctrl-C stopped: it ran for seconds and measured nothing.
+            "prefill_s": self.prefill_s if self.prefill_finished else None,
+            "prompt_tps": self.prompt_tps if self.prefill_finished else None,
             "warmup_s": self.warmup_s,
             "warmup_shapes": len(self.warmup_rows[0]),
             "shapes": self.shapes,

@@ -176,3 +176,19 @@ def test_chat_line_too_narrow_for_anything_keeps_the_essentials():
     cut = ("cut at the model's context (128 tokens): /reset starts over", "cut at the context")
     assert turn_line(_chat_stats(), False, 10, cut) == "[400 tokens, 500.0 tok/s; cut at the context]"
     assert turn_line(_chat_stats(), False, None, cut).endswith("tokens per block; " + cut[0] + "]")
+
+
+def test_a_prefill_stopped_by_ctrl_c_shows_no_time_rate_or_acceptance():
+    # No Prefilled event came (prefill_s stayed 0): "0.00 s", a 0 tok/s prompt rate and "acceptance 0%"
+    # would each read as a measurement.
+    from specdec_cli.cli.chat import turn_line
+    from specdec_cli.cli.display import speed_lines
+
+    stopped = Stats(prompt_tokens=3031)
+    line = turn_line(stopped, interrupted=True)
+    assert line == "[prompt 3031 tokens, prefill stopped | 0 tokens, 0.0 tok/s; stopped (Ctrl-C)]"
+    assert speed_lines(stopped)[0] == "Prompt: 3031 tokens, prefill not finished"
+    report = stopped.to_dict()
+    assert report["prefill_s"] is None and report["prompt_tps"] is None
+    done = Stats(prompt_tokens=8, prefill_s=2.0).to_dict()
+    assert done["prefill_s"] == 2.0 and done["prompt_tps"] == 4.0
