@@ -8,6 +8,7 @@ template call, so the same messages give the same ids whichever face asked.
 
 from __future__ import annotations
 
+import codecs
 import json
 import functools
 import logging
@@ -65,6 +66,9 @@ def warn(line: str) -> None:
 
 def _decode(data: bytes, where: str) -> str:
     """UTF-8 text from any bytes: what is not UTF-8 becomes U+FFFD, with one warning."""
+    # A leading byte-order mark (Notepad, PowerShell's Out-File) is no text: kept, it became the first
+    # prompt's first token, and it hid a JSONL file's "{" so that every line was read as a plain prompt.
+    data = data.removeprefix(codecs.BOM_UTF8)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -242,7 +242,7 @@ def processor_fields(opts: RunOptions) -> dict:
     if opts.json_schema is not None:
         path = opts.json_schema
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows editors) is no JSON
                 text = f.read()
         except OSError as e:
             raise OptionError(f"cannot read --json-schema {path} ({e.strerror}): give a file holding a JSON "

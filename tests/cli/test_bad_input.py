@@ -183,3 +183,24 @@ def test_a_sweep_too_short_to_draft_is_refused_before_the_model_loads(monkeypatc
     assert result.exit_code == 2
     line = one_line(result)
     assert "--max-tokens 1 leaves no room for a draft" in line and "--max-tokens 2 or more" in line
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_any_prompt(models, tmp_path):
+    # Windows editors start UTF-8 files with a BOM: it hid a JSONL file's "{" (every line became a plain
+    # prompt, the JSON text sent as is) and was prefilled as the first prompt's first tokens.
+    from specdec_cli.model.prompts import read_prompts_file
+
+    bom = b"\xef\xbb\xbf"
+    jsonl, plain = tmp_path / "bom.jsonl", tmp_path / "bom.txt"
+    jsonl.write_bytes(bom + b'{"prompt": "ab ab"}\n{"prompt": "cd"}\n')
+    plain.write_bytes(bom + b"ab ab\ncd\n")
+    assert [p.text for p in read_prompts_file(str(jsonl))] == ["ab ab", "cd"]
+    assert [p.text for p in read_prompts_file(str(plain))] == ["ab ab", "cd"]
+    runs = [generate("--model", models["llama"], "-", "-m", "2", "--json", "--ignore-chat-template", input=text)
+            for text in (b"ab ab", bom + b"ab ab")]
+    assert all(r.exit_code == 0 for r in runs), runs[1].output
+    assert json.loads(runs[1].stdout)["prompt_tokens"] == json.loads(runs[0].stdout)["prompt_tokens"]
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(bom + b'{"type": "object"}')
+    result = generate("--model", models["llama"], "Hi", "-m", "2", "--json-schema", schema, "--json")
+    assert result.exit_code == 0, result.output
