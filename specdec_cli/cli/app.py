@@ -69,6 +69,18 @@ class _Command(TyperCommand):
                 del param._get_number_range_help_str
 
 
+def _mlx_lm_verbose(args: list) -> Optional[str]:
+    """The value in ``generate ... --verbose False`` (mlx_lm's spelling: a boolean it reads as t/f), if any."""
+    if not args or args[0] != "generate":
+        return None
+    for option, value in zip(args, args[1:]):
+        if option == "--":
+            return None
+        if option == "--verbose" and value.lower() in ("true", "false", "t", "f"):
+            return value
+    return None
+
+
 class _Group(TyperGroup):
     """Typer's group, with usage errors on one line instead of a boxed panel."""
 
@@ -76,6 +88,16 @@ class _Group(TyperGroup):
         return _help_option(super().get_help_option(ctx))
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        given = list(sys.argv[1:] if args is None else args)
+        value = _mlx_lm_verbose(given)
+        if value is not None:
+            # mlx_lm's `--verbose False`: here --verbose is a flag, so the value was taken as the prompt
+            # (generate answered "False") or clashed with -p in an error that named the wrong thing.
+            _err(f"error: --verbose takes no value here (mlx_lm's --verbose {value}): the statistics always go "
+                 "to stderr, so 2>/dev/null leaves the text alone; --verbose alone also times each phase")
+            if standalone_mode:
+                sys.exit(EXIT_USAGE)
+            return EXIT_USAGE
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)

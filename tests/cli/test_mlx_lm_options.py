@@ -198,3 +198,14 @@ def test_trust_remote_code(models, tmp_path):
     result = generate("--model", custom, "Hi", "-m", "2")
     assert result.exit_code == 1 and "pass --trust-remote-code" in one_line(result)
     assert generate("--model", custom, "Hi", "-m", "2", "--trust-remote-code").exit_code == 0
+
+
+@pytest.mark.parametrize("args", [["--verbose", "False"], ["-p", "Hi", "--verbose", "false"], ["Hi", "--verbose", "T"]])
+def test_mlx_lm_verbose_with_a_value_is_refused_not_taken_as_the_prompt(models, args, monkeypatch):
+    # mlx_lm's --verbose takes a boolean; here it is a flag, so "False" became the prompt (or clashed with -p).
+    import specdec_cli.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_setup", lambda *a, **k: pytest.fail("the model loaded"))
+    result = generate("--model", models["llama"], *args)
+    assert result.exit_code == 2
+    assert "--verbose takes no value here (mlx_lm's --verbose" in one_line(result)
