@@ -98,12 +98,21 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
         extra = {"trust_remote_code": True} if trust_remote_code else None
         tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # tokenizer libraries raise many types
+        if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+            # transformers then says to install sentencepiece or tiktoken: the files are what is missing.
+            raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, "
+                                 f"...): {refetch_hint(name)}, or copy them from the original model") from None
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {e}") from None
     make_cache(model)  # capability check before anything runs
     dtype = resolve_dtype(dtype)
     if dtype is not None and ranks is None:
         cast(model, DTYPES[dtype])
     return Loaded(name, path, model, tokenizer, config, describe_dtype(model, config))
+
+
+# The files a Hugging Face tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.model", "vocab.json", "vocab.txt", "*.tiktoken",
+                   "tokenizer_config.json")
 
 
 def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:

@@ -204,3 +204,16 @@ def test_a_utf8_byte_order_mark_is_not_part_of_any_prompt(models, tmp_path):
     schema.write_bytes(bom + b'{"type": "object"}')
     result = generate("--model", models["llama"], "Hi", "-m", "2", "--json-schema", schema, "--json")
     assert result.exit_code == 0, result.output
+
+
+def test_a_model_folder_without_tokenizer_files_says_so(models, tmp_path):
+    # transformers' own message asked to install sentencepiece or tiktoken: the files were what was missing.
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((models["llama"] / name).read_bytes())
+    result = generate("--model", folder, "Hi", "-m", "2")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert f"{folder} has no tokenizer files" in line and "sentencepiece" not in line
+    assert f"download or convert {folder} again" in line
