@@ -108,6 +108,11 @@ def resolve(name: str, force_download: bool = False) -> Path:
         raise ModelLoadError(f"{name}: revision not found on the Hub; check the repo id") from None
     except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError):
         # No network (or HF_HUB_OFFLINE=1) and no complete copy in the HF cache.
+        if huggingface_hub.constants.HF_HUB_OFFLINE:  # "unreachable ... connect" named the wrong fix
+            raise ModelLoadError(
+                f"cannot download {name}: offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set) and "
+                "it is not in the local cache; unset it to download, or pass a local model directory"
+            ) from None
         raise ModelLoadError(
             f"cannot download {name}: the Hugging Face Hub is unreachable and it is not in the "
             "local cache; connect, or pass a local model directory"

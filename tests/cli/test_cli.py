@@ -459,6 +459,15 @@ def test_hub_failures_exit_one_with_the_fix(models, hub, repo, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_offline_mode_is_named_as_the_cause_not_the_network(models, hub, monkeypatch):
+    # With HF_HUB_OFFLINE set, "the Hub is unreachable ... connect" sent the user to a network that was fine.
+    monkeypatch.setattr(files.huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    result = invoke("--model", "test-org/offline", "--draft-model", models["llama"], "Hi")
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "offline mode is on (HF_HUB_OFFLINE" in result.stderr and "unset it" in result.stderr
+    assert "unreachable" not in result.stderr
+
+
 def test_a_multi_line_error_is_printed_on_one_line(models, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("Missing parameters:\n  model.layers.0.weight\n  model.layers.1.weight")
