@@ -107,7 +107,8 @@ def _interactive() -> bool:
 def _read(prompt: str) -> Optional[str]:
     """One line from the user; None at the end of input."""
     try:
-        return input(prompt)
+        # A file with Windows line ends piped in: Python's stdin keeps the "\r", which went to the model.
+        return input(prompt).removesuffix("\r")
     except EOFError:
         if prompt:
             # Ctrl-D leaves the cursor after the prompt: end that line, or the shell's prompt would follow it.

@@ -186,3 +186,26 @@ def test_sweep_measures_generates_default_as_a_row_of_its_own(models):
     assert default["label"] == "default (adaptive, block 64)"
     assert default["block_size"] == 64 and default["adaptive"] is True and default["identical"] is True
     assert default["speedup"] > 0 and report["best_block_size"] in (2, 3)
+
+
+def test_a_chat_message_piped_with_windows_line_ends_is_sent_without_the_cr(models, monkeypatch):
+    # A real process's stdin keeps the "\r" of "\r\n" (CliRunner's translates it), so input() is fed here.
+    def piped(line):
+        lines = iter([line])
+
+        def read(prompt=""):
+            try:
+                return next(lines)
+            except StopIteration:
+                raise EOFError from None
+        return read
+
+    args = ["chat", "--model", str(models["llama"]), "--no-live", "-m", "2", "--prompt-cache-disk-gb", "0"]
+    counts = []
+    for line in ("hello there\r", "hello there"):
+        monkeypatch.setattr("builtins.input", piped(line))
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        (stats,) = [x for x in result.stderr.splitlines() if x.startswith("[prompt")]
+        counts.append(stats.split(" tokens")[0])
+    assert counts[0] == counts[1]
