@@ -69,6 +69,23 @@ class _Command(TyperCommand):
                 del param._get_number_range_help_str
 
 
+# mlx_lm.generate's options that specdec does not take, and what to do instead: a command line carried
+# over from mlx_lm otherwise got "No such option" and a list of look-alike names.
+MLX_LM_ONLY = {
+    "--max-kv-size": "its rotating cache cannot be rolled back past a rejected draft; drop it (--kv-bits "
+                     "shrinks the cache, and a run that would not fit is refused before it starts)",
+    "--quantized-kv-start": "--kv-bits quantizes the KV cache from the first token; drop it",
+    "--xtc-probability": "XTC sampling is not supported; drop it (--temp, --top-p, --top-k and --min-p are)",
+    "--xtc-threshold": "XTC sampling is not supported; drop it (--temp, --top-p, --top-k and --min-p are)",
+    "--min-tokens-to-keep": "drop it",
+    "--prompt-cache-file": "drop it: the prompt cache is kept on disk by itself (--prompt-cache-dir)",
+    "--use-default-chat-template": "drop it: the tokenizer's own chat template is applied "
+                                   "(--ignore-chat-template for none)",
+    "--image": "images are not supported; drop it",
+    "--quantize-activations": "drop it",
+}
+
+
 def _mlx_lm_verbose(args: list) -> Optional[str]:
     """The value in ``generate ... --verbose False`` (mlx_lm's spelling: a boolean it reads as t/f), if any."""
     if not args or args[0] != "generate":
@@ -123,6 +140,9 @@ class _Group(TyperGroup):
                 span = ranged() if callable(ranged) else None
                 if span and span not in message:
                     message += f" (range {span})"
+                unported = MLX_LM_ONLY.get(getattr(e, "option_name", None) or "")
+                if type(e).__name__ == "NoSuchOption" and unported:
+                    message = f"{e.option_name} is mlx_lm.generate's, not taken here: {unported}"
                 where = f"; see '{ctx.command_path} -h'" if ctx is not None else ""
                 _err(f"error: {message}{where}")
                 code = getattr(e, "exit_code", EXIT_USAGE)

@@ -209,3 +209,15 @@ def test_mlx_lm_verbose_with_a_value_is_refused_not_taken_as_the_prompt(models, 
     result = generate("--model", models["llama"], *args)
     assert result.exit_code == 2
     assert "--verbose takes no value here (mlx_lm's --verbose" in one_line(result)
+
+
+@pytest.mark.parametrize("args, fix", [(["--max-kv-size", "512"], "drop it (--kv-bits shrinks the cache"),
+                                       (["--xtc-probability=0.1"], "XTC sampling is not supported"),
+                                       (["--quantized-kv-start", "100"], "--kv-bits quantizes the KV cache from")])
+def test_mlx_lm_options_specdec_lacks_are_named_with_what_to_do(models, args, fix):
+    # A command line carried over from mlx_lm.generate got "No such option" and look-alike names.
+    result = generate("--model", models["llama"], "Hi", *args)
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert f"{args[0].split('=')[0]} is mlx_lm.generate's, not taken here" in line and fix in line
+    assert "No such option: --nonsense" in one_line(generate("--model", models["llama"], "Hi", "--nonsense", "1"))
