@@ -12,6 +12,7 @@ import codecs
 import json
 import functools
 import logging
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,8 +175,10 @@ def read_prompts_file(path: str) -> list[FilePrompt]:
         except ValueError:  # a name the file system cannot take (a NUL)
             raise OptionError(f"cannot read --prompts-file {path!r}: give the path of a file with one prompt "
                               "per line") from None
-    lines = [(n, line) for n, line in enumerate(_decode(data, f"--prompts-file {name}").splitlines(), 1)
-             if line.strip()]
+    # Lines end at "\n", "\r\n" or "\r" only: splitlines() also broke at U+2028, U+0085 and form feeds, which
+    # JSON strings may hold raw (a valid JSONL line was refused) and a plain prompt may too.
+    text = _decode(data, f"--prompts-file {name}")
+    lines = [(n, line) for n, line in enumerate(re.split(r"\r\n|\r|\n", text), 1) if line.strip()]
     if not lines:
         raise OptionError(f"--prompts-file {name} holds no prompt: write one prompt per line, or JSONL lines with "
                           "\"prompt\" or \"messages\"")

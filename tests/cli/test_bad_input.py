@@ -217,3 +217,18 @@ def test_a_model_folder_without_tokenizer_files_says_so(models, tmp_path):
     line = one_line(result)
     assert f"{folder} has no tokenizer files" in line and "sentencepiece" not in line
     assert f"download or convert {folder} again" in line
+
+
+def test_a_prompts_file_breaks_lines_at_newlines_only(tmp_path):
+    # JSON strings may hold U+2028 or U+0085 raw (json.dumps(..., ensure_ascii=False) writes them so):
+    # str.splitlines() broke such a valid JSONL line in two and refused it; a form feed split a prompt.
+    from specdec_cli.model.prompts import read_prompts_file
+
+    jsonl = tmp_path / "raw.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in ("a\u2028b", "c\x85d")),
+                     encoding="utf-8")
+    assert [p.text for p in read_prompts_file(str(jsonl))] == ["a\u2028b", "c\x85d"]
+    plain = tmp_path / "plain.txt"
+    plain.write_bytes(b"page one\x0cpage two\r\n\r\nnext\rlast\n")
+    assert [(p.line, p.text) for p in read_prompts_file(str(plain))] == [(1, "page one\x0cpage two"), (3, "next"),
+                                                                       (4, "last")]
