@@ -9,6 +9,7 @@ every position (see :func:`teacher_states`), never the text's next token.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import random
@@ -174,7 +175,7 @@ def read_source(path: Optional[str], seed: int = 0) -> Source:
     for f in files:
         try:
             raw = f.read_bytes()
-            text = raw.decode("utf-8")
+            text = raw.removeprefix(codecs.BOM_UTF8).decode("utf-8")  # a BOM (Windows editors) is no text
         except (OSError, UnicodeDecodeError) as e:
             raise OptionError(f"--data: cannot read {f}: {e}") from None
         # The content decides whether a cached corpus is reused, not the path (see pipeline._corpus_key).
@@ -198,7 +199,8 @@ def read_source(path: Optional[str], seed: int = 0) -> Source:
 
 
 def _read_jsonl(f: Path, text: str, source: Source) -> None:
-    for n, line in enumerate(text.splitlines(), 1):
+    # At "\n" only: splitlines() also broke at U+2028 and U+0085, which JSON strings may hold raw.
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -207,6 +209,10 @@ def _read_jsonl(f: Path, text: str, source: Source) -> None:
             raise OptionError(f"--data: {f} line {n} is not JSON ({e.msg})") from None
         if isinstance(row, dict) and isinstance(row.get("messages"), list):
             messages = row["messages"]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages):  # else a crash ("'str' object has no attribute 'get'") after loading
+                raise OptionError(f'--data: {f} line {n}: "messages" must be a list of '
+                                  '{"role": ..., "content": "..."} objects')
             # A chat ending in an assistant turn: the target answers the turns before it.
             if messages and messages[-1].get("role") == "assistant":
                 messages = messages[:-1]

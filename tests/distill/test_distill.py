@@ -249,6 +249,8 @@ def test_read_source_formats(tmp_path):
     ("", "no text found"),
     ('{"prompt": 1}\n', 'none of "prompt"'),
     ("not json\n", "is not JSON"),
+    # A message that is not an object crashed after the model loaded ("'str' object has no attribute 'get'").
+    ('{"messages": ["hi"]}\n', '"messages" must be a list of'),
 ])
 def test_read_source_refuses_bad_data(tmp_path, content, message):
     path = tmp_path / "d.jsonl"
@@ -256,6 +258,16 @@ def test_read_source_refuses_bad_data(tmp_path, content, message):
         path.write_text(content)
     with pytest.raises(OptionError, match=message):
         read_source(str(path))
+
+
+def test_read_source_takes_a_bom_and_raw_line_separators_in_json_strings(tmp_path):
+    # A BOM (Windows editors) made line 1 "not JSON"; splitlines() broke a line at a raw U+2028 / U+0085,
+    # which json.dumps(..., ensure_ascii=False) writes inside strings.
+    path = tmp_path / "d.jsonl"
+    rows = [{"text": "a\u2028b"}, {"prompt": "c\x85d"}]
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    s = read_source(str(path))
+    assert s.texts == ["a\u2028b"] and s.prompts == ["c\x85d"]
 
 
 def test_seed_prompts_stay_clear_of_the_benchmark_prompts():
