@@ -282,8 +282,10 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], ignore_cha
     prefill = prefill_response is not None
     if prefill:
         messages.append({"role": "assistant", "content": prefill_response})
-    return _template(tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
-                     template_kwargs=template_kwargs)
+    # _folded, as chat and "messages" lines render: a template that takes no system message (Mistral v0.1)
+    # gets --system-prompt in the user message; with -p it failed where chat answered.
+    return _folded(tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                   template_kwargs=template_kwargs)[0]
 
 
 def encode_messages(tokenizer, messages: Sequence[dict], system_prompt: Optional[str], ignore_chat_template: bool,

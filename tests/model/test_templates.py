@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from agents import template
 from specdec_cli.model.bundled import model_dir
 from specdec_cli.errors import OptionError
-from specdec_cli.model.prompts import _folded, _template, encode_messages, fold_roles, render_messages
+from specdec_cli.model.prompts import _folded, _template, encode_messages, encode_prompt, fold_roles, render_messages
 
 TEMPLATES = ["qwen3_5", "gemma3", "mistral", "llama3", "smollm2"]
 
@@ -62,6 +62,13 @@ def test_every_template_renders_every_shape_with_every_text_in_order(tokenizer, 
         assert where == sorted(where), (tokenizer.name, shape, rendered)
     # The same rule for a file of prompts as for the server and chat.
     assert encode_messages(tokenizer, conversation, None, False) == render_messages(tokenizer, conversation).ids
+
+
+def test_a_system_prompt_renders_for_generate_as_for_chat(tokenizer):
+    # generate -p (and a file's "prompt" lines) with --system-prompt failed on Mistral's template, which
+    # takes no system message, where chat and "messages" lines folded it into the user message.
+    chat = render_messages(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert encode_prompt(tokenizer, "Hi", "Be brief.", False) == chat.ids
 
 
 # What the fold is for: the publishers' templates raise on these shapes as the agents send them.
