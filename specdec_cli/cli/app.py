@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -86,15 +87,30 @@ MLX_LM_ONLY = {
 }
 
 
-def _mlx_lm_verbose(args: list) -> Optional[str]:
-    """The value in ``generate ... --verbose False`` (mlx_lm's spelling: a boolean it reads as t/f), if any."""
-    if not args or args[0] != "generate":
+# A token as a vocabulary spells a special one (<|im_end|>, </s>, <end_of_turn>), or an id.
+_TOKEN_LIKE = re.compile(r"<[^<>\s]+>|\d+")
+
+
+def _mlx_lm_spelling(args: list) -> Optional[str]:
+    """The error for an mlx_lm spelling that would run wrongly here (None: none found).
+
+    mlx_lm's ``--verbose False`` and ``--extra-eos-token A B`` leave a value that Typer takes as the
+    PROMPT argument: generate answered the prompt "False" or "B" (or, with -p, said "give the prompt once").
+    """
+    if not args or args[0] not in ("generate", "sweep"):
         return None
-    for option, value in zip(args, args[1:]):
-        if option == "--":
+    for i, arg in enumerate(args):
+        if arg == "--":
             return None
-        if option == "--verbose" and value.lower() in ("true", "false", "t", "f"):
-            return value
+        after = args[i + 1] if i + 1 < len(args) else None
+        if args[0] == "generate" and arg == "--verbose" and after and after.lower() in ("true", "false", "t", "f"):
+            return (f"--verbose takes no value here (mlx_lm's --verbose {after}): the statistics always go to "
+                    "stderr, so 2>/dev/null leaves the text alone; --verbose alone also times each phase")
+        value_at = i + 1 if arg == "--extra-eos-token" else i if arg.startswith("--extra-eos-token=") else None
+        if value_at is not None and value_at + 1 < len(args) and _TOKEN_LIKE.fullmatch(args[value_at + 1]):
+            first, second = args[value_at].removeprefix("--extra-eos-token="), args[value_at + 1]
+            return (f"--extra-eos-token takes one token (mlx_lm's --extra-eos-token {first} {second}): repeat it, "
+                    f"--extra-eos-token {first} --extra-eos-token {second}")
     return None
 
 
@@ -106,12 +122,9 @@ class _Group(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         given = list(sys.argv[1:] if args is None else args)
-        value = _mlx_lm_verbose(given)
-        if value is not None:
-            # mlx_lm's `--verbose False`: here --verbose is a flag, so the value was taken as the prompt
-            # (generate answered "False") or clashed with -p in an error that named the wrong thing.
-            _err(f"error: --verbose takes no value here (mlx_lm's --verbose {value}): the statistics always go "
-                 "to stderr, so 2>/dev/null leaves the text alone; --verbose alone also times each phase")
+        wrong = _mlx_lm_spelling(given)
+        if wrong is not None:
+            _err(f"error: {wrong}")
             if standalone_mode:
                 sys.exit(EXIT_USAGE)
             return EXIT_USAGE

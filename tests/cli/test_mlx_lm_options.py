@@ -221,3 +221,21 @@ def test_mlx_lm_options_specdec_lacks_are_named_with_what_to_do(models, args, fi
     line = one_line(result)
     assert f"{args[0].split('=')[0]} is mlx_lm.generate's, not taken here" in line and fix in line
     assert "No such option: --nonsense" in one_line(generate("--model", models["llama"], "Hi", "--nonsense", "1"))
+
+
+@pytest.mark.parametrize("args", [["--extra-eos-token", "<|im_end|>", "</s>"],
+                                  ["--extra-eos-token=2", "3", "-p", "Hi"]])
+def test_mlx_lm_extra_eos_tokens_in_one_option_are_refused_not_taken_as_the_prompt(models, args, monkeypatch):
+    # mlx_lm takes --extra-eos-token A B; here the option takes one, so B became the prompt (or clashed with -p).
+    import specdec_cli.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_setup", lambda *a, **k: pytest.fail("the model loaded"))
+    result = generate("--model", models["llama"], *args)
+    assert result.exit_code == 2
+    assert "--extra-eos-token takes one token (mlx_lm's --extra-eos-token" in one_line(result)
+
+
+def test_a_prompt_after_an_extra_eos_token_is_still_a_prompt(models):
+    result = generate("--model", models["llama"], "--extra-eos-token", "<|im_end|>", "Write a haiku", "-m", "2",
+                      "--json")
+    assert result.exit_code == 0, result.output
