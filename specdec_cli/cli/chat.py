@@ -79,9 +79,11 @@ def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = No
         (1, f"{stats.generated} tokens", f"{stats.generated} tokens", 0),
         (1, f"{stats.decode_tps:.1f} tok/s", f"{stats.decode_tps:.1f} tok/s", 0),
     ]
-    if stats.blocks:  # no block ran: no acceptance of nothing (generate's summary leaves it out too)
-        parts += [(2, f"acceptance {accept}", f"accept {accept}", 1),
-                  (2, f"{tpb} tokens per block", f"{tpb} tok/block", 2)]
+    # No acceptance of no drafts, no tokens per block of no block (generate's summary leaves them out too).
+    if stats.drafted:
+        parts.append((2, f"acceptance {accept}", f"accept {accept}", 1))
+    if stats.blocks:
+        parts.append((2, f"{tpb} tokens per block", f"{tpb} tok/block", 2))
 
     def line(short: bool, keep: int) -> str:
         groups: dict[int, list[str]] = {}

@@ -327,6 +327,9 @@ def drafting_lines(stats: Stats) -> list[str]:
     """What was drafted and accepted, block by block and by draft position."""
     if not stats.blocks:  # stopped before its first block (Ctrl-C in the prefill): no mean of nothing
         return [f"Drafted: {stats.drafted}, accepted: {stats.accepted}", "Blocks: 0"]
+    if not stats.drafted:  # blocks ran, none drafted: "acceptance: 0.0%" read as every draft rejected
+        return ["Drafted: 0, accepted: 0 (no block drafted)",
+                f"Blocks: {stats.blocks}, tokens per block: {stats.tokens_per_block:.2f}"]
     lines = [
         f"Drafted: {stats.drafted}, accepted: {stats.accepted}, "
         f"acceptance: {100 * stats.acceptance:.1f}% (accepted / drafted)",

@@ -52,6 +52,22 @@ def test_summary_has_mlx_lm_lines_first():
     assert "Acceptance by draft position: 50% 50% 0%" in lines
 
 
+def test_blocks_that_drafted_nothing_claim_no_acceptance():
+    # Prompt lookup with nothing to copy drafts nothing: "acceptance: 0.0%" and "acceptance 0%" read as
+    # every draft rejected.
+    from specdec_cli.cli.chat import turn_line
+
+    stats = Stats(prompt_tokens=10, prefill_s=0.5)
+    for tok in (1, 2):
+        stats.add(Block((tok,), 0, 0, "none", 1), 0.1)
+    lines = summary_lines(stats, drafter="lookup", block_size=64, peak_gb=0.5, verbose=True)
+    assert "Drafted: 0, accepted: 0 (no block drafted)" in lines
+    assert "Blocks: 2, tokens per block: 1.00" in lines
+    assert not [x for x in lines if "acceptance:" in x or "mean accepted" in x or "Accepted per block" in x]
+    line = turn_line(stats)
+    assert "acceptance" not in line and "1.00 tokens per block" in line
+
+
 # --- the sweep table at any width --------------------------------------------------------
 
 def _sweep_result():
