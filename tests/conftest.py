@@ -241,6 +241,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "cli/test_interrupts.py::test_ctrl_c_with_json_gives_one_object": SLOW,
     "cli/test_interrupts.py::test_a_closed_stdout_ends_quietly": SLOW,
     "cli/test_interrupts.py::test_a_closed_stderr_ends_quietly_with_141": SLOW,
+    "cli/test_interrupts.py::test_a_standard_stream_closed_by_the_caller_is_no_error": SLOW,
     "cli/test_mlx_lm_options.py::test_quantized_kv_cache_speculation_equals_plain_decoding": SLOW,
     "cli/test_first_run.py::test_the_wheel_carries_the_bundled_model": SLOW,
     "cli/test_first_run.py::test_the_cli_reexecutes_once_and_the_child_sees_the_preload": SLOW,

@@ -357,6 +357,22 @@ def test_a_closed_stderr_ends_quietly_with_141(models, merged):
 
 
 
+@pytest.mark.parametrize("closed", [0, 1])
+def test_a_standard_stream_closed_by_the_caller_is_no_error(models, closed):
+    # `specdec ... <&-`: the weights file took fd 0, which MLX will not read ("cannot read the weights ...
+    # download again"). `>&-`: sys.stdout was None, a traceback before anything ran.
+    def close():
+        _sigint_at_default()
+        os.close(closed)
+
+    result = subprocess.run([sys.executable, "-m", "specdec_cli", "generate", "--model", str(models["llama"]), "Hi",
+                             "-m", "2", "--no-live", "--prompt-cache-disk-gb", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE if closed != 1 else None, stderr=subprocess.PIPE, timeout=120,
+                            preexec_fn=close)
+    assert result.returncode == 0, result.stderr
+    assert b"Traceback" not in result.stderr and b"Finish reason: length" in result.stderr
+
+
 def test_the_live_panel_leaves_room_for_the_echoed_ctrl_c():
     # A panel as wide as the terminal leaves the cursor pending a wrap: the "^C" the
     # terminal echoes then moves it a line down, the transient erase misses the text
