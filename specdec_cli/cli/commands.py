@@ -342,6 +342,11 @@ def _sweep(opts: SweepOptions) -> int:
     ids = prompt_ids(setup, text)
     setup.check_ranks(ids)
     print_stderr(setup.start_lines())
+    if setup.history is not None and not setup.history.outputs():
+        # A sweep never writes the file: a mistyped path measured the prompt alone without a word.
+        print_stderr([f"note: --lookup-history {opts.lookup_history} holds no output of this model's tokenizer "
+                      "(missing, empty or other models'): the sweep drafts from the prompt alone; generate "
+                      "--lookup-history fills it"])
     for size in sizes:
         setup.block_size(size, size, "--block-sizes")
     max_tokens, context = setup.fit_context(len(ids), opts.max_tokens)
