@@ -58,6 +58,11 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
         raise ModelLoadError(
             f"{path} has no model*.safetensors weights: convert the model with `mlx_lm.convert`"
         )
+    missing = _missing_shards(path)
+    if missing:
+        # mlx-lm loads the shards there are and lists the parameters the others held, with no word of the fix.
+        raise ModelLoadError(f"{path} lacks {', '.join(missing)}, named in its model.safetensors.index.json: "
+                             f"{refetch_hint(name)}")
     for file in weights:
         why = check_safetensors(file)
         if why:
@@ -108,6 +113,17 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
     if dtype is not None and ranks is None:
         cast(model, DTYPES[dtype])
     return Loaded(name, path, model, tokenizer, config, describe_dtype(model, config))
+
+
+def _missing_shards(path: Path) -> list[str]:
+    """The weight files the index names that the folder lacks (a cut download or copy; [] without an index)."""
+    try:
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError):  # no index, or one that is not an object: nothing to check
+        return []
+    if not isinstance(weight_map, dict):
+        return []
+    return sorted({f for f in weight_map.values() if isinstance(f, str) and not (path / f).is_file()})
 
 
 # The files a Hugging Face tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken).

@@ -232,3 +232,27 @@ def test_a_prompts_file_breaks_lines_at_newlines_only(tmp_path):
     plain.write_bytes(b"page one\x0cpage two\r\n\r\nnext\rlast\n")
     assert [(p.line, p.text) for p in read_prompts_file(str(plain))] == [(1, "page one\x0cpage two"), (3, "next"),
                                                                        (4, "last")]
+
+
+def test_a_weight_shard_missing_from_the_folder_is_named_with_the_fix(models, tmp_path):
+    # mlx-lm loaded the shards there were and listed the parameters the missing one held, with no fix.
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(models["llama"], folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    mx.save_safetensors(str(folder / "model-00001-of-00002.safetensors"),
+                        {k: weights[k] for k in shards["model-00001-of-00002.safetensors"]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    result = generate("--model", folder, "Hi", "-m", "2")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert f"{folder} lacks model-00002-of-00002.safetensors, named in its model.safetensors.index.json" in line
+    assert f"download or convert {folder} again" in line
