@@ -353,6 +353,13 @@ def _sweep(opts: SweepOptions) -> int:
     if max_tokens < MIN_SWEEP_TOKENS:
         raise OptionError(_sweep_room(f"the prompt's {len(ids)} tokens in the model's context of {context} leave "
                                       f"room for {max_tokens}, which") + ": shorten the prompt")
+    capped = [size for size in sizes if size > max_tokens]
+    if capped:
+        # A block drafts at most the room left less one: these rows would time the same blocks as a size of
+        # max_tokens, under labels a user would then pass as --block-size.
+        print_stderr([f"note: blocks of at most {max_tokens} tokens fit in the {max_tokens} to generate: block "
+                      f"size{'s' if len(capped) > 1 else ''} {','.join(map(str, capped))} measure as {max_tokens}; "
+                      "raise --max-tokens to measure them"])
     if levels != [1]:
         return sweep_concurrency(opts, setup, ids, sizes, levels, max_tokens)
     setup.check_memory(len(ids) + max_tokens)

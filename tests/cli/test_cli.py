@@ -649,6 +649,18 @@ def test_help_gives_auto_the_block_size_of_the_drafter_it_picks(models):
     assert report["drafter"] == "lookup" and report["block_size"] == 64
 
 
+def test_a_sweep_says_which_block_sizes_its_max_tokens_cannot_hold(models):
+    # At -m 4 a block drafts at most 3: sizes 8 and 16 timed the blocks of size 4 under their own labels,
+    # and noise could name one of them the best block size.
+    def run(sizes):
+        return sweep("--model", models["llama"], "Hi", "-m", "4", "--block-sizes", sizes, "--warmup", "0", "--json")
+
+    result = run("2,8,16")
+    assert result.exit_code == 0, result.output
+    assert "block sizes 8,16 measure as 4; raise --max-tokens to measure them" in result.stderr
+    assert "measure as" not in run("2,4").stderr
+
+
 def test_sweep_reads_the_lookup_history_and_leaves_it_as_it_was(models, tmp_path):
     history = tmp_path / "history.json"
     sweep = ["sweep", "--model", str(models["llama"]), "Hi", "-m", "8", "--block-sizes", "2,4", "--warmup", "0",
