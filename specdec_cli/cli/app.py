@@ -322,6 +322,14 @@ def _json_object(value: Optional[str]) -> Optional[str]:
         parsed = None
     if not isinstance(parsed, dict):
         raise typer.BadParameter("""takes a JSON object, like '{"enable_thinking": false}'""")
+    # Arguments specdec gives the template itself: the template failed with "got multiple values for keyword
+    # argument 'tokenize'", a Python message naming no fix.
+    taken = sorted(set(parsed) & {"messages", "conversation", "tokenize", "add_generation_prompt",
+                                  "continue_final_message"})
+    if taken:
+        raise typer.BadParameter(f"{', '.join(map(repr, taken))} {'is' if len(taken) == 1 else 'are'} given to the "
+                                 f"template by specdec itself: drop {'it' if len(taken) == 1 else 'them'} "
+                                 "(--prefill-response continues a reply)")
     return value
 
 

@@ -239,3 +239,17 @@ def test_a_prompt_after_an_extra_eos_token_is_still_a_prompt(models):
     result = generate("--model", models["llama"], "--extra-eos-token", "<|im_end|>", "Write a haiku", "-m", "2",
                       "--json")
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_template_config_setting_what_specdec_passes_is_refused_by_name(models, command):
+    # The template failed with "got multiple values for keyword argument 'tokenize'": Python, and no fix.
+    from typer.testing import CliRunner
+
+    from specdec_cli.cli.app import app
+
+    prompt = ["Hi"] if command == "generate" else []
+    result = CliRunner().invoke(app, [command, "--model", str(models["llama"]), "-m", "2", "--chat-template-config",
+                                      '{"tokenize": true, "enable_thinking": false}', *prompt])
+    assert result.exit_code == 2
+    assert "'tokenize' is given to the template by specdec itself: drop it" in one_line(result)
