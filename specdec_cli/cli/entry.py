@@ -31,3 +31,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     run()
+
+
+if __name__ == "__main__":  # `python -m specdec_cli.cli.entry ...` ran nothing and exited 0 without this
+    main()

@@ -501,8 +501,10 @@ def test_ctrl_c_prints_stats_so_far_and_exits_130(models, monkeypatch):
     assert result.stdout.strip()
 
 
-def test_python_dash_m_entry_point():
-    out = subprocess.run([sys.executable, "-m", "specdec_cli", "--version"], capture_output=True, text=True)
+@pytest.mark.parametrize("module", ["specdec_cli", "specdec_cli.cli.entry"])
+def test_python_dash_m_entry_point(module):
+    # The console script's own module too: run with -m it imported main, ran nothing and exited 0.
+    out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("specdec ")
 
 
