@@ -211,9 +211,12 @@ def sampling_params(temp: float, top_p: float, top_k: int, min_p: float, compare
         raise OptionError("--top-k must be >= 0 (0 disables it)")
     params = SamplingParams(temp, top_p, top_k, min_p)
     if params.greedy:
-        filters = [n for n, v in (("--top-p", top_p), ("--top-k", top_k), ("--min-p", min_p)) if v]
+        # --top-p 1 filters nothing (mlx-lm's default, written out by scripts made for it): no error for it.
+        filters = [n for n, v in (("--top-p", 0 < top_p < 1), ("--top-k", top_k), ("--min-p", min_p)) if v]
         if filters:
-            raise OptionError(f"{', '.join(filters)} only apply when sampling: set --temp > 0 or drop them")
+            one = len(filters) == 1
+            raise OptionError(f"{', '.join(filters)} only appl{'ies' if one else 'y'} when sampling: set --temp > 0 "
+                              f"or drop {'it' if one else 'them'}")
     elif compare_ar and seed is None:
         raise OptionError("--compare-ar at --temp > 0 needs --seed: unseeded draws differ from run to run, seeded "
                           "ones are plain decoding's with the same seed (or use --temp 0)")

@@ -246,7 +246,7 @@ def test_dtype_cast_runs(models):
         ([], "no prompt"),
         (["Hi", "-p", "Hi"], "give the prompt once"),
         (["Hi", "--temp", "-1"], "Invalid value for '--temp': Input should be greater than or equal to 0 (range x>=0.0)"),
-        (["Hi", "--top-p", "0.9"], "--top-p only apply when sampling"),
+        (["Hi", "--top-p", "0.9"], "--top-p only applies when sampling: set --temp > 0 or drop it"),
         (["Hi", "--top-k", "5", "--min-p", "0.1"], "--top-k, --min-p only apply when sampling"),
         (["Hi", "--temp", "0.7", "--top-p", "1.5"], "'--top-p': Input should be less than or equal to 1 (range 0.0<=x<=1.0)"),
         (["Hi", "--temp", "0.7", "--compare-ar"], "--compare-ar at --temp > 0 needs --seed"),

@@ -253,3 +253,9 @@ def test_a_template_config_setting_what_specdec_passes_is_refused_by_name(models
                                       '{"tokenize": true, "enable_thinking": false}', *prompt])
     assert result.exit_code == 2
     assert "'tokenize' is given to the template by specdec itself: drop it" in one_line(result)
+
+
+def test_mlx_lm_default_top_p_of_1_is_no_error_when_greedy(models):
+    # mlx_lm's default --top-p is 1.0 (no filter): written out at --temp 0 it was refused as a filter.
+    runs = [_cli_json("--model", models["llama"], "Hi", "-m", "4", *extra) for extra in ([], ["--top-p", "1.0"])]
+    assert runs[0]["text"] == runs[1]["text"]
