@@ -156,6 +156,13 @@ class _Group(TyperGroup):
                 unported = MLX_LM_ONLY.get(getattr(e, "option_name", None) or "")
                 if type(e).__name__ == "NoSuchOption" and unported:
                     message = f"{e.option_name} is mlx_lm.generate's, not taken here: {unported}"
+                extra_args = message.startswith("Got unexpected extra argument")
+                if extra_args and ctx is not None and ctx.info_name == "chat":
+                    # `specdec chat "hello"`, as other chat tools take a first message.
+                    message += ("; chat takes no prompt: type the messages, or pipe them in (printf 'hello\\n' | "
+                                "specdec chat); specdec generate answers one prompt")
+                elif extra_args and ctx is not None and ctx.info_name in ("generate", "sweep"):
+                    message += "; a prompt of several words goes in quotes: 'Write a poem'"  # `generate Write a poem`
                 where = f"; see '{ctx.command_path} -h'" if ctx is not None else ""
                 _err(f"error: {message}{where}")
                 code = getattr(e, "exit_code", EXIT_USAGE)

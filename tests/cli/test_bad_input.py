@@ -256,3 +256,16 @@ def test_a_weight_shard_missing_from_the_folder_is_named_with_the_fix(models, tm
     line = one_line(result)
     assert f"{folder} lacks model-00002-of-00002.safetensors, named in its model.safetensors.index.json" in line
     assert f"download or convert {folder} again" in line
+
+
+@pytest.mark.parametrize("args, fix", [
+    (["chat", "hello"], "chat takes no prompt: type the messages, or pipe them in"),
+    (["generate", "Write", "a", "poem"], "a prompt of several words goes in quotes"),
+])
+def test_extra_arguments_name_what_was_meant(args, fix):
+    # "Got unexpected extra argument(s) (hello)" alone: `chat "hello"` as other chat tools take it, and an
+    # unquoted prompt.
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert line.startswith("error: Got unexpected extra argument") and fix in line
