@@ -145,7 +145,9 @@ class FilePrompt:
     @property
     def label(self) -> str:
         """The prompt's start on one line (for headings)."""
-        text = self.text if self.text is not None else str(self.messages[-1].get("content") or "")
+        # A messages line: its last user message (the last message may be an earlier assistant turn).
+        asked = [m for m in self.messages or () if m.get("role") == "user"] or list(self.messages or ())
+        text = self.text if self.text is not None else str(asked[-1].get("content") or "")
         flat = " ".join(text.split())
         return flat if len(flat) <= 60 else flat[:57] + "..."
 

@@ -269,3 +269,13 @@ def test_extra_arguments_name_what_was_meant(args, fix):
     assert result.exit_code == 2
     line = one_line(result)
     assert line.startswith("error: Got unexpected extra argument") and fix in line
+
+
+def test_a_messages_line_is_headed_by_its_last_user_message(tmp_path):
+    # The heading showed the last message whatever its role: an earlier assistant turn's text read as the prompt.
+    from specdec_cli.model.prompts import read_prompts_file
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi"},
+                                             {"role": "assistant", "content": "Hello"}]}) + "\n")
+    assert read_prompts_file(str(path))[0].label == "Say hi"
