@@ -243,6 +243,8 @@ def _stream(reply: Reply, live: bool, drafter: str, ctrl_c: Optional[_CtrlC] = N
             if ctrl_c is not None and ctrl_c.stop:
                 interrupted = True
                 break
+        # The reply stopped for the Ctrl-C after a block that made no text (or only its last text came).
+        interrupted = interrupted or (ctrl_c is not None and ctrl_c.stop)
     except Terminated:
         raise  # SIGTERM ends the chat, not the answer alone
     except (KeyboardInterrupt, Cancelled):

@@ -388,7 +388,9 @@ class Reply:
                 piece = self.take(event)
                 if piece:
                     yield piece
-                if self.stopped:
+                # A cancel asked is seen after every block, not only one that made text (text held back for
+                # a stop string or half a character makes none).
+                if self.stopped or (self.cancelled is not None and self.cancelled()):
                     break
         finally:
             events.close()

@@ -12,7 +12,7 @@ from specdec_cli.cache.caches import ModelCache
 from specdec_cli.errors import Cancelled
 from specdec_cli.loop.events import Prefilled, Step
 from specdec_cli.session import ModelOptions, PromptCache, Request, SavedCache, Session, load_setup
-from specdec_cli.session.reply import Reply, TextStream
+from specdec_cli.session.reply import Piece, Reply, TextStream
 from specdec_cli.session.synthetic import make_model_dir
 
 FAMILIES = ["llama", "qwen3_5", "gemma3_text", "nemotron_h"]
@@ -304,6 +304,21 @@ def test_a_reply_ends_at_a_stop_string_with_finish_reason_stop(setups):
     assert "".join(p.content for p in cut) == text[: text.index(stop)]
     assert cut.finish_reason == "stop" and full.finish_reason == "length"
     assert cut.stats.generated < full.stats.generated
+
+
+def test_a_cancel_asked_stops_the_reply_after_a_block_that_made_no_text(setups):
+    # Chat's first Ctrl-C: it was seen only after a block that made text, so blocks whose text was held back
+    # (a stop string's start, half a character) ran on to the token limit.
+    class Silent(TextStream):
+        def add(self, tokens):
+            super().add(tokens)
+            return Piece()
+
+    setup = setups["llama"]
+    reply = Reply(Session(setup, 4), Request(PROMPT, 40), Silent(setup.tokenizer),
+                  cancelled=lambda: reply.stats.blocks > 0)  # asked once the first block is in
+    list(reply)
+    assert 0 < reply.stats.generated <= 4  # the first block, at most its block size
 
 
 def _decoded(tokenizer, tokens) -> str:
