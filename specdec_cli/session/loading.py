@@ -141,12 +141,31 @@ def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
             raise AdapterError(
                 f"--adapter-path {adapter_path} has no {need}: pass the directory mlx_lm.lora wrote"
             )
+    _check_adapter_config(path / "adapter_config.json", adapter_path)
     try:
         model = load_adapters(model, str(path))
     except Exception as e:  # shapes or names that do not fit this model
         raise AdapterError(f"the adapters in {adapter_path} do not fit this model ({e})") from None
     model.eval()
     return model
+
+
+def _check_adapter_config(file: Path, adapter_path: str) -> None:
+    """mlx_lm's loader reads the config's fields as attributes: a damaged one read as "do not fit this model
+    ('types.SimpleNamespace' object has no attribute 'num_layers')"."""
+    fix = "pass the directory mlx_lm.lora wrote"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise AdapterError(f"--adapter-path {adapter_path}: cannot read adapter_config.json ({e}): {fix}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"--adapter-path {adapter_path}: adapter_config.json is not a JSON object: {fix}")
+    kind = config.get("fine_tune_type", "lora")
+    needs = () if kind == "full" else (("num_layers", int), ("lora_parameters", dict))
+    wrong = [name for name, typ in needs if not isinstance(config.get(name), typ) or isinstance(config.get(name), bool)]
+    if wrong:
+        raise AdapterError(f"--adapter-path {adapter_path}: adapter_config.json lacks a valid "
+                           f"{' and '.join(wrong)} (a {kind} adapter's config names them): {fix}")
 
 
 def _load_sharded(model: nn.Module, config: dict, dtype: Optional[str], ranks: Ranks, name: str) -> nn.Module:

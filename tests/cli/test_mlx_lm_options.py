@@ -100,6 +100,12 @@ def test_adapters_are_loaded_the_mlx_lm_way(models, tmp_path):
     assert "reinstall" not in one_line(result) and "damaged" not in one_line(result)
     result = generate("Hi", "--adapter-path", tmp_path)  # adapters of another model's shapes
     assert result.exit_code == 1 and "do not fit this model" in one_line(result) and "reinstall" not in one_line(result)
+    # A damaged config names the file and the field, not mlx_lm's attribute lookup.
+    for config, said in (("{", "cannot read adapter_config.json"), ("[]", "is not a JSON object"),
+                         ('{"fine_tune_type": "lora", "lora_parameters": {}}', "lacks a valid num_layers")):
+        (tmp_path / "adapter_config.json").write_text(config)
+        result = generate("--model", models["llama"], "Hi", "--adapter-path", tmp_path)
+        assert result.exit_code == 1 and said in one_line(result) and "SimpleNamespace" not in result.output, config
 
 
 def test_extra_eos_token_stops_generation(models):
