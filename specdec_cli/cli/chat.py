@@ -50,6 +50,10 @@ class ChatOptions(RunOptions):
     prompt_cache_size: int = 10
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = None,
               cut: Optional[tuple[str, str]] = None) -> str:
     """The numbers of one answer, in one line no wider than ``width`` where it can be.
@@ -74,9 +78,9 @@ def turn_line(stats: Stats, interrupted: bool = False, width: Optional[int] = No
     # Ctrl-C in the prefill: no time was reported, and "0.00 s" would read as an instant prompt.
     prefill = f"{stats.prefill_s:.2f} s" if stats.prefill_finished else "prefill stopped"
     parts = [
-        (0, f"prompt {stats.prompt_tokens} tokens{cached}", f"prompt {stats.prompt_tokens}{cached}", 3),
+        (0, f"prompt {_tokens(stats.prompt_tokens)}{cached}", f"prompt {stats.prompt_tokens}{cached}", 3),
         (0, prefill, prefill, 4),
-        (1, f"{stats.generated} tokens", f"{stats.generated} tokens", 0),
+        (1, _tokens(stats.generated), _tokens(stats.generated), 0),
         (1, f"{stats.decode_tps:.1f} tok/s", f"{stats.decode_tps:.1f} tok/s", 0),
     ]
     # No acceptance of no drafts, no tokens per block of no block (generate's summary leaves them out too).
