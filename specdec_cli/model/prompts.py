@@ -89,6 +89,9 @@ def clean(text: Optional[str], where: str) -> Optional[str]:
 
 
 def _stdin_bytes() -> bytes:
+    if sys.stdin.isatty():  # `generate -` typed at a terminal waited without a word
+        sys.stderr.write("reading stdin from the terminal: end it with Ctrl-D on a line of its own\n")
+        sys.stderr.flush()
     buffer = getattr(sys.stdin, "buffer", None)
     if buffer is not None:
         return buffer.read()

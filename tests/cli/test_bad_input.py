@@ -28,6 +28,24 @@ def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(models):
     assert report["generated_tokens"] > 0 or report["finish_reason"] == "eos"
 
 
+def test_a_prompt_read_from_a_terminal_says_how_to_end_it(monkeypatch, capsys):
+    # `generate -` typed at a terminal waited without a word; piped, it stays quiet.
+    import io
+    import sys
+
+    from specdec_cli.model.prompts import read_prompt
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"Hello\n")))
+    assert read_prompt("-", None) == "Hello\n"
+    assert "end it with Ctrl-D" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello\n")))
+    assert read_prompt("-", None) == "Hello\n" and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("args, stdin, message", [
     (["-p", ""], None, "the prompt is empty"),
     (["   "], None, "the prompt is empty"),
