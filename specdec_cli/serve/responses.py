@@ -409,6 +409,7 @@ class ResponseShape:
         self.timings = timings
         self.output: list[dict] = []
         self._open = False  # the last item is still streaming
+        self._logprobs: list = []  # log-probabilities no message item has taken yet
         self._seq = 0
         self.routes = routes(req)
 
@@ -496,17 +497,24 @@ class ResponseShape:
         events = []
         logprobs = self.logprobs(piece.logprobs) if self.logprobs is not None and piece.logprobs else []
         parts = piece.in_order()  # items in the order the model wrote them
-        if logprobs and not parts:  # tokens whose text is still held back: their log-probabilities go now
-            parts = [("content", "")]
+        if logprobs and not parts:
+            if self._open and self.output[-1]["type"] == "message":
+                parts = [("content", "")]  # tokens whose text is still held back: their log-probabilities go now
+            else:
+                # No message to carry them (a call's tokens, the whitespace between calls): they wait for the next
+                # text, so that no empty message item splits parallel calls (none comes: they have no place).
+                self._logprobs += logprobs
+                return events
         for kind, value in parts:
             if kind == "reasoning":
                 events += self._add("reasoning", value)
             elif kind == "content":
-                events += self._add("message", value, logprobs)
-                logprobs = []
+                events += self._add("message", value, self._logprobs + logprobs)
+                logprobs, self._logprobs = [], []
             else:
                 events += self._close()
                 events += self._call(value)
+        self._logprobs += logprobs  # a piece of calls or reasoning alone: the next text takes them
         return events
 
     def _call(self, call: dict) -> list[dict]:

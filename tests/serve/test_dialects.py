@@ -823,3 +823,31 @@ def test_text_between_two_calls_keeps_its_place(tmp_path):
     shape.piece(piece)
     shape.piece(end)
     assert [item["type"] for item in shape.output] == ["message", "function_call", "message", "function_call"]
+
+
+def test_responses_logprobs_do_not_split_parallel_calls(tmp_path):
+    """With log-probabilities asked for, a call's tokens and the newline between Hermes-style calls (no text) once
+    opened an empty message item before each call: sent back, the calls rendered as separate assistant turns."""
+    from server import tools_tokenizer
+    from specdec_cli.session.reply import TextStream
+
+    tokenizer = tools_tokenizer(tmp_path)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    for written, items in [(call % "Paris" + "\n" + call % "Rome", ["function_call", "function_call"]),
+                           ("Sure." + call % "Paris" + "\nDone.", ["message", "function_call", "message"])]:
+        req = responses_api.ResponsesRequest.model_validate({"input": "hi",
+                                                             "include": ["message.output_text.logprobs"]})
+        shape = responses_api.ResponseShape(req, "m", timings=lambda reply: {}, logprobs=lambda got: [
+            {"token": str(t), "logprob": lp, "bytes": [], "top_logprobs": []} for t, lp, _ in got])
+        stream = TextStream(tokenizer, tools=[WEATHER_TOOL])
+        ids = tokenizer.encode(written, add_special_tokens=False)
+        for t in ids:  # one token a piece, as a stream meets them
+            piece = stream.add([t])
+            piece.logprobs = [(t, -1.0, ())]
+            shape.piece(piece)
+        shape.piece(stream.finish())
+        assert [item["type"] for item in shape.output] == items, written
+        # Every token's log-probability goes to the message that follows it, when one does.
+        texts = [item["content"][0] for item in shape.output if item["type"] == "message"]
+        if texts:
+            assert sum(len(part["logprobs"]) for part in texts) == len(ids)
