@@ -282,6 +282,11 @@ class Session:
             if self.ranks is not None and not self.ranks.same(hit.cached if hit is not None else 0):
                 hit = None  # a prefix one rank's disk lost (its own bound, its own files): used on no rank
             if hit is not None:
+                if self.prompt_cache is not None:
+                    # Requests that open while this one runs (a burst sharing a prefix after a restart) copy
+                    # it from memory instead of each reading the files again; this request's entry replaces it.
+                    hit.entry.loaded = True
+                    self.prompt_cache.insert(hit.entry)
                 return hit
         if self.prompt_cache is None:
             return None

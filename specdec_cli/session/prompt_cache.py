@@ -50,6 +50,8 @@ class Entry:
         draft: The draft model's caches (they may lag a few tokens behind).
         hidden: The target's hidden states of ``tokens``, for drafters that read them.
         marks: Lengths worth resuming at (message boundaries, the prompt's end), for the disk tier.
+        loaded: Read from disk by a request that resumed its own copy: kept for the requests that open
+            while it runs, so it is resumed by copy, never handed over (that request's entry replaces it).
     """
 
     tokens: tuple[int, ...]
@@ -57,6 +59,7 @@ class Entry:
     draft: Optional[SavedCache] = None
     hidden: Optional[Hidden] = None
     marks: tuple[int, ...] = ()
+    loaded: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -187,7 +190,7 @@ class PromptCache:
         self._entries.move_to_end(key)
         # An entry the prompt wholly extends will be superseded by this request's own:
         # its caches are handed over (no copy) instead of copied on the first write.
-        move = shared == len(entry.tokens) and n == entry.target.length
+        move = shared == len(entry.tokens) and n == entry.target.length and not entry.loaded
         if move:
             self._drop(key)
         draft = None

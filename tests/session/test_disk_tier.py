@@ -107,6 +107,48 @@ def test_memory_is_read_before_disk_and_disk_when_it_holds_more(setups, tmp_path
     session.disk.close()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_burst_sharing_a_prefix_after_a_restart_reads_the_disk_once(setups, family, tmp_path):
+    """Four requests sharing a prefix, opened together after a restart: the first reads the files, the others copy
+    what it read from memory (each used to read the disk again); every answer is still its request's alone."""
+    import asyncio
+
+    from specdec_cli.serve.scheduler import Done, Failed, Job, Scheduler
+    from specdec_cli.session.reply import Reply, TextStream
+
+    setup = setups[family]
+    turn(setup, tmp_path, LONG)
+    session = on_disk(setup, tmp_path, prompt_cache=PromptCache())
+    prompts = [LONG + list(f" question {i}?".encode()) for i in range(4)]
+    scheduler = Scheduler(session, max_rows=4)
+    loop = asyncio.new_event_loop()
+
+    async def burst() -> list[Reply]:
+        jobs = []
+        for p in prompts:
+            jobs.append(Job(lambda p=p: Reply(session, Request(p, 8), TextStream(setup.tokenizer, chat=False)), loop))
+            scheduler.submit(jobs[-1])
+        out = []
+        for job in jobs:
+            while not isinstance(item := await asyncio.wait_for(job.out.get(), 120), Done):
+                if isinstance(item, Failed):
+                    raise item.error
+            out.append(item.reply)
+        return out
+
+    scheduler.start()
+    try:
+        replies = loop.run_until_complete(burst())
+    finally:
+        scheduler.stop()
+        loop.close()
+        session.shutdown()
+    assert all(r.stats.cached_tokens > 256 for r in replies)  # every one resumed past the first block
+    assert [r.stats.disk_tokens > 0 for r in replies].count(True) == 1
+    for p, r in zip(prompts, replies):
+        assert_served(setup.target, r.tokens, p, 8, gen(Session(setup, 8), p, n=8)[0])
+
+
 def test_a_damaged_file_is_removed_with_one_warning_and_the_answer_stays_exact(setups, tmp_path, caplog):
     setup = setups["nemotron_h"]
     first, _, _ = turn(setup, tmp_path, LONG)
