@@ -62,7 +62,14 @@ class LogitsProcessor(Protocol):
 
 
 class ConstraintError(OptionError):
-    """A grammar, JSON schema or tool constraint that cannot be built (its message says why)."""
+    """A grammar, JSON schema or tool constraint that cannot be built (its message says why).
+
+    ``tool``: the index, among a forced call's tools, of the one whose ``parameters`` are at fault (else None).
+    """
+
+    def __init__(self, message: str, tool: Optional[int] = None):
+        super().__init__(message)
+        self.tool = tool
 
 
 # --- penalties and bias -----------------------------------------------------------------------------
@@ -341,8 +348,13 @@ def _tool_grammar(constraint: Constraint, tokenizer) -> str:
     tools = json.loads(constraint.tools or "[]")
     if not tools:
         raise ConstraintError("forcing a tool call needs tools")
-    for t in tools:
-        _check_numbers(t["parameters"], f"tool {t['name']!r}", "parameters")
+    for i, t in enumerate(tools):
+        if not isinstance(t["parameters"], (dict, bool)):
+            raise ConstraintError(f"tool {t['name']!r}: parameters must be a JSON schema object", tool=i)
+        try:
+            _check_numbers(t["parameters"], f"tool {t['name']!r}", "parameters")
+        except ConstraintError as e:
+            raise ConstraintError(str(e), tool=i) from None
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -501,17 +513,34 @@ def check_constraint(constraint: Optional[Constraint], tokenizer) -> None:
     """Build the constraint's grammar once, so a request that cannot run fails before it is queued.
 
     Raises:
-        ConstraintError: Naming what is wrong.
+        ConstraintError: Naming what is wrong (for a forced call, which tool's ``parameters`` when they are).
     """
-    if constraint is not None:
-        grammar = Grammar(tokenizer, grammar_text(constraint, tokenizer))
-        # Some schemas compile, then fail at the first token ({"$ref": "#"}: NoExtensionBias): ask for it now.
-        try:
-            grammar._mask_into(np.zeros((1, grammar.words), dtype=np.int32), 0)
-        except RuntimeError:
-            first = (str(grammar.matcher.get_error()).strip().splitlines() or ["no reason given"])[0]
-            raise ConstraintError(f"it cannot be decoded: its grammar fails before the first token "
-                                  f"({_short(first)})") from None
+    if constraint is None:
+        return
+    try:
+        _build(constraint, tokenizer)
+    except ConstraintError as e:
+        if constraint.kind != "tool_call" or e.tool is not None or tool_call_format(tokenizer) is not None:
+            raise
+        # The call's grammar holds every tool's parameters: name the tool whose schema fails on its own (its
+        # reason alone, not the whole call grammar llguidance quotes).
+        for i, t in enumerate(json.loads(constraint.tools or "[]")):
+            try:
+                _build(Constraint.json_schema(t["parameters"]), tokenizer)
+            except ConstraintError as alone:
+                raise ConstraintError(f"the parameters of tool {t['name']!r}: {alone}", tool=i) from None
+        raise
+
+
+def _build(constraint: Constraint, tokenizer) -> None:
+    grammar = Grammar(tokenizer, grammar_text(constraint, tokenizer))
+    # Some schemas compile, then fail at the first token ({"$ref": "#"}: NoExtensionBias): ask for it now.
+    try:
+        grammar._mask_into(np.zeros((1, grammar.words), dtype=np.int32), 0)
+    except RuntimeError:
+        first = (str(grammar.matcher.get_error()).strip().splitlines() or ["no reason given"])[0]
+        raise ConstraintError(f"it cannot be decoded: its grammar fails before the first token "
+                              f"({_short(first)})") from None
 
 
 # --- log-probabilities -----------------------------------------------------------------------------

@@ -61,6 +61,18 @@ def from_openai_error(status: int, body: bytes) -> bytes:
     return json.dumps(error_body(status, message), ensure_ascii=False).encode()
 
 
+_CHAT_PARAMETERS = re.compile(r"tools\[(\d+)\]\.function\.parameters")
+
+
+def client_error(e: ApiError) -> ApiError:
+    """``e`` (from checking the chat request :func:`to_chat` made) naming this API's field: chat's tool
+    ``parameters`` are a tool's ``input_schema`` here (chat's tools are these, in their order)."""
+    m = _CHAT_PARAMETERS.match(e.param or "")
+    if m:
+        e.param = f"tools[{m.group(1)}].input_schema{e.param[m.end():]}"
+    return e
+
+
 # --- requests ------------------------------------------------------------------------
 
 

@@ -264,7 +264,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
     @app.post("/v1/messages")
     async def create_message(body: anthropic.MessagesRequest, request: Request):
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.to_thread(service.prepare_chat, anthropic.to_chat(body), loop, False, True)
+        try:
+            prepared = await asyncio.to_thread(service.prepare_chat, anthropic.to_chat(body), loop, False, True)
+        except ApiError as e:
+            raise anthropic.client_error(e) from None
         shape = anthropic.MessageShape(service.model_id, len(prepared.request.prompt_ids),
                                        lambda reply: service.timings(prepared, reply))
         return await _answer(service, prepared, body.stream, request, shape)
@@ -279,7 +282,7 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         try:
             prepared = await asyncio.to_thread(service.prepare_chat, responses.to_chat(body), loop, True)
         except ApiError as e:
-            raise responses.client_error(e) from None
+            raise responses.client_error(e, body) from None
         shape = responses.ResponseShape(body, service.model_id, lambda reply: service.timings(prepared, reply),
                                         service.chat_logprobs)
         return await _answer(service, prepared, body.stream, request, shape)

@@ -15,6 +15,7 @@ Errors keep OpenAI's shape.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -355,10 +356,31 @@ _CHAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"),
                 ("max_tokens", "max_output_tokens"))
 
 
-def client_error(e: ApiError) -> ApiError:
+def _tool_paths(req: ResponsesRequest) -> list[str]:
+    """Where each of chat's tools (in :func:`_tools`' order) is in the request: ``tools[i]``, or
+    ``tools[i].tools[j]`` inside a namespace."""
+    out = []
+    for i, t in enumerate(req.tools or []):
+        if t.type in ("function", "custom"):
+            out.append(f"tools[{i}]")
+        elif t.type == "namespace":
+            out += [f"tools[{i}].tools[{j}]" for j in range(len(t.tools or []))]
+    return out
+
+
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
+
+
+def client_error(e: ApiError, req: Optional[ResponsesRequest] = None) -> ApiError:
     """``e`` (from checking the chat request :func:`to_chat` made) naming the Responses API's field."""
     if e.param == "messages":  # the whole prompt (over the context, or a chat template that failed on it)
         e.param = "input"
+        return e
+    m = _CHAT_TOOL.match(e.param or "")
+    if m and req is not None:  # a tool's own field (its parameters): where that tool is here, flat
+        paths = _tool_paths(req)
+        if int(m.group(1)) < len(paths):
+            e.param = f"{paths[int(m.group(1))]}.{e.param[m.end():]}"
         return e
     for chat, ours in _CHAT_FIELDS:
         if e.param and (e.param == chat or e.param.startswith(chat + ".")):

@@ -205,6 +205,9 @@ class Service:
                 check_constraint(made, self.tokenizer)
             except ConstraintError as e:
                 what = "the forced tool call" if kind == "tool_call" else f"response_format {kind}"
+                if e.tool is not None:  # that tool's schema is at fault, not the choice to force a call
+                    i = next(i for i, t in enumerate(req.tools) if t is spec[1][e.tool])
+                    param = f"tools[{i}].function.parameters"
                 raise ApiError(400, f"{what} cannot be used: {e}", param, "invalid_value") from None
             fields["constraint"] = made
         return fields

@@ -963,3 +963,38 @@ def test_a_number_out_of_floats_range_is_a_400_naming_it_before_generating_on_ev
         assert error.get("param", where) == where
         assert not any("generated" in line for line in tools_server.lines[before:]), path  # refused before
     assert "Traceback" not in tools_server.log
+
+
+# --- 7f. a forced call whose tool schema cannot be compiled names that schema ----------------------------------
+
+def test_a_forced_call_whose_tool_schema_fails_names_that_tools_schema_not_tool_choice(tools_server):
+    # The call's grammar holds every tool's parameters: the field at fault is the tool's schema (the choice to
+    # force a call was fine), and the reason is that schema's, not the whole call grammar quoted back.
+    good = {"type": "object", "properties": {"city": {"type": "string"}}}
+    bad = {"type": "object", "properties": {"city": {"type": "nonsense"}}}
+    chat_tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+                  for n, p in (("ok", good), ("get_weather", bad))]
+    asks = [("/v1/chat/completions", {**CHAT, "tools": chat_tools, "tool_choice": "required"},
+             "tools[1].function.parameters"),
+            ("/v1/chat/completions", {**CHAT, "tools": chat_tools, "tool_choice": {
+                "type": "function", "function": {"name": "get_weather"}}}, "tools[1].function.parameters"),
+            ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+                "name": "f", "parameters": "an object"}}], "tool_choice": "required"}, "tools[0].function.parameters"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 3, "tool_choice": "required", "tools": [
+                {"type": "function", "name": "ok", "parameters": good}, {"type": "web_search"},
+                {"type": "namespace", "name": "ns", "tools": [
+                    {"type": "function", "name": "ok2", "parameters": good},
+                    {"type": "function", "name": "get_weather", "parameters": bad}]}]}, "tools[2].tools[1].parameters"),
+            ("/v1/messages", {"model": "default_model", "max_tokens": 3, "messages": HELLO,
+                              "tool_choice": {"type": "tool", "name": "get_weather"}, "tools": [
+                {"name": "ok", "input_schema": good}, {"name": "get_weather", "input_schema": bad}]},
+             "tools[1].input_schema")]
+    for path, body, where in asks:
+        r = tools_server.post(path, body) if path == "/v1/messages" else post(tools_server, path, body)
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert error.get("param", where) == where, (path, r.text)  # Anthropic's shape has no param: the message
+        assert error["message"].startswith(f"{where}: ") or path != "/v1/messages", r.text
+        assert "Invalid type: nonsense" in error["message"] or "a JSON schema object" in error["message"], r.text
+        assert "%json" not in error["message"], (path, r.text)
+    assert "Traceback" not in tools_server.log
