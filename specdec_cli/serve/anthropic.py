@@ -222,6 +222,8 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
                 msg["tool_calls"] = calls
             add(msg, f"messages[{i}]")
             continue
+        if not m.content:  # it would vanish, and a conversation of it alone be refused as "messages" empty
+            raise ApiError(400, f"{where}: a user message needs at least one block", where, "invalid_value")
         texts = []
         for j, b in enumerate(m.content):
             if b.type == "tool_result":
@@ -279,7 +281,7 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
         choice = "required"
     elif choice == "tool":
         if not req.tool_choice.name:
-            raise ApiError(400, "tool_choice: a tool_choice of type tool needs the tool's name", "tool_choice.name",
+            raise ApiError(400, "a tool_choice of type tool needs the tool's name", "tool_choice.name",
                            "invalid_value")
         choice = {"type": "function", "function": {"name": req.tool_choice.name}}
     if (req.output_config or {}).get("format") is not None:

@@ -851,3 +851,22 @@ def test_responses_logprobs_do_not_split_parallel_calls(tmp_path):
         texts = [item["content"][0] for item in shape.output if item["type"] == "message"]
         if texts:
             assert sum(len(part["logprobs"]) for part in texts) == len(ids)
+
+
+def test_anthropic_errors_name_the_block_list_at_fault_once():
+    """A user message with no blocks vanished in translation (alone, it was refused as an empty "messages"), and a
+    named tool_choice without its name said its field twice ("tool_choice.name: tool_choice: ...")."""
+    def refused(body: dict) -> str:
+        req = messages_api.MessagesRequest.model_validate({"model": "m", "max_tokens": 5, **body})
+        with pytest.raises(ApiError) as e:
+            messages_api.to_chat(req)
+        answer = json.dumps({"error": {"message": e.value.message, "param": e.value.param}}).encode()
+        return json.loads(messages_api.from_openai_error(400, answer))["error"]["message"]
+
+    hello = [{"role": "user", "content": "Hi"}]
+    assert refused({"messages": [{"role": "user", "content": []}]}).startswith("messages[0].content: ")
+    assert refused({"messages": [*hello, {"role": "assistant", "content": "Yes"},
+                                 {"role": "user", "content": []}]}).startswith("messages[2].content: ")
+    message = refused({"messages": hello, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                       "tool_choice": {"type": "tool"}})
+    assert message.startswith("tool_choice.name: ") and message.count("tool_choice") == 2, message  # its own words
