@@ -470,9 +470,14 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                 fn = call["function"]
                 if isinstance(fn["arguments"], str):
                     try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
+                        parsed = json.loads(fn["arguments"])
+                    except (ValueError, RecursionError):
                         pass  # a template that wants the string gets it
+                    else:
+                        # Escapes that decode to no encodable text ("\ud800", which a model may write) stay the
+                        # text as sent: the tokenizer cannot encode the decoded value (a 500 once).
+                        if _unpaired_surrogate(parsed, "") is None:
+                            fn["arguments"] = parsed
                 calls.append(call)
             msg["tool_calls"] = calls
         out.append(msg)

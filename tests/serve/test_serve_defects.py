@@ -998,3 +998,23 @@ def test_a_forced_call_whose_tool_schema_fails_names_that_tools_schema_not_tool_
         assert "Invalid type: nonsense" in error["message"] or "a JSON schema object" in error["message"], r.text
         assert "%json" not in error["message"], (path, r.text)
     assert "Traceback" not in tools_server.log
+
+
+# --- 7g. an earlier call's arguments that decode to no encodable text ------------------------------------------
+
+def test_earlier_call_arguments_that_decode_badly_are_rendered_as_sent_not_a_500(tools_server):
+    # A call's arguments are decoded for the template; a "\ud800" escape (a model may write one) decoded to a lone
+    # surrogate the tokenizer cannot encode, and nesting past Python's recursion limit raised RecursionError:
+    # both were a 500. They stay the text the client sent, as arguments that are not JSON do.
+    for arguments in ('{"city": "\\ud800"}', '{"a": ' + "[" * 1200 + "]" * 1200 + "}"):
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        messages = [*TOOL_QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        r = post(tools_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        items = [{"role": "user", "content": TOOL_QUESTION[0]["content"]},
+                 {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments},
+                 {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+        r = post(tools_server, "/v1/responses", {"input": items, "max_output_tokens": 3})
+        assert r.status_code == 200, r.text
+    assert "Traceback" not in tools_server.log
