@@ -33,6 +33,12 @@ FIRST_DRAFT_STREAMED = 0
 # A request's "no limit": the context caps it.
 
 
+# apply_chat_template's own parameters (transformers' and mlx-lm's), and the messages it renders.
+RENDER_ARGUMENTS = frozenset({"messages", "conversation", "tools", "chat_template", "add_generation_prompt",
+                              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 @dataclass
 class Prepared:
     """A checked request, ready to queue.
@@ -241,6 +247,12 @@ class Service:
         self._check(req)
         self._bound_chars(protocol.content_chars(req), "messages")
         tools = req.tools if req.tool_choice != "none" else None
+        # The renderer's own arguments are not template variables: given here they failed as "messages" (a
+        # second value for one), or replaced the model's template (chat_template) or the request's tools.
+        taken = sorted(set(req.chat_template_kwargs or {}) & RENDER_ARGUMENTS)
+        if taken:
+            raise ApiError(400, f"{taken[0]!r} is set by the server (from the request's own fields and the model), "
+                           "not a chat template variable: drop it", f"chat_template_kwargs.{taken[0]}", "invalid_value")
         kwargs = {**self.session.setup.template_kwargs, **(req.chat_template_kwargs or {})}
         try:
             rendered = render_messages(self.tokenizer, protocol.chat_messages(req), tools=tools,

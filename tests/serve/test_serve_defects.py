@@ -1018,3 +1018,20 @@ def test_earlier_call_arguments_that_decode_badly_are_rendered_as_sent_not_a_500
         r = post(tools_server, "/v1/responses", {"input": items, "max_output_tokens": 3})
         assert r.status_code == 200, r.text
     assert "Traceback" not in tools_server.log
+
+
+# --- 7h. chat_template_kwargs that are the renderer's own arguments -------------------------------------------
+
+def test_chat_template_kwargs_that_are_the_renderers_arguments_are_refused_by_name(tools_server):
+    # They failed as "messages" (a second value for tokenize, add_generation_prompt, ...), or silently replaced
+    # the model's template with the client's (chat_template), so the prompt was no longer the model's.
+    for kwargs in ({"chat_template": "{{ messages[0]['content'] }}"}, {"tokenize": True}, {"messages": []},
+                   {"add_generation_prompt": False}, {"tools": 5}):
+        r = post(tools_server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": kwargs})
+        (key,) = kwargs
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+    r = post(tools_server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text  # a template variable: taken as before
+    r = tools_server.post("/v1/messages", {"model": "default_model", "max_tokens": 3, "messages": HELLO,
+                                           "chat_template_kwargs": {"chat_template": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template_kwargs.chat_template: ")
