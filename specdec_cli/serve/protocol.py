@@ -332,6 +332,13 @@ def unsupported(req: _Common) -> Optional[ApiError]:
             ("echo", bool(req.echo), "echo is not supported: drop it"),
             ("suffix", req.suffix is not None, "suffix (insertion) is not supported: drop it"),
             ("best_of", (req.best_of or 1) != 1, "best_of is not supported: drop it or set it to 1"),
+            # Chat's constraints: a text completion has no grammar, so the answer would silently not follow them.
+            ("response_format", extra.get("response_format") not in (None, {"type": "text"}),
+             "response_format is applied on chat completions only (a text completion is not constrained): send "
+             "the request to /v1/chat/completions, or drop it"),
+            ("tool_choice", extra.get("tool_choice") not in (None, "auto", "none"),
+             "a forced tool call is made on chat completions only (a text completion has no tools): send the "
+             "request to /v1/chat/completions, or drop it"),
             ("prompt", isinstance(req.prompt, list) and len(req.prompt) > 0 and isinstance(req.prompt[0], str)
              and len(req.prompt) != 1, "one prompt per request: send a string"),
             ("prompt", isinstance(req.prompt, (str, list)) and len(req.prompt) == 0, "the prompt is empty"),

@@ -1035,3 +1035,16 @@ def test_chat_template_kwargs_that_are_the_renderers_arguments_are_refused_by_na
     r = tools_server.post("/v1/messages", {"model": "default_model", "max_tokens": 3, "messages": HELLO,
                                            "chat_template_kwargs": {"chat_template": "x"}})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template_kwargs.chat_template: ")
+
+
+# --- 7i. chat's constraints sent to text completions ----------------------------------------------------------
+
+def test_a_constraint_sent_to_text_completions_is_refused_not_ignored(tools_server):
+    # A text completion has no grammar: the answer came back unconstrained, free text where JSON was asked for.
+    for field, value in (("response_format", {"type": "json_object"}),
+                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                         ("tool_choice", "required")):
+        r = post(tools_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    for field, value in (("response_format", {"type": "text"}), ("tool_choice", "none")):  # they change nothing
+        assert post(tools_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, field: value}).status_code == 200
