@@ -258,6 +258,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "serve/test_dialects.py::test_text_between_two_calls_keeps_its_place": FAST,
     "serve/test_dialects.py::test_responses_logprobs_do_not_split_parallel_calls": FAST,
     "serve/test_dialects.py::test_anthropic_errors_name_the_block_list_at_fault_once": FAST,
+    "serve/test_dialects.py::test_responses_errors_about_text_format_name_no_chat_field": FAST,
     "serve/test_serve.py::test_chat_in_the_terminal_reuses_the_last_turn": FAST,
     "serve/test_serve_defects.py::test_a_tool_call_that_is_not_an_object_is_returned_as_text": FAST,
     "serve/test_serve_defects.py::test_a_list_of_objects_is_still_several_calls": FAST,

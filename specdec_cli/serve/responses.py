@@ -385,7 +385,10 @@ def client_error(e: ApiError, req: Optional[ResponsesRequest] = None) -> ApiErro
     for chat, ours in _CHAT_FIELDS:
         if e.param and (e.param == chat or e.param.startswith(chat + ".")):
             e.param = ours + e.param[len(chat):]
-            e.message = e.message.replace(chat, ours)
+            # Every chat spelling the message uses, longest first ("response_format of type json_schema needs
+            # json_schema.schema" named fields a Responses client never sent).
+            for name, spelled in (*_CHAT_FIELDS, ("json_schema.schema", "schema")):
+                e.message = e.message.replace(name, spelled)
             break
     return e
 

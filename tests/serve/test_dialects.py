@@ -870,3 +870,17 @@ def test_anthropic_errors_name_the_block_list_at_fault_once():
     message = refused({"messages": hello, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
                        "tool_choice": {"type": "tool"}})
     assert message.startswith("tool_choice.name: ") and message.count("tool_choice") == 2, message  # its own words
+
+
+def test_responses_errors_about_text_format_name_no_chat_field():
+    # Checked as chat's response_format, the messages named it (and json_schema.schema) to a client that sent
+    # text.format: the param was translated, the words were not.
+    for message, param in (("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                            "response_format.json_schema.schema"),
+                           ("response_format json_schema cannot be used: it cannot be compiled to a grammar (x)",
+                            "response_format.json_schema.schema"),
+                           ("a forced tool call and a response_format cannot both constrain the answer: drop one",
+                            "response_format")):
+        e = responses_api.client_error(ApiError(400, message, param))
+        assert "response_format" not in e.message and "json_schema.schema" not in e.message, e.message
+        assert e.param.startswith("text.format") and "text.format" in e.message, e.message
