@@ -205,6 +205,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
                          "/v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/responses, "
                          "/v1/models[/ID] and /health",
                     405: f"{request.method} is not allowed on {request.url.path}"}
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body json cannot read other than by a decode error (nesting past the
+            # recursion limit): not JSON this server can read, as any malformed body.
+            return _error(400, "the request body is not valid JSON (nested too deeply to read)", code="invalid_json")
         return _error(e.status_code, messages.get(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)

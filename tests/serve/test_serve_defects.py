@@ -1048,3 +1048,17 @@ def test_a_constraint_sent_to_text_completions_is_refused_not_ignored(tools_serv
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     for field, value in (("response_format", {"type": "text"}), ("tool_choice", "none")):  # they change nothing
         assert post(tools_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, field: value}).status_code == 200
+
+
+# --- 7j. a body nested past the recursion limit ----------------------------------------------------------------
+
+def test_a_body_nested_too_deeply_is_invalid_json_on_every_route(tools_server):
+    # FastAPI answered it "There was an error parsing the body" with no code, unlike any other unreadable body.
+    deep = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ' + "[" * 5000 + "]" * 5000 + "}"
+    for path, _ in ROUTES:
+        r = tools_server.post(path, deep)
+        assert r.status_code == 400, (path, r.text)
+        if "/messages" in path:  # Anthropic's shape: no code
+            assert r.json()["error"]["message"].startswith("the request body is not valid JSON"), r.text
+        else:
+            assert r.json()["error"]["code"] == "invalid_json", (path, r.text)
