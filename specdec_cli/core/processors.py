@@ -341,6 +341,26 @@ def _literal(text: str, tokenizer, lltok) -> str:
     return json.dumps(text)
 
 
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` ("#", "#/...") made relative to ``base`` instead of its own root."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}  # names, then schemas
+        elif key in ("const", "enum", "default", "examples"):
+            out[key] = value  # values, not schemas: a "$ref" in them is data
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
+
+
 def _tool_grammar(constraint: Constraint, tokenizer) -> str:
     why = tool_call_format(tokenizer)
     if why:
@@ -355,8 +375,13 @@ def _tool_grammar(constraint: Constraint, tokenizer) -> str:
             _check_numbers(t["parameters"], f"tool {t['name']!r}", "parameters")
         except ConstraintError as e:
             raise ConstraintError(str(e), tool=i) from None
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    # Each tool's parameters sit inside the call's schema: their local references ("#/$defs/X", what pydantic
+    # writes for nested models) would point into the call's root, where nothing is: rebased to where they are.
+    where = ["#/properties/arguments"] if len(tools) == 1 else \
+        [f"#/anyOf/{i}/properties/arguments" for i in range(len(tools))]
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                               "arguments": _rebase_refs(t["parameters"], base)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t, base in zip(tools, where)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     # As json_tools templates write them: {"name": ..., "arguments": ...} with ", " and ": ".
     schema = {**schema, "x-guidance": JSON_OPTIONS}

@@ -1062,3 +1062,27 @@ def test_a_body_nested_too_deeply_is_invalid_json_on_every_route(tools_server):
             assert r.json()["error"]["message"].startswith("the request body is not valid JSON"), r.text
         else:
             assert r.json()["error"]["code"] == "invalid_json", (path, r.text)
+
+
+# --- 7k. a forced call's parameters with local references ($defs) ----------------------------------------------
+
+def test_a_forced_call_whose_parameters_use_defs_is_made_not_refused(tools_server):
+    # pydantic (the openai client's pydantic_function_tool) writes nested models as {"$ref": "#/$defs/X"}: inside the
+    # call's grammar, "#" was the call's root, where no $defs are, and every such forced call was a 400.
+    city = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+            "$defs": {"City": {"type": "string", "enum": ["Paris", "Rome"]}}}
+    where = {"type": "object", "properties": {"where": {"$ref": "#/definitions/Loc"}}, "required": ["where"],
+             "definitions": {"Loc": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("get_weather", city),
+                                                                                         ("locate", where))]
+    for offered, choice in ((tools[:1], "required"), (tools, "required"),
+                            (tools, {"type": "function", "function": {"name": "locate"}})):
+        r = post(tools_server, "/v1/chat/completions", {"messages": TOOL_QUESTION, "max_tokens": 200, "tools": offered,
+                                                       "tool_choice": choice, "parallel_tool_calls": False})
+        assert r.status_code == 200, r.text
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] == "get_weather":
+            assert arguments["city"] in ("Paris", "Rome")
+        else:
+            assert isinstance(arguments["where"]["lat"], (int, float))
