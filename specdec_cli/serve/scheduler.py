@@ -174,9 +174,11 @@ class Scheduler:
             raise Busy(stalled)
         if self._stopping.is_set():
             raise Busy("the server is shutting down")
-        waiting = self.waiting
-        if self.running + len(self._asks) + waiting >= self.max_rows + self.max_queue:
-            raise Busy(f"{waiting} requests are already waiting")
+        held = self.running + len(self._asks) + self.waiting
+        if held >= self.max_rows + self.max_queue:
+            # The bound, not the queue alone: "N waiting" read past --queue-size while rows were still being filled.
+            raise Busy(f"{held} requests are in hand, the most this server takes: {self.max_rows} decoding "
+                       f"together (--decode-concurrency) and {self.max_queue} waiting (--queue-size)")
         self._jobs.put_nowait(job)
         if self.fault is not None:  # the thread ended while this was queued: nobody would take it
             self._drain(Busy(self.dead))

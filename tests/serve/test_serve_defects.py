@@ -246,7 +246,7 @@ def test_a_burst_fills_the_free_rows_and_the_queue_before_any_request_is_turned_
         jobs = [Job(maker(session, PROMPTS[i % len(PROMPTS)]), loop) for i in range(6)]
         for job in jobs:  # the thread is not started: nothing has been taken yet
             scheduler.submit(job)
-        with pytest.raises(Busy, match="6 requests are already waiting"):
+        with pytest.raises(Busy, match=r"6 requests are in hand, the most this server takes: 4 decoding together \(--decode-concurrency\) and 2 waiting \(--queue-size\)"):
             scheduler.submit(Job(maker(session, PROMPTS[0]), loop))
         assert scheduler.waiting == 6
         for job in jobs:
