@@ -70,18 +70,17 @@ class _Command(TyperCommand):
                 del param._get_number_range_help_str
 
 
-# mlx_lm.generate's options that specdec does not take, and what to do instead: a command line carried
-# over from mlx_lm otherwise got "No such option" and a list of look-alike names.
+# mlx_lm's options that specdec does not take, and what to do instead (in words that hold for every command):
+# a command line carried over from mlx_lm otherwise got "No such option" and a list of look-alike names.
 MLX_LM_ONLY = {
     "--max-kv-size": "its rotating cache cannot be rolled back past a rejected draft; drop it (--kv-bits "
                      "shrinks the cache, and a run that would not fit is refused before it starts)",
     "--quantized-kv-start": "--kv-bits quantizes the KV cache from the first token; drop it",
-    "--xtc-probability": "XTC sampling is not supported; drop it (--temp, --top-p, --top-k and --min-p are)",
-    "--xtc-threshold": "XTC sampling is not supported; drop it (--temp, --top-p, --top-k and --min-p are)",
+    "--xtc-probability": "XTC sampling is not supported; drop it",
+    "--xtc-threshold": "XTC sampling is not supported; drop it",
     "--min-tokens-to-keep": "drop it",
-    "--prompt-cache-file": "drop it: the prompt cache is kept on disk by itself (--prompt-cache-dir)",
-    "--use-default-chat-template": "drop it: the tokenizer's own chat template is applied "
-                                   "(--ignore-chat-template for none)",
+    "--prompt-cache-file": "drop it: the prompt cache is kept on disk by itself",
+    "--use-default-chat-template": "drop it: the tokenizer's own chat template is applied",
     "--image": "images are not supported; drop it",
     "--quantize-activations": "drop it",
 }
@@ -97,7 +96,7 @@ def _mlx_lm_spelling(args: list) -> Optional[str]:
     mlx_lm's ``--verbose False`` and ``--extra-eos-token A B`` leave a value that Typer takes as the
     PROMPT argument: generate answered the prompt "False" or "B" (or, with -p, said "give the prompt once").
     """
-    if not args or args[0] not in ("generate", "sweep"):
+    if not args or args[0] not in ("generate", "sweep", "chat", "serve"):
         return None
     for i, arg in enumerate(args):
         if arg == "--":
@@ -155,14 +154,16 @@ class _Group(TyperGroup):
                     message += f" (range {span})"
                 unported = MLX_LM_ONLY.get(getattr(e, "option_name", None) or "")
                 if type(e).__name__ == "NoSuchOption" and unported:
-                    message = f"{e.option_name} is mlx_lm.generate's, not taken here: {unported}"
+                    message = f"{e.option_name} is mlx_lm's, not taken here: {unported}"
                 extra_args = message.startswith("Got unexpected extra argument")
+                # The extra word may be a prompt's (`chat "hello"`, `generate Write a poem`) or an option value's
+                # (`--system-prompt Be brief`, `--block-sizes 2 4 8`): both are named.
                 if extra_args and ctx is not None and ctx.info_name == "chat":
-                    # `specdec chat "hello"`, as other chat tools take a first message.
-                    message += ("; chat takes no prompt: type the messages, or pipe them in (printf 'hello\\n' | "
-                                "specdec chat); specdec generate answers one prompt")
+                    message += ("; chat takes no prompt (type the messages, or pipe them in: printf 'hello\\n' | "
+                                "specdec chat), and an option's value of several words goes in quotes")
                 elif extra_args and ctx is not None and ctx.info_name in ("generate", "sweep"):
-                    message += "; a prompt of several words goes in quotes: 'Write a poem'"  # `generate Write a poem`
+                    message += ("; a prompt or an option's value of several words goes in quotes ('Write a poem'), "
+                                "and a list of numbers is written with commas (--block-sizes 2,4,8)")
                 where = f"; see '{ctx.command_path} -h'" if ctx is not None else ""
                 _err(f"error: {message}{where}")
                 code = getattr(e, "exit_code", EXIT_USAGE)
@@ -336,7 +337,7 @@ def _json_object(value: Optional[str]) -> Optional[str]:
     if taken:
         raise typer.BadParameter(f"{', '.join(map(repr, taken))} {'is' if len(taken) == 1 else 'are'} given to the "
                                  f"template by specdec itself: drop {'it' if len(taken) == 1 else 'them'} "
-                                 "(--prefill-response continues a reply)")
+                                 "(generate's --prefill-response continues a reply)")
     return value
 
 

@@ -209,10 +209,11 @@ def _read_jsonl(f: Path, text: str, source: Source) -> None:
             raise OptionError(f"--data: {f} line {n} is not JSON ({e.msg})") from None
         if isinstance(row, dict) and isinstance(row.get("messages"), list):
             messages = row["messages"]
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages):  # else a crash ("'str' object has no attribute 'get'") after loading
+            # Else a crash ("'str' object has no attribute 'get'") after loading; the content is the template's
+            # to read (null beside tool_calls, a list of parts), as it renders agents' traces.
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
                 raise OptionError(f'--data: {f} line {n}: "messages" must be a list of '
-                                  '{"role": ..., "content": "..."} objects')
+                                  '{"role": ..., "content": ...} objects')
             # A chat ending in an assistant turn: the target answers the turns before it.
             if messages and messages[-1].get("role") == "assistant":
                 messages = messages[:-1]

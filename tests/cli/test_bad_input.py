@@ -277,8 +277,10 @@ def test_a_weight_shard_missing_from_the_folder_is_named_with_the_fix(models, tm
 
 
 @pytest.mark.parametrize("args, fix", [
-    (["chat", "hello"], "chat takes no prompt: type the messages, or pipe them in"),
-    (["generate", "Write", "a", "poem"], "a prompt of several words goes in quotes"),
+    (["chat", "hello"], "chat takes no prompt (type the messages, or pipe them in"),
+    (["chat", "--system-prompt", "Be", "brief"], "an option's value of several words goes in quotes"),
+    (["generate", "Write", "a", "poem"], "a prompt or an option's value of several words goes in quotes"),
+    (["sweep", "--block-sizes", "2", "4", "8", "hi"], "written with commas (--block-sizes 2,4,8)"),
 ])
 def test_extra_arguments_name_what_was_meant(args, fix):
     # "Got unexpected extra argument(s) (hello)" alone: `chat "hello"` as other chat tools take it, and an

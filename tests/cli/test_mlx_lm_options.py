@@ -225,7 +225,7 @@ def test_mlx_lm_options_specdec_lacks_are_named_with_what_to_do(models, args, fi
     result = generate("--model", models["llama"], "Hi", *args)
     assert result.exit_code == 2
     line = one_line(result)
-    assert f"{args[0].split('=')[0]} is mlx_lm.generate's, not taken here" in line and fix in line
+    assert f"{args[0].split('=')[0]} is mlx_lm's, not taken here" in line and fix in line
     assert "No such option: --nonsense" in one_line(generate("--model", models["llama"], "Hi", "--nonsense", "1"))
 
 
@@ -239,6 +239,15 @@ def test_mlx_lm_extra_eos_tokens_in_one_option_are_refused_not_taken_as_the_prom
     result = generate("--model", models["llama"], *args)
     assert result.exit_code == 2
     assert "--extra-eos-token takes one token (mlx_lm's --extra-eos-token" in one_line(result)
+    # chat and serve take the option too: refused alike (chat's B was "an extra argument", a prompt it takes not).
+    from typer.testing import CliRunner
+
+    from specdec_cli.cli.app import app
+
+    result = CliRunner().invoke(app, ["chat", "--model", str(models["llama"]), "--extra-eos-token", "<|im_end|>",
+                                      "</s>"])
+    assert result.exit_code == 2 and "repeat it, --extra-eos-token <|im_end|> --extra-eos-token </s>" in \
+        one_line(result)
 
 
 def test_a_prompt_after_an_extra_eos_token_is_still_a_prompt(models):

@@ -242,6 +242,13 @@ def test_read_source_formats(tmp_path):
     assert "2 prompts" in s.description and "2 text(s)" in s.description
     default = read_source(None)
     assert len(default.prompts) == len(seed_prompts()) > 2000 and "seed prompts" in default.description
+    # An agent's trace (content null beside tool_calls, a list of parts) is the template's to render, not refused.
+    trace = [{"role": "user", "content": "weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                 "name": "weather", "arguments": "{}"}}]},
+             {"role": "tool", "content": "sunny"}, {"role": "user", "content": [{"type": "text", "text": "thanks"}]}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": trace}) + "\n")
+    assert read_source(str(tmp_path / "c.jsonl")).prompts == [trace]
 
 
 @pytest.mark.parametrize("content, message", [
