@@ -200,8 +200,9 @@ class Stats:
             "pipelined_blocks": self.pipelined,
             "drafted": self.drafted,
             "accepted": self.accepted,
-            "acceptance": self.acceptance,
-            "mean_accepted_per_block": self.mean_accepted_per_block,
+            # null where nothing was drafted (as the server's timings): 0.0 read as every draft rejected.
+            "acceptance": self.acceptance if self.drafted else None,
+            "mean_accepted_per_block": self.mean_accepted_per_block if self.drafted else None,
             "tokens_per_block": self.tokens_per_block,
             "accepted_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "acceptance_by_position": self.acceptance_by_position,

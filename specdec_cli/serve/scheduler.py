@@ -149,7 +149,10 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Requests queued, not yet started (one held for memory, and one being opened, included)."""
-        return self._jobs.qsize() + (self._held is not None) + (self._in_hand is not None)
+        hand = self._in_hand
+        # Once opened it is in flight (running) until the thread lets it go: never counted twice.
+        opening = hand is not None and not any(f.tag.job is hand for f in self._flights)
+        return self._jobs.qsize() + (self._held is not None) + opening
 
     @property
     def running(self) -> int:

@@ -66,6 +66,8 @@ def test_blocks_that_drafted_nothing_claim_no_acceptance():
     assert not [x for x in lines if "acceptance:" in x or "mean accepted" in x or "Accepted per block" in x]
     line = turn_line(stats)
     assert "acceptance" not in line and "1.00 tokens per block" in line
+    report = stats.to_dict()  # generate --json: null, as the server's timings say it
+    assert report["acceptance"] is None and report["mean_accepted_per_block"] is None and report["drafted"] == 0
     one = Stats(prompt_tokens=1, prefill_s=0.5)
     one.add(Block((1,), 0, 0, "none", 1), 0.1)
     assert "prompt 1 token," in turn_line(one) and "| 1 token," in turn_line(one)

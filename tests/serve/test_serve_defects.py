@@ -295,6 +295,29 @@ def test_a_request_being_opened_still_counts_against_the_bound(setup):
         loop.close()
 
 
+def test_a_request_just_opened_counts_once(setup):
+    # In flight and still the one in hand until the thread takes the next: it counted as running and waiting,
+    # so a request could be turned away one early.
+    from specdec_cli.loop.flights import Flights
+    from specdec_cli.serve.scheduler import _Ask
+
+    session = Session(setup, 8)
+    scheduler = Scheduler(session, max_rows=2, max_queue=0)
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler._rows = Flights(session)
+        job = Job(maker(session, PROMPTS[0]), loop)
+        scheduler._rows.open(Request(PROMPTS[0], N), _Ask(job, None))
+        scheduler._in_hand = job
+        assert (scheduler.running, scheduler.waiting) == (1, 0)
+        scheduler.submit(Job(maker(session, PROMPTS[1]), loop))  # the second row is free
+        scheduler._in_hand = Job(maker(session, PROMPTS[1]), loop)  # one not yet opened counts as waiting
+        assert scheduler.waiting == 2
+    finally:
+        scheduler._rows.close()
+        loop.close()
+
+
 def test_a_fault_handling_one_rows_text_fails_that_row_alone(setup):
     session = Session(setup, 8)
     scheduler = Scheduler(session, max_rows=4)
