@@ -15,7 +15,7 @@ from specdec_cli.serve.scheduler import Scheduler
 from specdec_cli.session import ModelOptions, PromptCache, Request, Session, load_setup
 from specdec_cli.session.synthetic import make_model_dir
 
-from test_scheduler import N, PROMPTS, alone, serve
+from test_scheduler import N, PROMPTS, alone, refuses_one_past_the_bound, serve
 
 
 class Recorded(Ranks):
@@ -119,7 +119,7 @@ def test_under_ranks_a_request_being_opened_in_a_pass_counts_against_the_bound(s
     import asyncio
     import threading
 
-    from specdec_cli.serve.scheduler import Busy, Job
+    from specdec_cli.serve.scheduler import Job
     from specdec_cli.session.reply import Reply, TextStream
 
     session = ranked(setup, Recorded())
@@ -140,17 +140,8 @@ def test_under_ranks_a_request_being_opened_in_a_pass_counts_against_the_bound(s
     loop = asyncio.new_event_loop()
     jobs = [Job(maker(PROMPTS[0]), loop), Job(maker(PROMPTS[1]), loop)]
     try:
-        scheduler.start()
-        scheduler.submit(jobs[0])
-        assert opening.wait(60)
-        scheduler.submit(jobs[1])  # the queue's one place
-        with pytest.raises(Busy):
-            scheduler.submit(Job(maker(PROMPTS[2]), loop))
+        refuses_one_past_the_bound(scheduler, jobs, Job(maker(PROMPTS[2]), loop), opening, release)
     finally:
-        for job in jobs:
-            job.cancel()
-        release.set()
-        scheduler.stop()
         loop.close()
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from helpers import assert_served, rows_per_call
 
-from specdec_cli.serve.scheduler import Done, Failed, Job, Scheduler
+from specdec_cli.serve.scheduler import Busy, Done, Failed, Job, Scheduler
 from specdec_cli.session import ModelOptions, Request, Session, load_setup
 from specdec_cli.session.reply import Reply, TextStream
 from specdec_cli.session.setup import MemoryLimitError
@@ -85,6 +85,23 @@ def running(scheduler: Scheduler, loop: asyncio.AbstractEventLoop, requests):
     finally:
         scheduler.stop()
         loop.close()
+
+
+def refuses_one_past_the_bound(scheduler: Scheduler, jobs: list[Job], extra: Job, held, release, wait_s: float = 60):
+    """With rows + queue of 2: ``jobs[0]`` held by the thread (``held`` set) and ``jobs[1]`` queued leave no room:
+    ``extra`` gets Busy. Cancels the jobs, lets the held one go (``release``) and stops the scheduler."""
+    try:
+        scheduler.start()
+        scheduler.submit(jobs[0])
+        assert held.wait(wait_s)
+        scheduler.submit(jobs[1])  # the queue's one place
+        with pytest.raises(Busy):
+            scheduler.submit(extra)
+    finally:
+        for job in jobs:
+            job.cancel()
+        release.set()
+        scheduler.stop()
 
 
 def test_requests_decoded_together_each_get_their_own_answer(setup):

@@ -29,6 +29,7 @@ from specdec_cli.session import ModelOptions, PromptCache, Request, Session, loa
 from specdec_cli.session import prompt_cache as prompt_cache_module
 from specdec_cli.session.reply import Reply, TextStream
 from specdec_cli.session.synthetic import make_model_dir
+from test_scheduler import refuses_one_past_the_bound
 
 KEY = "sk-test-key"
 ORIGIN = "http://localhost:3000"
@@ -281,17 +282,8 @@ def test_a_request_being_opened_still_counts_against_the_bound(setup):
     loop = asyncio.new_event_loop()
     jobs = [Job(slow_make, loop), Job(maker(session, PROMPTS[1]), loop)]
     try:
-        scheduler.start()
-        scheduler.submit(jobs[0])
-        assert taken.wait(ANSWER_S)
-        scheduler.submit(jobs[1])  # the queue's one place
-        with pytest.raises(Busy):
-            scheduler.submit(Job(maker(session, PROMPTS[2]), loop))
+        refuses_one_past_the_bound(scheduler, jobs, Job(maker(session, PROMPTS[2]), loop), taken, release, ANSWER_S)
     finally:
-        for job in jobs:
-            job.cancel()
-        release.set()
-        scheduler.stop()
         loop.close()
 
 
