@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from ..defaults import AUTO_ROWS, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_S
 from ..drafters.kinds import (DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX,
                               NGRAM_MIN)
 from ..errors import EXIT_INTERRUPTED, SpecdecError, Terminated
+from . import spellings
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
 EXIT_USAGE = 2
@@ -70,49 +70,6 @@ class _Command(TyperCommand):
                 del param._get_number_range_help_str
 
 
-# mlx_lm's options that specdec does not take, and what to do instead (in words that hold for every command):
-# a command line carried over from mlx_lm otherwise got "No such option" and a list of look-alike names.
-MLX_LM_ONLY = {
-    "--max-kv-size": "its rotating cache cannot be rolled back past a rejected draft; drop it (--kv-bits "
-                     "shrinks the cache, and a run that would not fit is refused before it starts)",
-    "--quantized-kv-start": "--kv-bits quantizes the KV cache from the first token; drop it",
-    "--xtc-probability": "XTC sampling is not supported; drop it",
-    "--xtc-threshold": "XTC sampling is not supported; drop it",
-    "--min-tokens-to-keep": "drop it",
-    "--prompt-cache-file": "drop it: the prompt cache is kept on disk by itself",
-    "--use-default-chat-template": "drop it: the tokenizer's own chat template is applied",
-    "--image": "images are not supported; drop it",
-    "--quantize-activations": "drop it",
-}
-
-
-# A token as a vocabulary spells a special one (<|im_end|>, </s>, <end_of_turn>), or an id.
-_TOKEN_LIKE = re.compile(r"<[^<>\s]+>|\d+")
-
-
-def _mlx_lm_spelling(args: list) -> Optional[str]:
-    """The error for an mlx_lm spelling that would run wrongly here (None: none found).
-
-    mlx_lm's ``--verbose False`` and ``--extra-eos-token A B`` leave a value that Typer takes as the
-    PROMPT argument: generate answered the prompt "False" or "B" (or, with -p, said "give the prompt once").
-    """
-    if not args or args[0] not in ("generate", "sweep", "chat", "serve"):
-        return None
-    for i, arg in enumerate(args):
-        if arg == "--":
-            return None
-        after = args[i + 1] if i + 1 < len(args) else None
-        if args[0] == "generate" and arg == "--verbose" and after and after.lower() in ("true", "false", "t", "f"):
-            return (f"--verbose takes no value here (mlx_lm's --verbose {after}): the statistics always go to "
-                    "stderr, so 2>/dev/null leaves the text alone; --verbose alone also times each phase")
-        value_at = i + 1 if arg == "--extra-eos-token" else i if arg.startswith("--extra-eos-token=") else None
-        if value_at is not None and value_at + 1 < len(args) and _TOKEN_LIKE.fullmatch(args[value_at + 1]):
-            first, second = args[value_at].removeprefix("--extra-eos-token="), args[value_at + 1]
-            return (f"--extra-eos-token takes one token (mlx_lm's --extra-eos-token {first} {second}): repeat it, "
-                    f"--extra-eos-token {first} --extra-eos-token {second}")
-    return None
-
-
 class _Group(TyperGroup):
     """Typer's group, with usage errors on one line instead of a boxed panel."""
 
@@ -121,7 +78,7 @@ class _Group(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         given = list(sys.argv[1:] if args is None else args)
-        wrong = _mlx_lm_spelling(given)
+        wrong = spellings.mlx_lm_spelling(given)
         if wrong is not None:
             _err(f"error: {wrong}")
             if standalone_mode:
@@ -152,7 +109,7 @@ class _Group(TyperGroup):
                 span = ranged() if callable(ranged) else None
                 if span and span not in message:
                     message += f" (range {span})"
-                unported = MLX_LM_ONLY.get(getattr(e, "option_name", None) or "")
+                unported = spellings.MLX_LM_ONLY.get(getattr(e, "option_name", None) or "")
                 if type(e).__name__ == "NoSuchOption" and unported:
                     message = f"{e.option_name} is mlx_lm's, not taken here: {unported}"
                 extra_args = message.startswith("Got unexpected extra argument")
