@@ -110,7 +110,8 @@ class ToolChoice(StrictModel):
 
 
 class Thinking(StrictModel):
-    type: str
+    # Anthropic's tags; another is a 400 there (a typo silently ignored would leave thinking as the template's default).
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Optional[int] = None
 
 
@@ -297,7 +298,7 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         body["parallel_tool_calls"] = False
     kwargs: dict[str, Any] = {}
-    if req.thinking is not None and req.thinking.type in ("enabled", "disabled", "adaptive"):
+    if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.type != "disabled"
     extra = req.model_extra or {}
     if isinstance(extra.get("chat_template_kwargs"), dict):
