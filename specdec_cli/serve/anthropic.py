@@ -20,7 +20,7 @@ import re
 import uuid
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..session.reply import Piece
 from .dialect import chat_request, check_text
@@ -140,6 +140,14 @@ class MessagesRequest(CountTokensRequest):
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
     metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        # Anthropic refuses an empty one (400, "each stop sequence must be non-empty"); here it was dropped unsaid.
+        if value is not None and any(s == "" for s in value):
+            raise ValueError("each stop sequence must be non-empty")
+        return value
 
 
 # --- requests to chat ------------------------------------------------------------------
