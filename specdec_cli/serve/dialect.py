@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from .protocol import NON_FINITE, ApiError, ChatRequest, _non_finite, _unpaired_surrogate, validation_error
 
-# A chat field path's message index: "messages.3.content" or "messages[3].content".
+# A chat field path's message index: "messages[3].content" (validation_error's) or "messages.3.content".
 _MESSAGE = re.compile(r"^messages(?:\.|\[)(\d+)\]?")
 
 
@@ -36,7 +36,7 @@ def check_text(req: BaseModel, *, exclude: Sequence[str] = ()) -> None:
 
 
 def client_param(param: Optional[str], origins: Sequence[str]) -> Optional[str]:
-    """A chat field path (``messages.3.content``) as the client's (``input[5].content``)."""
+    """A chat field path (``messages[3].content``) as the client's (``input[5].content``)."""
     if not param:
         return param
     m = _MESSAGE.match(param)

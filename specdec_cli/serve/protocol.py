@@ -81,7 +81,8 @@ def validation_error(e: ValidationError, skip: tuple = ("body",),
     paths = [path(er) for er in errors]
     at = max(paths, key=len, default=())
     same = [er for er, p in zip(errors, paths) if p == at] or [{}]
-    param = ".".join(str(p) for p in at) or None
+    # List indices in brackets (messages[1].content[0]), as the paths the server names by hand and OpenAI's params.
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in at).lstrip(".") or None
     if param and rename is not None:
         param = rename(param)
     messages = []

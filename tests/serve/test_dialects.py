@@ -318,6 +318,10 @@ BAD = [
     ("an empty stop sequence", "/v1/messages", {"model": "default_model", "max_tokens": 5, "stop_sequences": ["x", ""],
                                                 "messages": [{"role": "user", "content": "hi"}]},
      400, "invalid_request_error", "stop_sequences"),
+    ("a tool_use input that is no object", "/v1/messages", {"model": "default_model", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "f", "input": [1]}]}, {"role": "user", "content": "go"}]},
+     400, "invalid_request_error", "messages[1].content[0].input"),
     ("unknown model", "/v1/messages", {"model": "gpt-4o", "max_tokens": 5,
                                        "messages": [{"role": "user", "content": "hi"}]},
      404, "not_found_error", "model"),
@@ -674,9 +678,9 @@ def test_errors_name_the_field_the_client_sent(server):
     for answer in (r.text,):
         assert "Value error" not in answer
     # A wrong type deep in the input: that field, never the union branch pydantic tried first ("input.str").
-    for body, param in (({"input": [{"role": "user", "content": 5}]}, "input.0.content"), ({"input": 5}, "input"),
+    for body, param in (({"input": [{"role": "user", "content": 5}]}, "input[0].content"), ({"input": 5}, "input"),
                         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]},
-                         "input.0.arguments")):
+                         "input[0].arguments")):
         r = server.post("/v1/responses", {"model": "default_model", **body}, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -309,7 +309,7 @@ BAD = [
     # Issue 33, 3: each of these was a 500.
     ("a tool call whose function is a string", "/v1/chat/completions", {"messages": [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": "f"}]},
-        {"role": "user", "content": "hi"}]}, 400, "messages.0.tool_calls.0.function"),
+        {"role": "user", "content": "hi"}]}, 400, "messages[0].tool_calls[0].function"),
     ("a lone surrogate", "/v1/chat/completions",
      '{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}', 400, None),
     ("a lone surrogate in a prompt", "/v1/completions", '{"prompt": "\\udfff"}', 400, None),
