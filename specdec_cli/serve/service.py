@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 from ..errors import OptionError
@@ -24,6 +25,7 @@ from ..session.reply import Piece, Reply, TextStream, token_bytes
 from ..session.fit import fit_request
 from ..session.setup import MemoryLimitError, PromptTooLongError
 from . import protocol
+from .anthropic import CLAUDE_PREFIX
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .scheduler import Job, Scheduler
 
@@ -99,7 +101,10 @@ class Service:
         Raises:
             ApiError: 404 for another name.
         """
-        self._served(name)
+        # /v1/messages serves every claude-* name (Claude Code's), so the anthropic client's models.retrieve of one
+        # finds the model too.
+        if not name.startswith(CLAUDE_PREFIX):
+            self._served(name)
         return self._model_card()
 
     def _served(self, name: str) -> None:
@@ -108,7 +113,11 @@ class Service:
                            "(GET /v1/models)", "model", "model_not_found")
 
     def _model_card(self) -> dict:
-        card = {"id": self.model_id, "object": "model", "created": protocol.now(), "owned_by": "specdec"}
+        created = protocol.now()
+        # OpenAI's fields, then Anthropic's (its client's models.list / retrieve read type, display_name, created_at).
+        card = {"id": self.model_id, "object": "model", "created": created, "owned_by": "specdec", "type": "model",
+                "display_name": self.model_id,
+                "created_at": datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
         found = self.session.setup.context()
         if found is not None:  # what agents must be told (Claude Code's CLAUDE_CODE_MAX_CONTEXT_TOKENS, ...)
             card["context_length"] = found[0]

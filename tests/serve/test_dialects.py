@@ -602,6 +602,18 @@ def test_claude_model_names_are_the_served_model(server, name):
     assert claude(server).messages.count_tokens(model=name, messages=[{"role": "user", "content": "hi"}]).input_tokens
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_anthropic_client_finds_a_claude_model_it_may_ask_for(server):
+    # /v1/messages serves every claude-* name, so the model lookup of one must not be a 404.
+    client = claude(server)
+    found = client.models.retrieve("claude-sonnet-4-5")
+    assert found.type == "model" and found.id == str(server.args[1]) and found.display_name and found.created_at
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [found.id] and listed[0].type == "model"
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
 BILLING = "x-anthropic-billing-header: cc_version=2.1.328.b7f; cc_entrypoint=cli; cch={};"
 
 
