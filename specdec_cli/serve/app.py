@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import zlib
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional, Sequence
 
@@ -91,8 +92,15 @@ class _BodyLimit:
                 break
         body: Optional[bytes] = b"".join(parts)
         if scope.get("method") == "POST":
-            headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-type"]
-            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+            encoding = dict(scope.get("headers") or []).get(b"content-encoding", b"").strip().lower()
+            if encoding not in (b"", b"identity"):
+                body, refusal = _decoded(body, encoding, self.limit)
+                if refusal is not None:
+                    return await refusal(scope, receive, send)
+            dropped = (b"content-type", b"content-encoding", b"content-length")
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in dropped]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json"),
+                                                    (b"content-length", str(len(body)).encode())]}
 
         async def replay() -> Message:
             nonlocal body
@@ -102,6 +110,31 @@ class _BodyLimit:
             return message
 
         await self.app(scope, replay, send)
+
+
+def _decoded(body: bytes, encoding: bytes, limit: int) -> tuple[bytes, Optional[JSONResponse]]:
+    """A ``Content-Encoding: gzip`` / ``deflate`` body inflated, at most ``limit`` bytes; else the refusal to send.
+
+    Read as it came, a compressed body was refused as JSON 'nested too deeply' (its bytes are not UTF-8).
+    """
+    name = encoding.decode("latin-1")
+    if encoding not in (b"gzip", b"x-gzip", b"deflate"):
+        return body, _error(415, f"content-encoding {name!r} is not supported: send the body as it is, or gzip or "
+                            "deflate it", "content-encoding", "unsupported_content_encoding")
+    # wbits 47: a gzip or zlib header, found from the data; deflate sent raw (no header) as some clients do: -15.
+    for wbits in (47, -15) if encoding == b"deflate" else (47,):
+        inflate = zlib.decompressobj(wbits)
+        try:
+            out = inflate.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit or inflate.unconsumed_tail:
+            return body, _error(413, f"the request body is over {limit // 2**20} MiB once decompressed",
+                                code="request_too_large")
+        if inflate.eof:
+            return out, None
+    return body, _error(400, f"the request body is not valid {name} data (content-encoding: {name})",
+                        "content-encoding", "invalid_body")
 
 
 def _has_key(headers: list[tuple[bytes, bytes]], key: bytes) -> bool:

@@ -1101,3 +1101,29 @@ def test_a_forced_call_whose_parameters_use_defs_is_made_not_refused(tools_serve
             assert arguments["city"] in ("Paris", "Rome")
         else:
             assert isinstance(arguments["where"]["lat"], (int, float))
+
+
+# --- 7l. a compressed body ------------------------------------------------------------------------------------
+
+def test_a_gzip_or_deflate_body_is_read_and_other_encodings_are_refused_by_name(tools_server):
+    # A gzipped body was read as it came and refused as JSON 'nested too deeply' (its bytes are not UTF-8).
+    import gzip
+    import zlib
+
+    raw = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+    for encoding, body in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw)),
+                           ("deflate", zlib.compress(raw)[2:-4]), ("identity", raw)):
+        r = httpx.post(f"{tools_server.url}/v1/chat/completions", content=body, timeout=ANSWER_S,
+                       headers={"content-type": "application/json", "content-encoding": encoding})
+        assert r.status_code == 200, (encoding, r.text)
+    for encoding, body, status in (("br", raw, 415), ("gzip", raw, 400), ("gzip", gzip.compress(raw)[:-9], 400),
+                                   ("gzip", gzip.compress(b" " * (33 * 2**20) + raw), 413)):
+        for path in ("/v1/chat/completions", "/v1/messages"):
+            r = httpx.post(f"{tools_server.url}{path}", content=body, timeout=ANSWER_S,
+                           headers={"content-type": "application/json", "content-encoding": encoding})
+            assert r.status_code == status, (encoding, path, r.text)
+            error = r.json()["error"]
+            if status != 413:
+                assert error["message"].startswith(("content-encoding", "the request body is not valid gzip")), r.text
+                assert path == "/v1/messages" or error["param"] == "content-encoding", r.text
+    assert health(tools_server).status_code == 200
