@@ -230,6 +230,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON", code="invalid_json")
+        if tuple(first.get("loc", ())) == ("body",):  # the body as a whole: pydantic's words name no field
+            what = "empty" if first.get("type") == "missing" else "not a JSON object"
+            return _error(400, f"the request body is {what}: send a JSON object of the route's fields",
+                          code="invalid_json" if what == "empty" else "invalid_value")
         return _answer_error(validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
@@ -239,9 +243,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
                          "/v1/models[/ID] and /health",
                     405: f"{request.method} is not allowed on {request.url.path}"}
         if e.status_code == 400 and e.detail == "There was an error parsing the body":
-            # FastAPI's answer to a body json cannot read other than by a decode error (nesting past the
-            # recursion limit): not JSON this server can read, as any malformed body.
-            return _error(400, "the request body is not valid JSON (nested too deeply to read)", code="invalid_json")
+            # FastAPI's answer to a body json cannot read other than by a decode error (bytes that are not
+            # UTF-8 text, nesting past the recursion limit): not JSON this server can read, as any malformed body.
+            return _error(400, "the request body is not valid JSON (not UTF-8 text, or nested too deeply to read)",
+                          code="invalid_json")
         return _error(e.status_code, messages.get(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)

@@ -1127,3 +1127,14 @@ def test_a_gzip_or_deflate_body_is_read_and_other_encodings_are_refused_by_name(
                 assert error["message"].startswith(("content-encoding", "the request body is not valid gzip")), r.text
                 assert path == "/v1/messages" or error["param"] == "content-encoding", r.text
     assert health(tools_server).status_code == 200
+
+
+def test_a_body_that_is_empty_not_an_object_or_not_utf8_is_refused_saying_so(tools_server):
+    # These said 'Field required' / 'Input should be a valid dictionary ...' naming nothing, or called latin-1
+    # bytes JSON 'nested too deeply to read'.
+    for body, says in ((b"", "the request body is empty"), (b"[1, 2]", "the request body is not a JSON object"),
+                       (b'"hi"', "the request body is not a JSON object"),
+                       ('{"messages": "caf\xe9"}'.encode("latin-1"), "the request body is not valid JSON (not UTF-8")):
+        for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+            r = httpx.post(f"{tools_server.url}{path}", content=body, timeout=ANSWER_S)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), (path, body, r.text)
