@@ -267,7 +267,8 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)
 
-    @app.get(HEALTH_PATH)
+    # HEAD too: uptime monitors (and curl -I) ask with it, and got a 405 from a server that was up.
+    @app.api_route(HEALTH_PATH, methods=["GET", "HEAD"])
     async def health(request: Request):
         # Anyone may ask whether the server is up; with a key set, only its holders see more (the
         # cache folder, sizes and load tell whether a prompt was sent before).
@@ -281,11 +282,11 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
                           code="ranks_stalled")
         return service.health() if told else {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
         return service.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str) -> dict:
         return service.model(model_id)
 

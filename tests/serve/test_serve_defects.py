@@ -1138,3 +1138,11 @@ def test_a_body_that_is_empty_not_an_object_or_not_utf8_is_refused_saying_so(too
         for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
             r = httpx.post(f"{tools_server.url}{path}", content=body, timeout=ANSWER_S)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), (path, body, r.text)
+
+
+def test_head_is_answered_where_get_is(tools_server):
+    # Uptime monitors and curl -I ask with HEAD: a 405 read as a server that is down.
+    for path in ("/health", "/v1/models", "/v1/models/default_model"):
+        r = httpx.head(f"{tools_server.url}{path}", timeout=ANSWER_S)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code, r.content)
+    assert httpx.head(f"{tools_server.url}/v1/models/gpt-9", timeout=ANSWER_S).status_code == 404
