@@ -515,6 +515,11 @@ REFUSED = [
     ("conversation", {"input": "hi", "conversation": "conv_1"}, "conversation"),
     ("an image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
      "input[0].content[0]"),
+    ("a text part without its text", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text"),
+    ("a refusal part without its refusal", {"input": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal"}]},
+        {"role": "user", "content": "again"}]}, "input[1].content[0].refusal"),
     ("a tool_choice of a hosted tool", {"input": "hi", "tools": [RESPONSES_TOOL],
                                         "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ("an unknown text format", {"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
