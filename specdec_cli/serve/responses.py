@@ -182,6 +182,11 @@ def _messages(req: ResponsesRequest, offered: dict[tuple[Optional[str], str], st
             if item.role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer",
                                f"{where}.role", "invalid_value")
+            # Missing content or output is refused, as chat refuses a message without content: read as "",
+            # the turn (or the tool's result) was lost unsaid.
+            if item.content is None:
+                raise ApiError(400, f"{where}.content: a message item needs its content", f"{where}.content",
+                               "invalid_value")
             add({"role": item.role, "content": _text(item.content, f"{where}.content")}, where)
         elif kind in ("function_call", "custom_tool_call"):
             custom = kind == "custom_tool_call"
@@ -195,6 +200,9 @@ def _messages(req: ResponsesRequest, offered: dict[tuple[Optional[str], str], st
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if item.call_id is None:
                 raise ApiError(400, f"{where}: a {kind} item needs call_id", where, "invalid_value")
+            if item.output is None:
+                raise ApiError(400, f"{where}.output: a {kind} item needs its output", f"{where}.output",
+                               "invalid_value")
             add({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"{where}.output")},
                 where)
         elif kind == "reasoning" or kind in HOSTED_CALLS:

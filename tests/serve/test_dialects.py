@@ -520,6 +520,10 @@ REFUSED = [
     ("a refusal part without its refusal", {"input": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal"}]},
         {"role": "user", "content": "again"}]}, "input[1].content[0].refusal"),
+    ("a message without content", {"input": [{"role": "user"}]}, "input[0].content"),
+    ("a function_call_output without output", {"input": [
+        {"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c"}]}, "input[2].output"),
     ("a tool_choice of a hosted tool", {"input": "hi", "tools": [RESPONSES_TOOL],
                                         "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ("an unknown text format", {"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
