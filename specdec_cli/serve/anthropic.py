@@ -270,6 +270,12 @@ def _tools(req: CountTokensRequest) -> Optional[list[dict]]:
         if t.input_schema is None:
             raise ApiError(400, f"tools[{i}].input_schema: Field required", f"tools[{i}].input_schema",
                            "invalid_value")
+        # Anthropic refuses these too: a call to a name two tools share could not say which was meant.
+        if not t.name:
+            raise ApiError(400, f"tools[{i}].name: a tool needs a name", f"tools[{i}].name", "invalid_value")
+        if any(u.name == t.name for u in req.tools[:i]):
+            raise ApiError(400, f"tools[{i}].name: tool names must be unique ({t.name!r} is taken)",
+                           f"tools[{i}].name", "invalid_value")
         fn: dict[str, Any] = {"name": t.name}
         if t.description is not None:
             fn["description"] = t.description
@@ -286,6 +292,9 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
     """
     choice: Any = req.tool_choice.type if req.tool_choice is not None else None
     # A forced call (any tool, or the named one) is a grammar over the model's tool-call format.
+    if choice in ("any", "tool") and not req.tools:  # in this API's words (chat's would say 'required')
+        raise ApiError(400, f"tool_choice: a tool_choice of type {choice} needs tools", "tool_choice",
+                       "invalid_value")
     if choice == "any":
         choice = "required"
     elif choice == "tool":
