@@ -230,8 +230,10 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON", code="invalid_json")
-        if tuple(first.get("loc", ())) == ("body",):  # the body as a whole: pydantic's words name no field
-            what = "empty" if first.get("type") == "missing" else "not a JSON object"
+        body_kind = first.get("type") if tuple(first.get("loc", ())) == ("body",) else None
+        if body_kind in ("missing", "model_attributes_type", "model_type", "dict_type"):
+            # The body as a whole is no object: pydantic's words would name no field.
+            what = "empty" if body_kind == "missing" else "not a JSON object"
             return _error(400, f"the request body is {what}: send a JSON object of the route's fields",
                           code="invalid_json" if what == "empty" else "invalid_value")
         return _answer_error(validation_error(e))
