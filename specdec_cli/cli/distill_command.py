@@ -11,7 +11,7 @@ from typing import Optional
 from mlx.utils import tree_flatten
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..session import ModelOptions, check_force_download, load_target
+from ..session import ModelOptions, check_force_download, load_target, single_process
 from ..defaults import DISTILL
 from .display import Console, print_stderr
 from ..distill.data import Generated, data_path
@@ -194,6 +194,8 @@ class _View:
 
 def distill_command(opts: DistillCommandOptions) -> int:
     """Run ``specdec distill``; returns the exit code."""
+    # Under mlx.launch every rank loaded the whole model and trained the same head into the same --out.
+    single_process(opts, "distill")
     out = check_out(opts.out)
     if opts.data is not None:
         data_path(opts.data)  # a missing one said now, not once the model loaded

@@ -242,7 +242,8 @@ def join_ranks(opts: ModelOptions) -> Optional[Ranks]:
     Raises:
         RanksDisagree: The ranks were started with different options or versions.
     """
-    ranks = distributed.join(opts.pipeline)
+    # distill's options have no --pipeline (single_process refuses it under ranks all the same).
+    ranks = distributed.join(getattr(opts, "pipeline", False))
     if ranks is None:
         return None
     import mlx_lm

@@ -349,6 +349,9 @@ def launched(tmp_path_factory):
         ("refuse_stdin", ["generate", "--model", str(llama), "-p", "-"]),
         ("refuse_serve_exact", ["serve", "--model", str(llama), "--port", "0", "--exact"]),
         ("refuse_chat", ["chat", "--model", str(llama)]),
+        # Small enough to finish should it run: it trained the whole head on every rank, into one --out.
+        ("refuse_distill", ["distill", "--model", str(llama), "--out", str(tmp / "head"), "--data", str(schema),
+                            "--steps", "1", "--batch-size", "2", "--seq-len", "8", "--no-measure"]),
     ]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
     spec["runs"].append({"name": "disagree", "args": _gen(llama, m=5), "rank_args": {"1": _gen(llama, m=6)}})
@@ -473,6 +476,7 @@ def test_sweep_runs_sharded(launched):
     ("refuse_stdin", 2, "under mlx.launch stdin never ends"),
     ("refuse_serve_exact", 2, "--exact is not built for a target sharded under mlx.launch yet"),
     ("refuse_chat", 2, "specdec chat runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
+    ("refuse_distill", 2, "specdec distill runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
     ("disagree", 1, "rank 1 and rank 0 disagree on the options: every rank must run the same command"),
 ])
 def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
