@@ -377,22 +377,45 @@ class Ranks:
         """Rank 0's lists of ints on every rank (a :meth:`broadcast`; what other ranks pass is ignored)."""
         return self.broadcast([[int(t) for t in x] for x in lists] if self.primary else None)
 
-    def handshake(self, parts: dict[str, Any]) -> None:
+    def handshake(self, parts: dict[str, Any], details: Optional[dict[str, dict[str, Any]]] = None) -> None:
         """Refuse ranks that differ in any of ``parts`` (name -> value), naming what differs.
+
+        ``details`` breaks a part into named items (the options, by flag): when the ranks differ
+        only in such parts, a second gather names the items that differ ("the options (--model)").
 
         Raises:
             RanksDisagree: On every rank alike.
         """
+        details = details or {}
         names = list(parts)
-        rows = self.gather(mx.array([_hash32(parts[n]) for n in names], dtype=mx.int32)).tolist()
+        # Each detailed part's item names too: a second gather needs rows of one length on every rank.
+        keyed = [n for n in names if n in details]
+        row = [_hash32(parts[n]) for n in names] + [_hash32(sorted(details[n])) for n in keyed]
+        rows = self.gather(mx.array(row, dtype=mx.int32)).tolist()
         self.watchdog.tick()
-        for r, row in enumerate(rows[1:], 1):
-            differ = [n for n, a, b in zip(names, rows[0], row) if a != b]
-            if differ:
-                raise RanksDisagree(
-                    f"rank {r} and rank 0 disagree on the {' and '.join(differ)}: every rank must run the same "
-                    "command on the same files, with the same specdec, MLX and mlx-lm versions"
-                )
+        for r, other in enumerate(rows[1:], 1):
+            differ = [n for n, a, b in zip(names, rows[0], other) if a != b]
+            if not differ:
+                continue
+            # Every rank reads the same table, so every rank takes this second gather or none does.
+            same_items = all(t[len(names):] == rows[0][len(names):] for t in rows)
+            if same_items and all(n in details for n in differ):
+                differ = self._name_items(r, differ, details)
+            raise RanksDisagree(
+                f"rank {r} and rank 0 disagree on the {' and '.join(differ)}: every rank must run the same "
+                "command on the same files, with the same specdec, MLX and mlx-lm versions"
+            )
+
+    def _name_items(self, r: int, differ: list[str], details: dict[str, dict[str, Any]]) -> list[str]:
+        """``differ``'s parts, each with the items in which rank ``r`` differs from rank 0 (one more gather)."""
+        items = [(n, k) for n in differ for k in sorted(details[n])]
+        rows = self.gather(mx.array([_hash32(details[n][k]) for n, k in items], dtype=mx.int32)).tolist()
+        self.watchdog.tick()
+        named = []
+        for n in differ:
+            keys = [k for (part, k), a, b in zip(items, rows[0], rows[r]) if part == n and a != b]
+            named.append(f"{n} ({', '.join(keys)})" if keys else n)
+        return named
 
     def tick(self) -> None:
         """Progress without an agreement (a long loop of local evaluations)."""

@@ -248,8 +248,10 @@ def join_ranks(opts: ModelOptions) -> Optional[Ranks]:
         return None
     import mlx_lm
 
+    # Options named by flag, so that a refusal says which differ (a model at another path on one machine).
+    flags = {f"--{k.replace('_', '-')}": v for k, v in vars(opts).items()}
     ranks.handshake({"options": sorted(vars(opts).items()),
-                     "versions": (__version__, mx.__version__, mlx_lm.__version__)})
+                     "versions": (__version__, mx.__version__, mlx_lm.__version__)}, details={"options": flags})
     return ranks
 
 

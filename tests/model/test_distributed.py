@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -79,6 +80,51 @@ def test_settle_rows_takes_rank_0s_decision_per_row_and_names_the_row_fed_otherw
     assert ranks.overridden == 1
     with pytest.raises(RanksDisagree, match="rank 1 fed the target other tokens than rank 0 in row 1"):
         ranks.settle_rows(mx.array([same, [2, 7, 11, 5, 3, 0, 9, 6, 8, 1]]), 2)
+
+
+def _handshake_on_two_ranks(parts: list[dict], details: list[dict]) -> list[BaseException]:
+    """Each rank's handshake in a thread of its own, gathers exchanged through memory: what each raised."""
+    barrier, table, raised = threading.Barrier(2, timeout=30), [None, None], [None, None]
+
+    def gather(rank: int, row: mx.array) -> mx.array:
+        table[rank] = row.tolist()
+        barrier.wait()
+        both = mx.array([list(table[0]), list(table[1])], dtype=mx.int32)
+        barrier.wait()  # both have read the table before either writes its next row
+        return both
+
+    def run(rank: int) -> None:
+        ranks = _ranks(rank)
+        ranks.gather = lambda row: gather(rank, row)
+        try:
+            ranks.handshake(parts[rank], details=details[rank])
+        except BaseException as e:
+            raised[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return raised
+
+
+def test_a_handshake_names_the_options_that_differ():
+    # A model at another path on one machine: "the options" alone left the user to diff two commands.
+    ours = {"--model": "/a/llama", "--max-tokens": 8, "--temp": 0.0}
+    theirs = {"--model": "/b/llama", "--max-tokens": 8, "--temp": 0.5}
+    raised = _handshake_on_two_ranks(
+        [{"options": sorted(o.items()), "versions": "1"} for o in (ours, theirs)],
+        [{"options": o} for o in (ours, theirs)])
+    for e in raised:
+        assert isinstance(e, RanksDisagree)
+        assert str(e).startswith("rank 1 and rank 0 disagree on the options (--model, --temp): every rank"), e
+    # Other versions may hold other options (the item names differ): no second gather, whose rows would differ.
+    raised = _handshake_on_two_ranks(
+        [{"options": sorted(ours.items()), "versions": v} for v in ("1", "2")],
+        [{"options": ours}, {"options": {**ours, "--new": 1}}])
+    assert [str(e).split(":")[0] for e in raised] == ["rank 1 and rank 0 disagree on the versions"] * 2
+    assert _handshake_on_two_ranks([{"options": 1}, {"options": 1}], [{"options": ours}] * 2) == [None, None]
 
 
 def test_heads_must_divide_by_the_ranks():
@@ -477,7 +523,7 @@ def test_sweep_runs_sharded(launched):
     ("refuse_serve_exact", 2, "--exact is not built for a target sharded under mlx.launch yet"),
     ("refuse_chat", 2, "specdec chat runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
     ("refuse_distill", 2, "specdec distill runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
-    ("disagree", 1, "rank 1 and rank 0 disagree on the options: every rank must run the same command"),
+    ("disagree", 1, "rank 1 and rank 0 disagree on the options (--max-tokens): every rank must run the same command"),
 ])
 def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
     run = launched[0][name]
