@@ -7,6 +7,7 @@ A :class:`Setup` is loaded once and serves every generation of a process: one
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,9 +251,21 @@ def join_ranks(opts: ModelOptions) -> Optional[Ranks]:
 
     # Options named by flag, so that a refusal says which differ (a model at another path on one machine).
     flags = {f"--{k.replace('_', '-')}": v for k, v in vars(opts).items()}
-    ranks.handshake({"options": sorted(vars(opts).items()),
-                     "versions": (__version__, mx.__version__, mlx_lm.__version__)}, details={"options": flags})
+    parts = {"options": sorted(vars(opts).items()), "versions": (__version__, mx.__version__, mlx_lm.__version__)}
+    # A file every rank reads for itself: the same path may hold another file (or none) on another machine,
+    # which rank 1 found only mid-run (the grammar refused rank 0's token) or said nothing of (unreadable).
+    if getattr(opts, "json_schema", None) is not None:
+        parts["--json-schema file"] = _file_digest(opts.json_schema)
+    ranks.handshake(parts, details={"options": flags})
     return ranks
+
+
+def _file_digest(path: str) -> str:
+    """What a rank holds at ``path``: its contents' hash, or why it cannot read it (said later, alike on every rank)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except (OSError, ValueError) as e:
+        return f"unreadable ({getattr(e, 'strerror', None) or e})"
 
 
 def single_process(opts: ModelOptions, face: str) -> None:

@@ -401,6 +401,16 @@ def launched(tmp_path_factory):
     ]
     spec = {"out": str(tmp), "runs": [{"name": n, "args": a} for n, a in runs]}
     spec["runs"].append({"name": "disagree", "args": _gen(llama, m=5), "rank_args": {"1": _gen(llama, m=6)}})
+    # One relative --json-schema path, another file (or none) per rank: as two machines may hold. Last:
+    # unchecked, rank 1 failed mid-run (its grammar refused rank 0's token) and the ranks lost each other.
+    other = json.dumps({"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]})
+    for rank, text in ((0, schema.read_text()), (1, other)):
+        (tmp / f"rank{rank}-files").mkdir()
+        (tmp / f"rank{rank}-files" / "schema.json").write_text(text)
+    (tmp / "no-files").mkdir()
+    for name, rank_1 in (("schema_differs", "rank1-files"), ("schema_missing_on_rank_1", "no-files")):
+        spec["runs"].append({"name": name, "args": _gen(llama, "--json-schema", "schema.json", m=8),
+                             "rank_cwd": {"0": str(tmp / "rank0-files"), "1": str(tmp / rank_1)}})
     return _launch(tmp, spec, {**os.environ, "SPECDEC_NO_REEXEC": "1"})
 
 
@@ -524,6 +534,8 @@ def test_sweep_runs_sharded(launched):
     ("refuse_chat", 2, "specdec chat runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
     ("refuse_distill", 2, "specdec distill runs in one process: under mlx.launch, run specdec generate, sweep or serve"),
     ("disagree", 1, "rank 1 and rank 0 disagree on the options (--max-tokens): every rank must run the same command"),
+    ("schema_differs", 1, "rank 1 and rank 0 disagree on the --json-schema file: every rank must run the same"),
+    ("schema_missing_on_rank_1", 1, "rank 1 and rank 0 disagree on the --json-schema file: every rank must run"),
 ])
 def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
     run = launched[0][name]
