@@ -278,6 +278,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "model/test_distributed.py::test_settle_rows_takes_rank_0s_decision_per_row_and_names_the_row_fed_otherwise": FAST,
     "model/test_distributed.py::test_heads_must_divide_by_the_ranks": FAST,
     "model/test_distributed.py::test_a_handshake_names_the_options_that_differ": FAST,
+    "model/test_distributed.py::test_ranks_compare_samples_of_the_weights_not_only_their_shapes": FAST,
     "model/test_distributed.py::test_a_family_that_cannot_pipeline_is_refused_naming_those_that_can": FAST,
     "model/test_distributed.py::test_what_a_sharded_target_cannot_do_is_refused_before_loading": FAST,
     "model/test_distributed.py::test_backend_read_from_what_mlx_launch_exports": FAST,

@@ -30,6 +30,26 @@ def model_fingerprint(path) -> bytes:
     return h.digest()
 
 
+def _samples(h, file: Path, size: int) -> None:
+    with open(file, "rb") as f:
+        for i in range(_SAMPLES):
+            f.seek(max(0, size - _WINDOW) * i // max(1, _SAMPLES - 1))
+            h.update(f.read(_WINDOW))
+
+
+def ranks_fingerprint(path) -> bytes:
+    """:func:`model_fingerprint` plus samples of every weight file's bytes: what ranks on several machines compare.
+
+    Two revisions or fine-tunes of one model have the same headers and sizes: sharded together, each
+    rank's shard came from another model and the text was neither's. Windows (1 MiB a file) see a full
+    fine-tune; modification times, which content_fingerprint adds, differ between machines' copies.
+    """
+    h = hashlib.sha256(model_fingerprint(path))
+    for file in sorted(Path(path).glob("*.safetensors")):
+        _samples(h, file, file.stat().st_size)
+    return h.digest()
+
+
 def content_fingerprint(path) -> str:
     """:func:`model_fingerprint` plus every weight file's modification time and samples of its bytes, as hex.
 
@@ -45,8 +65,5 @@ def content_fingerprint(path) -> str:
         st = file.stat()
         size = st.st_size
         h.update(f"{file.name}:{size}:{st.st_mtime_ns}".encode())
-        with open(file, "rb") as f:
-            for i in range(_SAMPLES):
-                f.seek(max(0, size - _WINDOW) * i // max(1, _SAMPLES - 1))
-                h.update(f.read(_WINDOW))
+        _samples(h, file, size)
     return h.hexdigest()

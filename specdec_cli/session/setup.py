@@ -24,7 +24,7 @@ from ..model import exact
 from ..drafters import kinds
 from ..drafters.kinds import DEFAULT_BLOCK_SIZE, DFLASH, DRAFT_MODEL, MTP_HEAD, NGRAM_MAX, NGRAM_MIN
 from ..model.distributed import Ranks
-from ..model.fingerprint import model_fingerprint
+from ..model.fingerprint import ranks_fingerprint
 from ..drafters import Drafter, LookupHistory
 from ..drafters.base import Materials
 from ..drafters.dflash import check_target
@@ -154,8 +154,8 @@ class Setup:
         """
         if self.ranks is None:
             return
-        drafter = model_fingerprint(self.drafter_path) if self.drafter_path is not None else self.kind
-        self.ranks.handshake({"model": model_fingerprint(self.target.path), "drafter": drafter,
+        drafter = ranks_fingerprint(self.drafter_path) if self.drafter_path is not None else self.kind
+        self.ranks.handshake({"model": ranks_fingerprint(self.target.path), "drafter": drafter,
                               "prompt": list(prompt_ids)})
 
     def context(self) -> Optional[tuple[int, str]]:

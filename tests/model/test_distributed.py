@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,18 @@ def test_a_handshake_names_the_options_that_differ():
         [{"options": ours}, {"options": {**ours, "--new": 1}}])
     assert [str(e).split(":")[0] for e in raised] == ["rank 1 and rank 0 disagree on the versions"] * 2
     assert _handshake_on_two_ranks([{"options": 1}, {"options": 1}], [{"options": ours}] * 2) == [None, None]
+
+
+def test_ranks_compare_samples_of_the_weights_not_only_their_shapes(tmp_path):
+    from specdec_cli.model.fingerprint import model_fingerprint, ranks_fingerprint
+
+    # Two fine-tunes of one model: the same config, tokenizer, headers and sizes, other weights.
+    a, b = make_model_dir(tmp_path / "a", "llama"), make_model_dir(tmp_path / "b", "llama", noise=0.05)
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)  # another machine's copy: other modification times, the same bytes
+    assert model_fingerprint(a) == model_fingerprint(b)
+    assert ranks_fingerprint(a) != ranks_fingerprint(b)
+    assert ranks_fingerprint(a) == ranks_fingerprint(copy)
 
 
 def test_heads_must_divide_by_the_ranks():
@@ -411,6 +424,11 @@ def launched(tmp_path_factory):
     for name, rank_1 in (("schema_differs", "rank1-files"), ("schema_missing_on_rank_1", "no-files")):
         spec["runs"].append({"name": name, "args": _gen(llama, "--json-schema", "schema.json", m=8),
                              "rank_cwd": {"0": str(tmp / "rank0-files"), "1": str(tmp / rank_1)}})
+    # One relative --model path, another fine-tune of the model on rank 1 (its headers and sizes the same).
+    shutil.copytree(llama, tmp / "rank0-files" / "model")
+    shutil.copytree(llama_draft, tmp / "rank1-files" / "model")
+    spec["runs"].append({"name": "weights_differ", "args": _gen("model", m=8),
+                         "rank_cwd": {"0": str(tmp / "rank0-files"), "1": str(tmp / "rank1-files")}})
     return _launch(tmp, spec, {**os.environ, "SPECDEC_NO_REEXEC": "1"})
 
 
@@ -536,6 +554,7 @@ def test_sweep_runs_sharded(launched):
     ("disagree", 1, "rank 1 and rank 0 disagree on the options (--max-tokens): every rank must run the same command"),
     ("schema_differs", 1, "rank 1 and rank 0 disagree on the --json-schema file: every rank must run the same"),
     ("schema_missing_on_rank_1", 1, "rank 1 and rank 0 disagree on the --json-schema file: every rank must run"),
+    ("weights_differ", 1, "rank 1 and rank 0 disagree on the model: every rank must run the same command on the"),
 ])
 def test_refusals_are_one_line_from_rank_0(launched, name, code, words):
     run = launched[0][name]
