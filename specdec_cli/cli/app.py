@@ -40,6 +40,26 @@ def _err(line: str) -> None:
     sys.stderr.flush()
 
 
+def _usage_error(line: str) -> None:
+    """A usage error's one line; under mlx.launch, rank 0's alone when every rank made the same mistake.
+
+    The ranks parse before they join, so each wrote the line (twice on screen), and the first to exit
+    could have the launcher end rank 0 with -15 instead of 2. A rank other than 0 first waits to join:
+    rank 0, with the same error, never comes and the launcher ends this rank silently; a rank 0 that
+    parsed the command (the mistake was this rank's: its environment) joins, and this rank says it.
+    """
+    rank = os.environ.get("MLX_RANK", "")  # mlx.launch's, for the ring and JACCL backends
+    if rank not in ("", "0"):
+        try:
+            import mlx.core as mx
+
+            mx.distributed.init()
+        except Exception:  # no rank 0 to join (MLX gives up after about 30 s): say it all the same
+            pass
+        line = line.replace("error: ", f"error: rank {rank}: ", 1)
+    _err(line)
+
+
 def _help_option(option, panel: Optional[str] = None):
     # -h/--help is a flag like the others (no <bool>).
     if option is not None:
@@ -80,7 +100,7 @@ class _Group(TyperGroup):
         given = list(sys.argv[1:] if args is None else args)
         wrong = spellings.mlx_lm_spelling(given)
         if wrong is not None:
-            _err(f"error: {wrong}")
+            _usage_error(f"error: {wrong}")
             if standalone_mode:
                 sys.exit(EXIT_USAGE)
             return EXIT_USAGE
@@ -122,7 +142,7 @@ class _Group(TyperGroup):
                     message += ("; a prompt or an option's value of several words goes in quotes ('Write a poem'), "
                                 "and a list of numbers is written with commas (--block-sizes 2,4,8)")
                 where = f"; see '{ctx.command_path} -h'" if ctx is not None else ""
-                _err(f"error: {message}{where}")
+                _usage_error(f"error: {message}{where}")
                 code = getattr(e, "exit_code", EXIT_USAGE)
         code = code if isinstance(code, int) else 0
         if standalone_mode:

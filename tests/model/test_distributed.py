@@ -598,6 +598,22 @@ def test_rank_0s_refusal_and_exit_code_survive_another_rank_ending_first(tmp_pat
     assert "Node with rank 0 exited with code 2" in done.stderr, done.stderr
 
 
+def test_a_usage_error_under_the_launcher_is_rank_0s_one_line_and_exit_code(tmp_path):
+    # The ranks parse before they join: each wrote the line, and rank 1, first out, had the launcher
+    # end rank 0 (slow here) before it wrote its own, with -15 for its code.
+    (tmp_path / "slow_rank_0.py").write_text(SLOW_RANK_0)
+    env = {**os.environ, "SPECDEC_NO_REEXEC": "1", "PYTHONPATH": python_path()}
+    done = subprocess.run(
+        [launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
+         sys.executable, "slow_rank_0.py", "generate", "-p", "hi", "--temp", "-1"],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: Invalid value for '--temp': Input should be greater than or equal to 0 (range x>=0.0); "
+                      "see 'specdec generate -h'"], done.stderr
+    assert "Node with rank 0 exited with code 2" in done.stderr, done.stderr
+
+
 # --- a rank that dies or hangs mid-run -----------------------------------------------------------
 
 def _pair(tmp: Path, args: list[str], env: dict) -> list[subprocess.Popen]:
