@@ -42,6 +42,7 @@ import os
 import pickle
 import pkgutil
 import re
+import signal
 import sys
 import threading
 import time
@@ -467,11 +468,36 @@ def join(pipeline: bool = False) -> Optional[Ranks]:
     backend = backend_name()
     if backend == "ring":
         _filter_ring_noise()
+    _watch_parent()
     previous = _CURRENT
     ranks = Ranks(group, "pipeline" if pipeline else "tensor", backend,
                   watchdog=previous.watchdog if previous is not None else None)
     _CURRENT = ranks
     return ranks
+
+
+_PARENT_WATCHED = False
+
+
+def _watch_parent() -> None:
+    """Take a Ctrl-C when the process that started this rank (mlx.launch, or ssh's shell) goes away.
+
+    ``mlx.launch`` ended by SIGTERM (a supervisor, ``kill``, ``timeout``) leaves its ranks running:
+    a server went on serving, orphaned, on its port. Ctrl-C's path is every command's tested way
+    out under ranks (a server's rank 0 stops serving and its last pass stops the others).
+    """
+    global _PARENT_WATCHED
+    parent = os.getppid()
+    if _PARENT_WATCHED or parent == 1:  # started by init itself (a daemon): no launcher to outlive
+        return
+    _PARENT_WATCHED = True
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="specdec-parent", daemon=True).start()
 
 
 def current() -> Optional[Ranks]:

@@ -298,3 +298,33 @@ def test_the_readme_command_serves_three_ranks_under_mlx_launch_and_ctrl_c_ends_
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def test_ranks_whose_launcher_is_terminated_stop_serving(models, tmp_path):
+    # SIGTERM to mlx.launch alone (a supervisor, kill, timeout) ended the launcher only: its ranks went on
+    # serving, orphaned, on the port.
+    proc = subprocess.Popen([launch_bin(), "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)[0]),
+                             "--", sys.executable, "-m", "specdec_cli", "serve", "--port", "0",
+                             "--model", str(models["llama"]), "--decode-concurrency", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(), cwd=tmp_path,
+                            start_new_session=True, stdin=subprocess.PIPE)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if READY.search(line):
+                break
+        assert READY.search(lines[-1]), "\n".join(lines)
+        assert len(_group_alive(proc.pid)) == 3  # the launcher and its two ranks
+        proc.terminate()
+        proc.wait(HANG_GUARD_S)
+        deadline = time.monotonic() + HANG_GUARD_S  # a hang guard, not a timing
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_alive(proc.pid), "a rank outlived its launcher"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
