@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from .protocol import NON_FINITE, ApiError, ChatRequest, _non_finite, _unpaired_surrogate, validation_error
+from .protocol import ApiError, ChatRequest, _unpaired_surrogate, check_finite, validation_error
 
 # A chat field path's message index: "messages[3].content" (validation_error's) or "messages.3.content".
 _MESSAGE = re.compile(r"^messages(?:\.|\[)(\d+)\]?")
@@ -30,9 +30,7 @@ def check_text(req: BaseModel, *, exclude: Sequence[str] = ()) -> None:
     if where:
         raise ApiError(400, f"{where}: the text holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), "
                        "which no tokenizer can encode: send valid Unicode text", where, "invalid_value")
-    where = _non_finite(body, "")
-    if where:
-        raise ApiError(400, f"{where}: {NON_FINITE}", where, "invalid_value")
+    check_finite(body)
 
 
 def client_param(param: Optional[str], origins: Sequence[str]) -> Optional[str]:

@@ -121,25 +121,35 @@ MAX_TOP_LOGPROBS = 20
 BIAS_MAX = 100.0
 
 
+def _first(value: Any, bad: Callable[[Any], bool], path: str) -> Optional[str]:
+    """Where in a decoded JSON value the first value (or object key) that is ``bad`` lies, or None."""
+    if bad(value):
+        return path or "body"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = (where if isinstance(key, str) and bad(key) else None) or _first(item, bad, where)
+        if found:
+            return found
+    return None
+
+
+def _lone_surrogate(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _unpaired_surrogate(value: Any, path: str) -> Optional[str]:
     """Where in a decoded JSON value a string holds a lone UTF-16 surrogate (``"\\ud800"``), or None.
 
     JSON may escape one; no tokenizer can encode it.
     """
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
-        found = _unpaired_surrogate(key, where) if isinstance(key, str) else None
-        found = found or _unpaired_surrogate(item, where)
-        if found:
-            return found
-    return None
+    return _first(value, _lone_surrogate, path)
 
 
 def _non_finite(value: Any, path: str) -> Optional[str]:
@@ -147,18 +157,22 @@ def _non_finite(value: Any, path: str) -> Optional[str]:
 
     JSON has no value for one, so no answer that echoes it (or a grammar built from it) could be written.
     """
-    if isinstance(value, float):
-        return None if math.isfinite(value) else path or "body"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
+    return _first(value, lambda v: isinstance(v, float) and not math.isfinite(v), path)
 
 
 NON_FINITE = ("a number out of a 64-bit float's range or not a number (1e999, Infinity, NaN), which no JSON "
               "answer can hold: send a finite number")
+
+
+def check_finite(body: Any) -> None:
+    """Refuse a number no JSON answer can hold, naming where it is.
+
+    Raises:
+        ApiError: A 400 naming the field.
+    """
+    where = _non_finite(body, "")
+    if where:
+        raise ApiError(400, f"{where}: {NON_FINITE}", where, "invalid_value")
 
 
 def _finite(default=None, **bounds):

@@ -152,9 +152,7 @@ class Service:
         if bad is not None:
             raise bad
         # Fields kept as JSON (tools, response_format, extensions): pydantic checks only the typed ones.
-        where = protocol._non_finite(req.model_dump(exclude_none=True), "")
-        if where:
-            raise ApiError(400, f"{where}: {protocol.NON_FINITE}", where, "invalid_value")
+        protocol.check_finite(req.model_dump(exclude_none=True))
 
     def _bound_chars(self, chars: int, param: str) -> None:
         """A text that cannot fit the context is refused before it is tokenized (a huge body costs nothing)."""
