@@ -27,6 +27,7 @@ from ..defaults import AUTO_ROWS, DEFAULT_DECODE_CONCURRENCY, DEFAULT_KV_GROUP_S
 from ..drafters.kinds import (DEFAULT_BLOCK_SIZE, DRAFTER_KINDS, MAX_ANY_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_NGRAM, NGRAM_MAX,
                               NGRAM_MIN)
 from ..errors import EXIT_INTERRUPTED, SpecdecError, Terminated
+from ..model.prompts import renderer_arguments
 from . import spellings
 
 # Exit codes (README "Limits and errors"); 3 and 130 are errors.py's, which the commands return themselves.
@@ -309,8 +310,7 @@ def _json_object(value: Optional[str]) -> Optional[str]:
         raise typer.BadParameter("""takes a JSON object, like '{"enable_thinking": false}'""")
     # Arguments specdec gives the template itself: the template failed with "got multiple values for keyword
     # argument 'tokenize'", a Python message naming no fix.
-    taken = sorted(set(parsed) & {"messages", "conversation", "tokenize", "add_generation_prompt",
-                                  "continue_final_message"})
+    taken = renderer_arguments(parsed)
     if taken:
         raise typer.BadParameter(f"{', '.join(map(repr, taken))} {'is' if len(taken) == 1 else 'are'} given to the "
                                  f"template by specdec itself: drop {'it' if len(taken) == 1 else 'them'} "

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from ..errors import OptionError
 from ..core.processors import Constraint, ConstraintError, check_constraint
-from ..model.prompts import Rendered, encode_text, render_messages
+from ..model.prompts import SERVED_ARGUMENTS, Rendered, encode_text, render_messages, renderer_arguments
 from ..core.sampling import SamplingParams
 from ..session import Request, RunOptions, Session
 from ..session.reply import Piece, Reply, TextStream, token_bytes
@@ -34,11 +34,6 @@ from .scheduler import Job, Scheduler
 FIRST_DRAFT_STREAMED = 0
 # A request's "no limit": the context caps it.
 
-
-# apply_chat_template's own parameters (transformers' and mlx-lm's), and the messages it renders.
-RENDER_ARGUMENTS = frozenset({"messages", "conversation", "tools", "chat_template", "add_generation_prompt",
-                              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass
@@ -256,7 +251,7 @@ class Service:
         tools = req.tools if req.tool_choice != "none" else None
         # The renderer's own arguments are not template variables: given here they failed as "messages" (a
         # second value for one), or replaced the model's template (chat_template) or the request's tools.
-        taken = sorted(set(req.chat_template_kwargs or {}) & RENDER_ARGUMENTS)
+        taken = renderer_arguments(req.chat_template_kwargs, SERVED_ARGUMENTS)
         if taken:
             raise ApiError(400, f"{taken[0]!r} is set by the server (from the request's own fields and the model), "
                            "not a chat template variable: drop it", f"chat_template_kwargs.{taken[0]}", "invalid_value")
