@@ -31,7 +31,7 @@ from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp_io import LoadedHead
 from ..errors import AdapterError, OptionError, SpecdecError, UnsupportedModelError
-from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model
+from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model, wire_working_set
 from ..core.numerics import Numerics
 from ..core.shapes import first_compile_note
 from ..drafters.dflash_io import is_dflash, load_dflash
@@ -484,12 +484,21 @@ def has_own_head(target: Loaded) -> bool:
 def load_target(opts: ModelOptions, ranks: Optional[Ranks] = None) -> Loaded:
     """The target: ``--model``, or else the bundled default model (no network); sharded over ``ranks``.
 
+    On Apple silicon MLX's recommended working set is wired once it is loaded, as mlx-lm does.
+
     Raises:
         BundledModelError: The bundled model is missing or damaged (a broken install).
     """
     kw = dict(adapter_path=opts.adapter_path, trust_remote_code=opts.trust_remote_code, ranks=ranks)
     if opts.model is not None:
-        return load(opts.model, opts.dtype, force_download=opts.force_download, **kw)
+        target = load(opts.model, opts.dtype, force_download=opts.force_download, **kw)
+    else:
+        target = _load_bundled(opts, kw)
+    wire_working_set()
+    return target
+
+
+def _load_bundled(opts: ModelOptions, kw: dict) -> Loaded:
     path = bundled.require()
     try:
         target = load(str(path), opts.dtype, **kw)

@@ -78,3 +78,18 @@ def test_a_sweep_whose_prompt_leaves_no_room_to_draft_is_refused(models, monkeyp
     assert result.exit_code == 2
     line = one_line(result)
     assert "63 tokens in the model's context of 64 leave room for 1" in line and "shorten the prompt" in line
+
+
+@pytest.mark.parametrize("recommended", [None, 96 << 30])
+def test_the_recommended_working_set_is_wired_where_the_device_names_one(models, monkeypatch, recommended):
+    # mlx-lm's generate, server and trainer wire it on Apple silicon (Metal reports the figure; this CPU
+    # does not): unwired, a large model's weights are paged out between forwards.
+    import mlx.core as mx
+
+    info = mx.device_info()
+    wired = []
+    monkeypatch.setattr(mx, "device_info", lambda: {**info, "max_recommended_working_set_size": recommended})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: wired.append(n) or 0)
+    result = generate("--model", models["llama"], "Hi", "-m", "2")
+    assert result.exit_code == 0, result.output
+    assert wired == ([recommended] if recommended else [])
