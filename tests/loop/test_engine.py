@@ -320,3 +320,27 @@ def test_unknown_rollback_strategy_is_refused():
     with pytest.raises(ValueError, match="rollback"):
         list(speculative_generate_step(PROMPT[-1], prefilled(model), ModelDrafter(model), num_draft_tokens=2,
                                        max_tokens=3, rollback="magic"))
+
+
+@pytest.mark.parametrize("loop", ["speculative", "plain"])
+def test_mlx_buffer_cache_is_emptied_every_256_tokens_as_mlx_lm_does(monkeypatch, loop):
+    # A KV cache grows by reallocating, and MLX's buffer cache kept each smaller buffer it left: 32 MB after 600
+    # tokens of the bundled model (mlx-lm's generate_step, which empties it every 256 tokens: 2 MB).
+    from specdec_cli.loop.engine import CLEAR_EVERY
+    from specdec_cli.loop.plain import plain_generate_step
+
+    model, n = target("llama", "float32"), 2 * CLEAR_EVERY + 40
+    cache = prefilled(model)
+    drafter = ModelDrafter(noisy_drafter("llama", "float32"))
+    drafter.prefill(PROMPT[:-1])
+    clears = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: clears.append(sum(emitted)))
+    emitted = []
+    steps = (speculative_generate_step(PROMPT[-1], cache, drafter, num_draft_tokens=4, max_tokens=n)
+             if loop == "speculative" else plain_generate_step(PROMPT[-1], cache, max_tokens=n))
+    for block in steps:
+        emitted.append(len(block.tokens))
+    assert sum(emitted) == n
+    # Each once the tokens since the last one reach CLEAR_EVERY (give or take a block of 5: the speculative loop
+    # empties it before yielding the block that reached it, plain decoding after).
+    assert len(clears) == 2 and all(abs(b - a - CLEAR_EVERY) < 5 for a, b in zip([0, *clears], clears)), clears
