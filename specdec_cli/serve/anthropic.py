@@ -332,10 +332,13 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
 # --- answers ---------------------------------------------------------------------------
 
 
-def stop_reason(finish_reason: Optional[str], stop_string: Optional[str]) -> str:
-    """Anthropic's ``stop_reason`` for a reply's finish reason."""
+def stop_reason(finish_reason: Optional[str], stop_string: Optional[str], capped: bool = False) -> str:
+    """Anthropic's ``stop_reason`` for a reply's finish reason; ``capped``: the model's context cut the
+    request's ``max_tokens``, so a reply cut by length ended at the context, not at ``max_tokens``."""
     if stop_string is not None:
         return "stop_sequence"
+    if finish_reason == "length" and capped:  # Anthropic's reason; max_tokens would say the client's limit was met
+        return "model_context_window_exceeded"
     return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish_reason or "stop", "end_turn")
 
 
@@ -355,10 +358,12 @@ class MessageShape:
         model: The served model's id.
         prompt_tokens: The prompt's length (``message_start`` reports it before the prompt cache is read).
         timings: The ``timings`` object of a finished reply.
+        capped: The model's context cut the request's ``max_tokens`` (see :func:`stop_reason`).
     """
 
-    def __init__(self, model: str, prompt_tokens: int, timings: Callable[[Any], dict]):
+    def __init__(self, model: str, prompt_tokens: int, timings: Callable[[Any], dict], capped: bool = False):
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.capped = capped
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.timings = timings
@@ -431,7 +436,7 @@ class MessageShape:
 
     def done(self, reply) -> list[dict]:
         events = self._close()
-        delta = {"stop_reason": stop_reason(reply.finish_reason, reply.stop_string),
+        delta = {"stop_reason": stop_reason(reply.finish_reason, reply.stop_string, self.capped),
                  "stop_sequence": reply.stop_string}
         return events + [{"type": "message_delta", "delta": delta, "usage": usage(reply.stats),
                           "timings": self.timings(reply)},
@@ -446,5 +451,5 @@ class MessageShape:
             self.piece(p)
         self._close()
         return {**self._message(), "content": self.blocks,
-                "stop_reason": stop_reason(reply.finish_reason, reply.stop_string),
+                "stop_reason": stop_reason(reply.finish_reason, reply.stop_string, self.capped),
                 "stop_sequence": reply.stop_string, "usage": usage(reply.stats), "timings": self.timings(reply)}

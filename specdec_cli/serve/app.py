@@ -314,7 +314,8 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
         except ApiError as e:
             raise anthropic.client_error(e) from None
         shape = anthropic.MessageShape(service.model_id, len(prepared.request.prompt_ids),
-                                       lambda reply: service.timings(prepared, reply))
+                                       lambda reply: service.timings(prepared, reply),
+                                       capped=prepared.request.max_tokens < body.max_tokens)
         return await _answer(service, prepared, body.stream, request, shape)
 
     @app.post("/v1/messages/count_tokens")

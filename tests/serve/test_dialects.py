@@ -208,6 +208,29 @@ def test_a_stop_sequence_ends_the_answer_and_is_named(server):
     assert again.content[0].text == full
 
 
+def test_a_reply_the_context_ends_says_model_context_window_exceeded(server):
+    # Anthropic's reason when the context, not max_tokens, ended the reply: max_tokens told the client its own
+    # limit was met when the answer had only reached the context.
+    client = claude(server)
+    context = TINY_CONFIGS["llama"]["max_position_embeddings"]
+
+    def ask(n: int) -> list[dict]:
+        return [{"role": "user", "content": "x " * n}]
+
+    one, two = (client.messages.count_tokens(model="default_model", messages=ask(n)).input_tokens for n in (10, 20))
+    per = (two - one) // 10
+    n = 10 + (context - 4 - one) // per
+    room = context - client.messages.count_tokens(model="default_model", messages=ask(n)).input_tokens
+    assert 0 < room <= 4 + per
+    out = client.messages.create(model="default_model", max_tokens=100, messages=ask(n))
+    assert out.usage.output_tokens == room and out.stop_reason == "model_context_window_exceeded", out
+    with client.messages.stream(model="default_model", max_tokens=100, messages=ask(n)) as s:
+        assert s.get_final_message().stop_reason == "model_context_window_exceeded"
+    # A max_tokens the context holds is still what ended the reply.
+    assert client.messages.create(model="default_model", max_tokens=room - 1 or 1,
+                                  messages=ask(n)).stop_reason == "max_tokens"
+
+
 def test_a_tool_use_round_trip(tools_server):
     client = claude(tools_server)
     out = client.messages.create(model="default_model", max_tokens=120, messages=TOOL_QUESTION,
