@@ -432,8 +432,9 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def render_messages(tokenizer, messages: Sequence[dict[str, Any]], *, tools=None,
-                    template_kwargs: Optional[dict] = None) -> Rendered:
-    """Token ids of a chat conversation, ready for the assistant's reply.
+                    template_kwargs: Optional[dict] = None, reply: bool = True) -> Rendered:
+    """Token ids of a chat conversation, ready for the assistant's reply (``reply``; False: the conversation
+    as it stands, no reply opened).
 
     Without a chat template the messages' contents are joined by newlines.
 
@@ -442,7 +443,8 @@ def render_messages(tokenizer, messages: Sequence[dict[str, Any]], *, tools=None
     """
     if not tokenizer.has_chat_template:
         return Rendered(encode_text(tokenizer, "\n".join(str(m.get("content") or "") for m in messages)))
-    ids, messages = _folded(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+    ids, messages = _folded(tokenizer, messages, tools=tools, template_kwargs=template_kwargs,
+                            add_generation_prompt=reply)
     cuts = set()
     n_system = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
     # Where the system messages end and where the last message starts: rendering

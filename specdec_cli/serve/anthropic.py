@@ -253,7 +253,8 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
                               "and reads text and tool_result blocks")
         if texts:
             add({"role": "user", "content": "\n".join(texts)}, f"messages[{i}]")
-    if req.messages[-1].role == "assistant":
+    # Counting generates nothing: a conversation that ends with the assistant's turn is counted as it is.
+    if req.messages[-1].role == "assistant" and isinstance(req, MessagesRequest):
         raise _refuse(f"messages[{len(req.messages) - 1}]", "the last message must be the user's: continuing an "
                       "assistant message (prefill) is not supported")
     return out, origins

@@ -240,8 +240,9 @@ class Service:
         request = self._request(req, rendered.ids, rendered.boundaries, max_tokens, "messages", rest)
         return self._prepared("chat", req, request, loop, tools, chat=True, object_arguments=object_arguments)
 
-    def render_chat(self, req: ChatRequest) -> tuple[Rendered, Optional[list]]:
-        """A checked chat request's prompt, and the tools it offers (None when ``tool_choice`` is none).
+    def render_chat(self, req: ChatRequest, reply: bool = True) -> tuple[Rendered, Optional[list]]:
+        """A checked chat request's prompt, and the tools it offers (None when ``tool_choice`` is none);
+        ``reply`` False: the conversation as it stands, no reply opened (see :func:`render_messages`).
 
         Raises:
             ApiError: A 4xx naming the field at fault.
@@ -258,18 +259,19 @@ class Service:
         kwargs = {**self.session.setup.template_kwargs, **(req.chat_template_kwargs or {})}
         try:
             rendered = render_messages(self.tokenizer, protocol.chat_messages(req), tools=tools,
-                                       template_kwargs=kwargs)
+                                       template_kwargs=kwargs, reply=reply)
         except OptionError as e:
             raise ApiError(400, str(e), "messages") from None
         return rendered, tools
 
     def count_chat(self, req: ChatRequest) -> int:
-        """Prompt tokens of a chat request: the rendering its generation would use.
+        """Prompt tokens of a chat request: the rendering its generation would use; a conversation that ends
+        with the assistant's message is counted as it stands (nothing would be generated after it).
 
         Raises:
             ApiError: A 4xx naming the field at fault.
         """
-        return len(self.render_chat(req)[0].ids)
+        return len(self.render_chat(req, reply=req.messages[-1].role != "assistant")[0].ids)
 
     def prepare_completion(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop) -> Prepared:
         """Check a text completion request and make its job.

@@ -194,6 +194,22 @@ def test_count_tokens_is_the_prompt_the_answer_reports(server):
                                         max_tokens=1).usage.prompt_tokens
 
 
+def test_count_tokens_counts_a_conversation_that_ends_with_the_assistant(server):
+    # Anthropic counts any conversation; one ending with the assistant's answer was refused here as a prefill,
+    # which only generating needs.
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    client = claude(server)
+    said = CONVERSATION[:2]
+    counted = client.messages.count_tokens(model="default_model", system=SYSTEM, messages=said).input_tokens
+    tok = load_tokenizer(Path(server.args[server.args.index("--model") + 1]))
+    as_it_stands = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, *said], tokenize=False,
+                                           add_generation_prompt=False)
+    assert counted == len(tok.encode(as_it_stands, add_special_tokens=False))
+    with pytest.raises(anthropic.BadRequestError):  # generating after it is still a prefill
+        client.messages.create(model="default_model", max_tokens=2, system=SYSTEM, messages=said)
+
+
 def test_a_stop_sequence_ends_the_answer_and_is_named(server):
     client = claude(server)
     full = client.messages.create(model="default_model", max_tokens=N, messages=CONVERSATION).content[0].text
