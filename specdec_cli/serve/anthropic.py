@@ -248,6 +248,10 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
                 add({"role": "tool", "tool_call_id": b.tool_use_id, "content": result}, f"{where}[{j}]")
             elif b.type == "text":
                 texts.append(_block_text(b, f"{where}[{j}]"))
+            elif b.type in ("tool_use", "thinking", "redacted_thinking"):  # supported, in the assistant's turns
+                raise ApiError(400, f"{where}[{j}]: {b.type} blocks belong in assistant messages (the model's "
+                               "turns); a user message holds text and tool_result blocks", f"{where}[{j}]",
+                               "invalid_value")
             else:
                 raise _refuse(f"{where}[{j}]", f"{b.type} blocks are not supported: this server runs a text model "
                               "and reads text and tool_result blocks")

@@ -953,6 +953,10 @@ def test_anthropic_errors_name_the_block_list_at_fault_once():
     message = refused({"messages": hello, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
                        "tool_choice": {"type": "tool"}})
     assert message.startswith("tool_choice.name: ") and message.count("tool_choice") == 2, message  # its own words
+    # A tool_use block in a user message is in the wrong turn: it was said to be unsupported by this server.
+    message = refused({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                                  "input": {}}]}]})
+    assert message.startswith("messages[0].content[0]: tool_use blocks belong in assistant messages"), message
 
 
 def test_responses_errors_about_text_format_name_no_chat_field():
