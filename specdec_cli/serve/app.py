@@ -138,11 +138,17 @@ def _decoded(body: bytes, encoding: bytes, limit: int) -> tuple[bytes, Optional[
 
 
 def _has_key(headers: list[tuple[bytes, bytes]], key: bytes) -> bool:
-    """Whether ASGI ``headers`` carry ``key``: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``."""
+    """Whether ASGI ``headers`` carry ``key``: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``.
+
+    Either one holding it will do: a client may send both (the Anthropic clients, given a token and an API
+    key: a token left at ``none`` and the key as API key was refused, the bearer alone being read).
+    """
     found = dict(headers or [])
     bearer = found.get(b"authorization", b"")
-    given = bearer[7:] if bearer[:7].lower() == b"bearer " else found.get(b"x-api-key", b"")
-    return hmac.compare_digest(given.strip(), key)
+    given = [bearer[7:]] if bearer[:7].lower() == b"bearer " else []
+    if b"x-api-key" in found or not given:
+        given.append(found.get(b"x-api-key", b""))
+    return any([hmac.compare_digest(g.strip(), key) for g in given])
 
 
 class _ApiKey:

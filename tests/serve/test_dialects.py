@@ -432,6 +432,13 @@ def test_x_api_key_is_accepted_as_well_as_a_bearer_token(server):
     assert r.json()["content"][0]["type"] == "text"
     wrong = server.post("/v1/messages", body, headers={"x-api-key": "sesam"})
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    # Both headers (an Anthropic client given a token, left at none, and the key as API key): either will do.
+    both = server.post("/v1/messages", body, headers={"authorization": "Bearer none", "x-api-key": KEY})
+    assert both.status_code == 200, both.text
+    both = server.post("/v1/messages", body, headers={"authorization": f"Bearer {KEY}", "x-api-key": "none"})
+    assert both.status_code == 200, both.text
+    neither = server.post("/v1/messages", body, headers={"authorization": "Bearer none", "x-api-key": "sesam"})
+    assert neither.status_code == 401
 
 
 def test_a_claude_code_body_gets_well_formed_answers(server):
