@@ -205,6 +205,14 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict], list[str]]:
     origins: list[str] = []
 
     def add(message: dict, origin: str) -> None:
+        # Anthropic joins consecutive assistant messages into one turn (fold_roles joins users'): strict templates
+        # (Gemma's, Mistral's) refuse two assistant turns in a row.
+        if message["role"] == "assistant" and out and out[-1]["role"] == "assistant":
+            last = out[-1]
+            last["content"] = "\n".join(t for t in (last["content"], message["content"]) if t)
+            if message.get("tool_calls"):
+                last["tool_calls"] = last.get("tool_calls", []) + message["tool_calls"]
+            return
         out.append(message)
         origins.append(origin)
 

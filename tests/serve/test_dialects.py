@@ -10,6 +10,7 @@ API key, a model that thinks, and one trained to call a tool.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import anthropic
@@ -941,6 +942,40 @@ def test_responses_logprobs_do_not_split_parallel_calls(tmp_path):
         texts = [item["content"][0] for item in shape.output if item["type"] == "message"]
         if texts:
             assert sum(len(part["logprobs"]) for part in texts) == len(ids)
+
+
+def test_consecutive_assistant_messages_are_one_turn(tmp_path):
+    # Anthropic joins consecutive turns of one role; two assistant messages in a row went to the template as two
+    # turns, and strict templates (Mistral's, Gemma's) refuse that: a 400 where Anthropic answers.
+    from agents import template
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from specdec_cli.model.bundled import model_dir
+    from specdec_cli.model.prompts import render_messages
+    from specdec_cli.serve.protocol import chat_messages
+
+    req = messages_api.MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Go"}, {"role": "assistant", "content": "Looking."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Calling."},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "g", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "one"},
+                                     {"type": "tool_result", "tool_use_id": "t2", "content": "two"}]},
+        {"role": "assistant", "content": "Done."}, {"role": "assistant", "content": "Anything else?"},
+        {"role": "user", "content": "No"}]})
+    chat = messages_api.to_chat(req)
+    got = [(m.role, m.content, [c.id for c in m.tool_calls or []]) for m in chat.messages]
+    assert got == [("user", "Go", []), ("assistant", "Looking.\nCalling.", ["t1", "t2"]), ("tool", "one", []),
+                   ("tool", "two", []), ("assistant", "Done.\nAnything else?", []), ("user", "No", [])]
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir() / f, tmp_path / f)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template("mistral")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    plain = messages_api.to_chat(messages_api.MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"},
+                                                    *req.model_dump(exclude_none=True)["messages"][5:]]}))
+    assert render_messages(load_tokenizer(tmp_path), chat_messages(plain)).ids  # Mistral's template takes it
 
 
 def test_anthropic_errors_name_the_block_list_at_fault_once():
