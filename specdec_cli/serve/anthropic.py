@@ -124,8 +124,9 @@ class CountTokensRequest(StrictModel):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
-    # Refused when set (see to_chat).
+    # Refused when set (see to_chat); output_format is the structured-outputs beta's name for output_config.format.
     output_config: Optional[dict[str, Any]] = None
+    output_format: Optional[Any] = None
     mcp_servers: Optional[list[Any]] = None
     container: Union[str, dict[str, Any], None] = None
 
@@ -317,6 +318,8 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
         choice = {"type": "function", "function": {"name": req.tool_choice.name}}
     if (req.output_config or {}).get("format") is not None:
         raise _refuse("output_config.format", "structured output is not supported (plain text only)")
+    if req.output_format is not None:  # ignored, the answer would not be the JSON asked for
+        raise _refuse("output_format", "structured output is not supported (plain text only)")
     if req.mcp_servers:
         raise _refuse("mcp_servers", "this server connects to no MCP servers: give their tools as client tools")
     if req.container is not None:

@@ -351,6 +351,10 @@ BAD = [
                                            "messages": [{"role": "user", "content": "hi"}],
                                            "output_config": {"format": {"type": "json_schema", "schema": {}}}},
      400, "invalid_request_error", "output_config.format"),
+    ("structured output, the beta's field", "/v1/messages", {
+        "model": "default_model", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+        "output_format": {"type": "json_schema", "schema": {"type": "object"}}},
+     400, "invalid_request_error", "output_format"),
     ("an unknown thinking type", "/v1/messages", {"model": "default_model", "max_tokens": 5,
                                                   "messages": [{"role": "user", "content": "hi"}],
                                                   "thinking": {"type": "enable"}},
