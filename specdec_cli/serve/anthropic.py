@@ -134,7 +134,7 @@ class CountTokensRequest(StrictModel):
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages``."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: Anthropic's cache pre-warming (see MessageShape's warm)
     stop_sequences: Optional[list[str]] = None
     stream: NullableFlag = False
     temperature: Optional[float] = Field(default=None, ge=0, le=1)
@@ -340,7 +340,8 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
         body["chat_template_kwargs"] = kwargs
     body.update({k: extra[k] for k in EXTENSIONS if k in extra and k != "chat_template_kwargs"})
     if isinstance(req, MessagesRequest):
-        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
+        # max_tokens 0 warms the prompt cache: one token is generated (the prompt is read and kept), none is sent.
+        body.update(max_tokens=max(req.max_tokens, 1), stop=req.stop_sequences, stream=req.stream,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
     return chat_request(body, origins)
 
@@ -375,11 +376,15 @@ class MessageShape:
         prompt_tokens: The prompt's length (``message_start`` reports it before the prompt cache is read).
         timings: The ``timings`` object of a finished reply.
         capped: The model's context cut the request's ``max_tokens`` (see :func:`stop_reason`).
+        warm: ``max_tokens`` 0 (Anthropic's cache pre-warming): the prompt is read into the prompt cache and
+            the answer has no content, ``stop_reason`` max_tokens and no output tokens.
     """
 
-    def __init__(self, model: str, prompt_tokens: int, timings: Callable[[Any], dict], capped: bool = False):
+    def __init__(self, model: str, prompt_tokens: int, timings: Callable[[Any], dict], capped: bool = False,
+                 warm: bool = False):
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.capped = capped
+        self.warm = warm
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.timings = timings
@@ -425,6 +430,8 @@ class MessageShape:
         return events + [{"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
 
     def piece(self, piece: Piece) -> list[dict]:
+        if self.warm:  # the token generated to read the prompt is not the client's
+            return []
         events = []
         for kind, value in piece.in_order():  # blocks in the order the model wrote them
             if kind == "reasoning":
@@ -450,12 +457,17 @@ class MessageShape:
              "delta": {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}},
             {"type": "content_block_stop", "index": index}]
 
+    def _end(self, reply) -> tuple[dict, dict]:
+        """The answer's ``stop_reason`` and ``stop_sequence``, and its usage."""
+        if self.warm:
+            return {"stop_reason": "max_tokens", "stop_sequence": None}, {**usage(reply.stats), "output_tokens": 0}
+        return ({"stop_reason": stop_reason(reply.finish_reason, reply.stop_string, self.capped),
+                 "stop_sequence": reply.stop_string}, usage(reply.stats))
+
     def done(self, reply) -> list[dict]:
         events = self._close()
-        delta = {"stop_reason": stop_reason(reply.finish_reason, reply.stop_string, self.capped),
-                 "stop_sequence": reply.stop_string}
-        return events + [{"type": "message_delta", "delta": delta, "usage": usage(reply.stats),
-                          "timings": self.timings(reply)},
+        delta, used = self._end(reply)
+        return events + [{"type": "message_delta", "delta": delta, "usage": used, "timings": self.timings(reply)},
                          {"type": "message_stop"}]
 
     def failed(self, error: ApiError) -> list[dict]:
@@ -466,6 +478,5 @@ class MessageShape:
         for p in pieces:
             self.piece(p)
         self._close()
-        return {**self._message(), "content": self.blocks,
-                "stop_reason": stop_reason(reply.finish_reason, reply.stop_string, self.capped),
-                "stop_sequence": reply.stop_string, "usage": usage(reply.stats), "timings": self.timings(reply)}
+        delta, used = self._end(reply)
+        return {**self._message(), "content": self.blocks, **delta, "usage": used, "timings": self.timings(reply)}

@@ -321,7 +321,8 @@ def create_app(service: Service, api_key: Optional[str] = None, max_body_bytes: 
             raise anthropic.client_error(e) from None
         shape = anthropic.MessageShape(service.model_id, len(prepared.request.prompt_ids),
                                        lambda reply: service.timings(prepared, reply),
-                                       capped=prepared.request.max_tokens < body.max_tokens)
+                                       capped=prepared.request.max_tokens < body.max_tokens,
+                                       warm=body.max_tokens == 0)
         return await _answer(service, prepared, body.stream, request, shape)
 
     @app.post("/v1/messages/count_tokens")

@@ -211,6 +211,23 @@ def test_count_tokens_counts_a_conversation_that_ends_with_the_assistant(server)
         client.messages.create(model="default_model", max_tokens=2, system=SYSTEM, messages=said)
 
 
+def test_max_tokens_0_warms_the_prompt_cache_and_answers_no_content(server):
+    # Anthropic's cache pre-warming (max_tokens 0: the prompt is cached, nothing generated): it was a 400.
+    client = claude(server)
+    messages = [{"role": "user", "content": "Warm me: the quick brown fox jumps over the lazy dog."}]
+    out = client.messages.create(model="default_model", max_tokens=0, system=SYSTEM, messages=messages)
+    assert out.content == [] and out.stop_reason == "max_tokens" and out.stop_sequence is None
+    prompt = client.messages.count_tokens(model="default_model", system=SYSTEM, messages=messages).input_tokens
+    assert out.usage.output_tokens == 0 and out.usage.input_tokens + out.usage.cache_read_input_tokens == prompt
+    with client.messages.stream(model="default_model", max_tokens=0, system=SYSTEM, messages=messages) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert "content_block_start" not in kinds and final.content == [] and final.usage.output_tokens == 0
+    assert final.stop_reason == "max_tokens"
+    after = client.messages.create(model="default_model", max_tokens=2, system=SYSTEM, messages=messages)
+    assert after.usage.cache_read_input_tokens >= prompt - 1, after.usage  # the prompt was read before
+
+
 def test_a_stop_sequence_ends_the_answer_and_is_named(server):
     client = claude(server)
     full = client.messages.create(model="default_model", max_tokens=N, messages=CONVERSATION).content[0].text
@@ -321,7 +338,7 @@ BAD = [
     ("malformed JSON", "/v1/messages", b'{"messages": [', 400, "invalid_request_error", None),
     ("no max_tokens", "/v1/messages", {"model": "default_model", "messages": [{"role": "user", "content": "hi"}]},
      400, "invalid_request_error", "max_tokens"),
-    ("max_tokens 0", "/v1/messages", {"model": "default_model", "max_tokens": 0,
+    ("max_tokens below 0", "/v1/messages", {"model": "default_model", "max_tokens": -1,
                                       "messages": [{"role": "user", "content": "hi"}]},
      400, "invalid_request_error", "max_tokens"),
     ("no messages", "/v1/messages", {"model": "default_model", "max_tokens": 5, "messages": []},
