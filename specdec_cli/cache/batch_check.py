@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..model.exact import QUERIES, ROWS
 from .batch_cache import BatchCache
 from .caches import ModelCache
 
@@ -182,6 +183,7 @@ def exact_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional
     each alone, and each row's tokens all at once against one at a time; every logit must be equal.
     """
     rows, x, together = _probe_rows(model, fresh)
+    start = rows[0].snapshot()
     for b, (cache, fed) in enumerate(zip(rows, _FED)):
         snap = cache.snapshot()
         alone = cache.feed(x[b, :fed])
@@ -191,4 +193,14 @@ def exact_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional
             return "a row in a batch gives other logits than the same row alone"
         if not mx.array_equal(ones, alone).item():
             return "a row's tokens fed all at once give other logits than one at a time"
+    # A row at every place one of --exact's calls holds (a CPU BLAS rounded rows 6-15 of a 16-row product with a
+    # short inner dimension apart from row 0, which the probe's rows above never reach).
+    cache = rows[0]
+    cache.restore(start)
+    wide = mx.array([(7 * t) % 13 + 1 for t in range(max(ROWS, QUERIES))], dtype=mx.uint32)
+    at_once = cache.feed(wide)
+    cache.restore(start)
+    if not mx.array_equal(at_once, mx.concatenate([cache.feed(wide[t : t + 1]) for t in range(wide.size)])).item():
+        return (f"a row's {wide.size} tokens fed all at once give other logits than one at a time (this backend "
+                "rounds a row by its place in a matrix)")
     return None

@@ -119,3 +119,28 @@ def test_exact_refuses_what_it_cannot_make_exact(root):
 
     with pytest.raises(OptionError, match=r"--exact .* \(--kv-bits\)"):
         check_model_options(ModelOptions(model="x", exact=True, kv_bits=4))
+
+
+def test_a_backend_that_rounds_a_row_by_its_place_in_a_matrix_is_refused(monkeypatch):
+    # This CPU's OpenBLAS rounds rows 6-15 of a 16-row product with a 64-wide inner dimension apart from row 0:
+    # --exact's attention, where one token sits at row 0 and a verify's tokens at rows 0-15. The probe's rows
+    # (3 and 2 tokens) never reached row 6, so the bundled model passed it and its texts could part.
+    import mlx.core as mx
+
+    from specdec_cli.cache.batch_check import exact_problem
+    from specdec_cli.cache.caches import ModelCache
+    from specdec_cli.model import exact
+    from specdec_cli.session.synthetic import TINY_CONFIGS, build_model
+
+    model = build_model(TINY_CONFIGS["llama"], seed=0, dtype=mx.bfloat16)
+    exact.install(model)
+    assert exact_problem(model, lambda: ModelCache(model)) is None
+    matmul = mx.matmul
+
+    def by_place(a, b, *args, **kwargs):  # a last bit off in every row past the sixth, as the BLAS was
+        y = matmul(a, b, *args, **kwargs)
+        return y * mx.where(mx.arange(y.shape[-2]) >= 6, 1 + 2.0**-20, 1.0)[:, None].astype(y.dtype)
+
+    monkeypatch.setattr(mx, "matmul", by_place)
+    assert "fed all at once give other logits than one at a time (this backend rounds a row by its place" in \
+        exact_problem(model, lambda: ModelCache(model))
