@@ -332,9 +332,21 @@ def unsupported(req: _Common) -> Optional[ApiError]:
                     or not isinstance(t["function"].get("name"), str):
                 checks.append((f"tools[{i}]", True, "a tool is {\"type\": \"function\", \"function\": {\"name\": ..., "
                                                    "\"parameters\": {...}}}"))
+        # The legacy function-calling fields: answered as tools they would come back as tool_calls, which a client
+        # reading message.function_call never sees; ignored, the model was never offered the functions.
+        checks += [
+            ("functions", bool(extra.get("functions")),
+             "functions (the legacy form of tools) is not supported: send each as tools[i], {\"type\": \"function\", "
+             "\"function\": {...}}, and function_call as tool_choice"),
+            ("function_call", extra.get("function_call") not in (None, "none", "auto"),
+             "function_call (the legacy form of tool_choice) is not supported: send tool_choice with tools"),
+        ]
         for i, m in enumerate(req.messages):
             if m.content is None and m.role != "assistant":
                 checks.append((f"messages[{i}].content", True, f"a {m.role} message needs its content"))
+            if (m.model_extra or {}).get("function_call") is not None:
+                checks.append((f"messages[{i}].function_call", True, "an earlier call in the legacy form is not "
+                               "supported: send it as tool_calls, and its result as a tool message"))
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 if part.type != "text":
                     checks.append((f"messages[{i}].content[{j}]", True,

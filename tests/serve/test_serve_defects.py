@@ -1146,3 +1146,19 @@ def test_head_is_answered_where_get_is(tools_server):
         r = httpx.head(f"{tools_server.url}{path}", timeout=ANSWER_S)
         assert r.status_code == 200 and r.content == b"", (path, r.status_code, r.content)
     assert httpx.head(f"{tools_server.url}/v1/models/gpt-9", timeout=ANSWER_S).status_code == 404
+
+
+# --- 7m. the legacy function-calling fields ---------------------------------------------------------------------
+
+def test_the_legacy_function_fields_are_refused_by_name_not_ignored():
+    # functions / function_call (the API's form before tools) were ignored: the model was never offered the
+    # functions, and a forced function_call came back as free text.
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    called = {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}}
+    for extra, param in (({"functions": [fn]}, "functions"), ({"functions": [fn], "function_call": "auto"}, "functions"),
+                         ({"function_call": {"name": "get_weather"}}, "function_call"),
+                         ({"messages": [*HELLO, called, *HELLO]}, "messages[1].function_call")):
+        err = protocol.unsupported(protocol.ChatRequest.model_validate({"messages": HELLO, **extra}))
+        assert err is not None and err.status == 400 and err.param == param, (extra, err and err.message)
+    for extra in ({"functions": []}, {"function_call": "none"}, {"function_call": "auto"}):  # they change nothing
+        assert protocol.unsupported(protocol.ChatRequest.model_validate({"messages": HELLO, **extra})) is None
