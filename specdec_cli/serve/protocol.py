@@ -344,6 +344,10 @@ def unsupported(req: _Common) -> Optional[ApiError]:
         for i, m in enumerate(req.messages):
             if m.content is None and m.role != "assistant":
                 checks.append((f"messages[{i}].content", True, f"a {m.role} message needs its content"))
+            # An empty part list read as "": the turn was lost unsaid (OpenAI refuses an empty array).
+            if m.content == [] and m.role != "assistant":
+                checks.append((f"messages[{i}].content", True, f"a {m.role} message's content is an empty list: "
+                               "send its text (a string, or text parts)"))
             if (m.model_extra or {}).get("function_call") is not None:
                 checks.append((f"messages[{i}].function_call", True, "an earlier call in the legacy form is not "
                                "supported: send it as tool_calls, and its result as a tool message"))

@@ -187,6 +187,9 @@ def _messages(req: ResponsesRequest, offered: dict[tuple[Optional[str], str], st
             if item.content is None:
                 raise ApiError(400, f"{where}.content: a message item needs its content", f"{where}.content",
                                "invalid_value")
+            if item.content == [] and item.role != "assistant":  # read as "": the turn lost unsaid, as above
+                raise ApiError(400, f"{where}.content: a {item.role} message's content is an empty list: send its "
+                               "text (a string, or input_text parts)", f"{where}.content", "invalid_value")
             add({"role": item.role, "content": _text(item.content, f"{where}.content")}, where)
         elif kind in ("function_call", "custom_tool_call"):
             custom = kind == "custom_tool_call"

@@ -1162,3 +1162,27 @@ def test_the_legacy_function_fields_are_refused_by_name_not_ignored():
         assert err is not None and err.status == 400 and err.param == param, (extra, err and err.message)
     for extra in ({"functions": []}, {"function_call": "none"}, {"function_call": "auto"}):  # they change nothing
         assert protocol.unsupported(protocol.ChatRequest.model_validate({"messages": HELLO, **extra})) is None
+
+
+# --- 7n. a message whose content is an empty list -----------------------------------------------------------------
+
+def test_a_message_with_an_empty_content_list_is_refused_not_read_as_empty_text():
+    # Read as "": the user's turn (a system message, a tool's result) vanished unsaid and the model answered nothing
+    # it was asked; the Messages API already refused it.
+    for messages, param in (([{"role": "user", "content": []}], "messages[0].content"),
+                            ([*HELLO, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": []}],
+                             "messages[2].content"),
+                            ([{"role": "system", "content": []}, *HELLO], "messages[0].content")):
+        err = protocol.unsupported(protocol.ChatRequest.model_validate({"messages": messages}))
+        assert err is not None and err.status == 400 and err.param == param, (messages, err and err.message)
+    for items, param in (([{"role": "user", "content": []}], "input[0].content"),
+                         ([{"type": "message", "role": "developer", "content": []}, {"role": "user", "content": "Hi"}],
+                          "input[0].content")):
+        with pytest.raises(protocol.ApiError) as e:
+            responses_api.to_chat(responses_api.ResponsesRequest.model_validate({"input": items}))
+        assert e.value.status == 400 and e.value.param == param, e.value.message
+    # An assistant turn with only calls may carry no text.
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    body = {"messages": [*HELLO, {"role": "assistant", "content": [], "tool_calls": calls},
+                         {"role": "tool", "tool_call_id": "c", "content": "ok"}]}
+    assert protocol.unsupported(protocol.ChatRequest.model_validate(body)) is None
