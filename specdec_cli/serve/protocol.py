@@ -282,7 +282,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int]]
+    # A string or token ids, or a list of one of them (a batch of one, as the openai client may send it).
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -370,8 +371,8 @@ def unsupported(req: _Common) -> Optional[ApiError]:
             ("tool_choice", extra.get("tool_choice") not in (None, "auto", "none"),
              "a forced tool call is made on chat completions only (a text completion has no tools): send the "
              "request to /v1/chat/completions, or drop it"),
-            ("prompt", isinstance(req.prompt, list) and len(req.prompt) > 0 and isinstance(req.prompt[0], str)
-             and len(req.prompt) != 1, "one prompt per request: send a string"),
+            ("prompt", isinstance(req.prompt, list) and len(req.prompt) > 0 and isinstance(req.prompt[0], (str, list))
+             and len(req.prompt) != 1, "one prompt per request: send a string or one list of token ids"),
             ("prompt", isinstance(req.prompt, (str, list)) and len(req.prompt) == 0, "the prompt is empty"),
             ("logprobs", isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
              and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS,

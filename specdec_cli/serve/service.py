@@ -281,8 +281,8 @@ class Service:
         """
         self._check(req)
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             self._bound_chars(len(prompt), "prompt")
             ids = encode_text(self.tokenizer, prompt)

@@ -1186,3 +1186,19 @@ def test_a_message_with_an_empty_content_list_is_refused_not_read_as_empty_text(
     body = {"messages": [*HELLO, {"role": "assistant", "content": [], "tool_calls": calls},
                          {"role": "tool", "tool_call_id": "c", "content": "ok"}]}
     assert protocol.unsupported(protocol.ChatRequest.model_validate(body)) is None
+
+
+# --- 7o. a text completion's prompt as a batch of one list of token ids -------------------------------------------
+
+def test_a_prompt_of_one_list_of_token_ids_is_that_prompt(tools_server):
+    # The openai client types prompt as a list of token lists too; a batch of one (as ["text"] is taken) was
+    # refused as "prompt[0]: Input should be a valid string, or Input should be a valid integer".
+    body = {"max_tokens": 4, "temperature": 0}
+    alone = post(tools_server, "/v1/completions", {**body, "prompt": [5, 6, 7]})
+    batch = post(tools_server, "/v1/completions", {**body, "prompt": [[5, 6, 7]]})
+    assert alone.status_code == batch.status_code == 200, batch.text
+    assert batch.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    assert batch.json()["usage"]["prompt_tokens"] == alone.json()["usage"]["prompt_tokens"]
+    r = post(tools_server, "/v1/completions", {**body, "prompt": [[5, 6], [7]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "one prompt per request" in r.json()["error"]["message"]
