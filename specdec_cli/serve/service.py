@@ -32,6 +32,9 @@ from .scheduler import Job, Scheduler
 
 # Drafts in a streamed reply's first block (see Request.first_draft).
 FIRST_DRAFT_STREAMED = 0
+# A request's top_p of 0, as OpenAI (and llama.cpp) read it: the smallest set of tokens reaching that mass, the
+# likeliest alone. mlx-lm reads 0 as no filter; a top_p float32 cannot hold keeps the likeliest (top_p_filter).
+TOP_P_LIKELIEST = 1e-46
 # A request's "no limit": the context caps it.
 
 
@@ -162,7 +165,7 @@ class Service:
         temp = d.temp if req.temperature is None else req.temperature
         if temp == 0:
             return SamplingParams()  # filters change nothing when greedy
-        return SamplingParams(temp, d.top_p if req.top_p is None else req.top_p,
+        return SamplingParams(temp, d.top_p if req.top_p is None else req.top_p or TOP_P_LIKELIEST,
                               d.top_k if req.top_k is None else req.top_k,
                               d.min_p if req.min_p is None else req.min_p)
 

@@ -1202,3 +1202,19 @@ def test_a_prompt_of_one_list_of_token_ids_is_that_prompt(tools_server):
     r = post(tools_server, "/v1/completions", {**body, "prompt": [[5, 6], [7]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert "one prompt per request" in r.json()["error"]["message"]
+
+
+# --- 7p. top_p 0 ------------------------------------------------------------------------------------------------
+
+def test_a_top_p_of_0_samples_the_likeliest_token_as_openai_reads_it(tools_server):
+    # mlx-lm reads top_p 0 as no filter: a client asking OpenAI's "the smallest set reaching no mass" (the likeliest
+    # token) got draws from the whole vocabulary, while top_p 1e-9 gave the greedy text.
+    body = {"messages": HELLO, "max_tokens": 8}
+    greedy = post(tools_server, "/v1/chat/completions", {**body, "temperature": 0}).json()
+    for seed in (1, 2):
+        r = post(tools_server, "/v1/chat/completions", {**body, "temperature": 1.0, "top_p": 0, "seed": seed})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == greedy["choices"][0]["message"], seed
+        r = post(tools_server, "/v1/responses", {"input": HELLO[0]["content"], "max_output_tokens": 8,
+                                                 "temperature": 1.0, "top_p": 0, "seed": seed})
+        assert r.json()["output"][0]["content"][0]["text"] == greedy["choices"][0]["message"]["content"], r.text
