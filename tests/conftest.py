@@ -274,6 +274,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "serve/test_serve_defects.py::test_a_validation_error_becomes_one_clean_line": FAST,
     "serve/test_serve_defects.py::test_the_legacy_function_fields_are_refused_by_name_not_ignored": FAST,
     "serve/test_serve_defects.py::test_a_message_with_an_empty_content_list_is_refused_not_read_as_empty_text": FAST,
+    "serve/test_serve_defects.py::test_an_assistant_refusal_part_sent_back_is_its_text": FAST,
     # In the distributed file, the tests that launch nothing (one watchdog process at most).
     "model/test_distributed.py::test_checksum_sees_order_and_content": FAST,
     "model/test_distributed.py::test_settle_takes_rank_0s_decision_and_raises_on_other_inputs": FAST,

@@ -183,6 +183,12 @@ def _finite(default=None, **bounds):
 class TextPart(StrictModel):
     type: str
     text: Optional[str] = None
+    # An assistant's refusal part ({"type": "refusal", "refusal": ...}), as a client sends an earlier answer back.
+    refusal: Optional[str] = None
+
+    @property
+    def words(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 class FunctionCall(StrictModel):
@@ -353,7 +359,11 @@ def unsupported(req: _Common) -> Optional[ApiError]:
                 checks.append((f"messages[{i}].function_call", True, "an earlier call in the legacy form is not "
                                "supported: send it as tool_calls, and its result as a tool message"))
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if part.type != "text":
+                if part.type == "refusal" and m.role == "assistant":
+                    if part.refusal is None:
+                        checks.append((f"messages[{i}].content[{j}].refusal", True,
+                                       "a part of type 'refusal' needs its refusal: add a \"refusal\" string"))
+                elif part.type != "text":
                     checks.append((f"messages[{i}].content[{j}]", True,
                                    f"content of type {part.type!r} is not supported: this server runs a text model"))
                 elif part.text is None:
@@ -496,7 +506,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     for m in req.messages:
         content = m.content
         if isinstance(content, list):
-            content = "".join(p.text or "" for p in content)
+            content = "".join(p.words for p in content)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
@@ -528,7 +538,7 @@ def content_chars(req: ChatRequest) -> int:
     total = 0
     for m in req.messages:
         parts = m.content if isinstance(m.content, list) else [TextPart(type="text", text=m.content or "")]
-        total += sum(len(p.text or "") for p in parts)
+        total += sum(len(p.words) for p in parts)
     return total
 
 

@@ -1218,3 +1218,19 @@ def test_a_top_p_of_0_samples_the_likeliest_token_as_openai_reads_it(tools_serve
         r = post(tools_server, "/v1/responses", {"input": HELLO[0]["content"], "max_output_tokens": 8,
                                                  "temperature": 1.0, "top_p": 0, "seed": seed})
         assert r.json()["output"][0]["content"][0]["text"] == greedy["choices"][0]["message"]["content"], r.text
+
+
+# --- 7q. an assistant's refusal part sent back ---------------------------------------------------------------------
+
+def test_an_assistant_refusal_part_sent_back_is_its_text():
+    # The openai client types an assistant's content parts as text or refusal ({"type": "refusal", "refusal": ...}):
+    # a conversation sent back with one was refused as "not supported: this server runs a text model".
+    refused = {"role": "assistant", "content": [{"type": "text", "text": "No. "}, {"type": "refusal",
+                                                                                   "refusal": "I cannot help."}]}
+    req = protocol.ChatRequest.model_validate({"messages": [*HELLO, refused, *HELLO]})
+    assert protocol.unsupported(req) is None
+    assert protocol.chat_messages(req)[1] == {"role": "assistant", "content": "No. I cannot help."}
+    assert protocol.content_chars(req) == 2 * len(HELLO[0]["content"]) + len("No. I cannot help.")
+    bare = {"role": "assistant", "content": [{"type": "refusal"}]}
+    err = protocol.unsupported(protocol.ChatRequest.model_validate({"messages": [*HELLO, bare, *HELLO]}))
+    assert err is not None and err.param == "messages[1].content[0].refusal", err and err.message
