@@ -469,6 +469,9 @@ def constraint(req: ChatRequest) -> Optional[tuple]:
     choice = req.tool_choice
     forced = None
     if isinstance(choice, dict):
+        if choice.get("type") not in ("function", None):  # allowed_tools, custom: said so, not "names a function as"
+            raise ApiError(400, f"tool_choice of type {choice.get('type')!r} is not supported: 'auto', 'none', "
+                           "'required' or a named function are", "tool_choice", "unsupported_parameter")
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
         if not isinstance(name, str):
             raise ApiError(400, "tool_choice names a function as {\"type\": \"function\", \"function\": {\"name\": "

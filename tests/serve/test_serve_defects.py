@@ -1234,3 +1234,20 @@ def test_an_assistant_refusal_part_sent_back_is_its_text():
     bare = {"role": "assistant", "content": [{"type": "refusal"}]}
     err = protocol.unsupported(protocol.ChatRequest.model_validate({"messages": [*HELLO, bare, *HELLO]}))
     assert err is not None and err.param == "messages[1].content[0].refusal", err and err.message
+
+
+# --- 7r. a tool_choice of another type on chat -----------------------------------------------------------------
+
+def test_a_chat_tool_choice_of_another_type_is_named_as_unsupported():
+    # allowed_tools and custom (the openai client's newer shapes) were told "tool_choice names a function as ...",
+    # as though the function's name were missing.
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice in ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": tools}},
+                   {"type": "custom", "custom": {"name": "f"}}):
+        req = protocol.ChatRequest.model_validate({"messages": HELLO, "tools": tools, "tool_choice": choice})
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.constraint(req)
+        assert e.value.param == "tool_choice" and repr(choice["type"]) in e.value.message, e.value.message
+    named = protocol.ChatRequest.model_validate({"messages": HELLO, "tools": tools,
+                                                 "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert protocol.constraint(named)[0] == "tool_call"
