@@ -333,8 +333,10 @@ def _tool_choice(req: ResponsesRequest, offered: dict[tuple[Optional[str], str],
     kind = choice.get("type")
     if kind in ("function", "custom") and "function" not in choice:
         name = choice.get("name")
-        if isinstance(name, str):
-            name = offered.get((choice.get("namespace"), name), name)
+        if not isinstance(name, str):  # in this API's shape: chat's check would quote chat's
+            raise ApiError(400, f"tool_choice names a tool as {{\"type\": \"{kind}\", \"name\": ...}}",
+                           "tool_choice", "invalid_value")
+        name = offered.get((choice.get("namespace"), name), name)
         return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":
         raise _refuse("tool_choice", "tool_choice of type 'allowed_tools' is not supported: send only the tools "

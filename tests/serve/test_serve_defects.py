@@ -1251,3 +1251,16 @@ def test_a_chat_tool_choice_of_another_type_is_named_as_unsupported():
     named = protocol.ChatRequest.model_validate({"messages": HELLO, "tools": tools,
                                                  "tool_choice": {"type": "function", "function": {"name": "f"}}})
     assert protocol.constraint(named)[0] == "tool_call"
+
+
+def test_a_responses_tool_choice_without_its_name_is_told_in_that_apis_shape():
+    # Checked as chat's, it was told to name a function as {"type": "function", "function": {"name": ...}}: a shape
+    # the Responses API does not take.
+    tools = [{"type": "function", "name": "f"}]
+    for choice in ({"type": "function"}, {"type": "function", "name": 5}, {"type": "custom"}):
+        req = responses_api.ResponsesRequest.model_validate({"input": "hi", "tools": tools, "tool_choice": choice})
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.constraint(responses_api.to_chat(req))
+        assert e.value.param == "tool_choice", e.value.message
+        assert f'{{"type": "{choice["type"]}", "name": ...}}' in e.value.message and '"function": {' not in \
+            e.value.message, e.value.message
