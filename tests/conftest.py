@@ -277,6 +277,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "serve/test_serve_defects.py::test_an_assistant_refusal_part_sent_back_is_its_text": FAST,
     "serve/test_serve_defects.py::test_a_chat_tool_choice_of_another_type_is_named_as_unsupported": FAST,
     "serve/test_serve_defects.py::test_a_responses_tool_choice_without_its_name_is_told_in_that_apis_shape": FAST,
+    "serve/test_serve_defects.py::test_a_non_finite_temperature_or_top_p_is_called_so_on_the_responses_and_messages_apis": FAST,
     # In the distributed file, the tests that launch nothing (one watchdog process at most).
     "model/test_distributed.py::test_checksum_sees_order_and_content": FAST,
     "model/test_distributed.py::test_settle_takes_rank_0s_decision_and_raises_on_other_inputs": FAST,

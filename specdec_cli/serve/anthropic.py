@@ -137,8 +137,8 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=0)  # 0: Anthropic's cache pre-warming (see MessageShape's warm)
     stop_sequences: Optional[list[str]] = None
     stream: NullableFlag = False
-    temperature: Optional[float] = Field(default=None, ge=0, le=1)
-    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = Field(default=None, ge=0)
     metadata: Optional[dict[str, Any]] = None
 

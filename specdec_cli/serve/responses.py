@@ -83,8 +83,8 @@ class ResponsesRequest(StrictModel):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     stream: NullableFlag = False
     metadata: Optional[dict[str, Any]] = None
     # Accepted and not acted on: reasoning (the chat template decides), include (nothing more to include).

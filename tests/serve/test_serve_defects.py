@@ -1264,3 +1264,17 @@ def test_a_responses_tool_choice_without_its_name_is_told_in_that_apis_shape():
         assert e.value.param == "tool_choice", e.value.message
         assert f'{{"type": "{choice["type"]}", "name": ...}}' in e.value.message and '"function": {' not in \
             e.value.message, e.value.message
+
+
+def test_a_non_finite_temperature_or_top_p_is_called_so_on_the_responses_and_messages_apis():
+    # Chat says "finite"; these said "Input should be less than or equal to 2" for NaN, which is no such thing.
+    from pydantic import ValidationError
+
+    for model, body in ((responses_api.ResponsesRequest, {"input": "hi"}),
+                        (messages_api.MessagesRequest, {"model": "m", "max_tokens": 2, "messages": HELLO})):
+        for field in ("temperature", "top_p"):
+            for value in (float("nan"), float("inf")):
+                with pytest.raises(ValidationError) as e:
+                    model.model_validate({**body, field: value})
+                err = protocol.validation_error(e.value)
+                assert err.param == field and "finite" in err.message, err.message
