@@ -17,6 +17,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import bundled, distributed
+from ..model.prompts import tools_note
 from .commands import join
 from .display import print_loading, print_stderr
 from ..defaults import KNEE_GAIN
@@ -190,7 +191,9 @@ def _serve(opts: ServeOptions) -> int:
     app = create_app(service, api_key=opts.api_key, allow_origins=origins)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
+    tools = tools_note(setup.tokenizer, setup.template_kwargs)
     print_stderr(setup.start_lines() + [f"warning: {w}" for w in (warning, disk_warning) if w]
+                 + ([f"note: {tools}"] if tools else [])
                  + ([batching] if batching else []) + ([rounding_note] if rounding_note else [])
                  + ([costs_line] if costs_line else []))
     cached = f"prompt cache {cache.max_entries} entries, up to {gb(cache.max_bytes)}" if cache is not None \

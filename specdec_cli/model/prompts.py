@@ -461,3 +461,29 @@ def render_messages(tokenizer, messages: Sequence[dict[str, Any]], *, tools=None
             if 0 < cut < len(ids):
                 cuts.add(cut)
     return Rendered(ids, tuple(sorted(cuts)))
+
+
+_PROBE_TOOL = [{"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+
+
+def tools_note(tokenizer, template_kwargs: Optional[dict] = None) -> Optional[str]:
+    """What a served request's ``tools`` do with this model, where not what a client expects; None otherwise.
+
+    A template that renders no tools drops a request's tools unsaid (the bundled SmolLM2's), and a
+    tokenizer mlx-lm reads no call format for returns the model's calls as text.
+    """
+    if not tokenizer.has_chat_template:
+        return "this model has no chat template: a request's tools are not offered to it (its answers are text)"
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        shown = _template(tokenizer, messages, tools=_PROBE_TOOL, template_kwargs=template_kwargs) != \
+            _template(tokenizer, messages, template_kwargs=template_kwargs)
+    except OptionError:
+        shown = True  # a template that fails on tools fails the request that sends them, saying so
+    if not shown:
+        return "this model's chat template renders no tools: a request's tools are not offered to the model " \
+               "(its answers are text)"
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return "mlx-lm reads no tool-call format for this model's template: calls the model writes come back as text"
+    return None

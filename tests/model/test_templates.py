@@ -112,3 +112,15 @@ def test_earlier_turns_render_the_same_when_a_system_message_comes_later(tokeniz
     head = tokenizer.decode(_folded(tokenizer, MIDDLE[:2], add_generation_prompt=False)[0])
     for upto in (3, 5):
         assert tokenizer.decode(render_messages(tokenizer, MIDDLE[:upto]).ids).startswith(head), (tokenizer.name, upto)
+
+
+def test_serve_says_where_a_requests_tools_do_not_reach_the_model(tokenizer):
+    # SmolLM2's template renders no tools: a request's tools were dropped unsaid (Claude Code always sends them).
+    from specdec_cli.model.prompts import tools_note
+
+    note = tools_note(tokenizer)
+    if tokenizer.name == "qwen3_5":  # renders tools, and mlx-lm parses its calls
+        assert note is None
+    else:  # these templates (tests/templates) render none
+        assert note == "this model's chat template renders no tools: a request's tools are not offered to the " \
+                       "model (its answers are text)"
