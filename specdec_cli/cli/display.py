@@ -685,10 +685,13 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
             return default_label(r.block_size) + " "
         return f"{r.block_size}{'*' if r.block_size == result.best_block_size else ' '}"
 
+    # A row that drafted nothing has no acceptance: "0.0%" would read as every draft rejected.
     cells = [{
         "block": block(r),
-        "tok/s": f"{r.decode_tps:.2f}", "speedup": f"{r.speedup:.2f}x" if result.tokens else "-", "accept": f"{100 * r.acceptance:.1f}%",
-        "acc/blk": f"{r.mean_accepted_per_block:.2f}", "draft": f"{r.draft_ms:.1f}", "verify": f"{r.verify_ms:.1f}",
+        "tok/s": f"{r.decode_tps:.2f}", "speedup": f"{r.speedup:.2f}x" if result.tokens else "-",
+        "accept": "-" if r.acceptance is None else f"{100 * r.acceptance:.1f}%",
+        "acc/blk": "-" if r.mean_accepted_per_block is None else f"{r.mean_accepted_per_block:.2f}",
+        "draft": f"{r.draft_ms:.1f}", "verify": f"{r.verify_ms:.1f}",
         "rollback": f"{r.rollback_ms:.1f}", "syncs": f"{r.syncs_per_block:.2f}", "same": _SAME[r.verdict],
     } for r in rows]
 

@@ -47,8 +47,8 @@ class SweepRow:
     block_size: int
     decode_tps: float
     speedup: float
-    acceptance: float
-    mean_accepted_per_block: float
+    acceptance: Optional[float]  # None where nothing was drafted (as generate's JSON): 0.0 reads as all rejected
+    mean_accepted_per_block: Optional[float]
     draft_ms: float
     verify_ms: float
     rollback_ms: float
@@ -210,8 +210,8 @@ def sweep(
             decode_tps=statistics.median(s.decode_tps for s in runs),
             # No ratio when nothing was generated (e.g. an EOS first): 0.0, shown as "-".
             speedup=statistics.median([s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0] or [0.0]),
-            acceptance=runs[0].acceptance,
-            mean_accepted_per_block=runs[0].mean_accepted_per_block,
+            acceptance=runs[0].acceptance if runs[0].drafted else None,
+            mean_accepted_per_block=runs[0].mean_accepted_per_block if runs[0].drafted else None,
             draft_ms=ms["draft_ms"],
             verify_ms=ms["verify_ms"],
             rollback_ms=ms["rollback_ms"],

@@ -313,6 +313,8 @@ def test_sweep_by_concurrency(models):
     # Two copies of the prompt generate twice the tokens.
     assert cells[(2, 2)]["tokens"] == 2 * cells[(2, 1)]["tokens"]
     assert cells[(None, 1)]["speedup"] == 1.0 and report["best_block_size"]["2"] in (2, 4)
+    # Plain decoding drafts nothing: no acceptance (null), not 0.0 (every draft rejected).
+    assert cells[(None, 1)]["acceptance"] is None and cells[(None, 2)]["acceptance"] is None
     table = CliRunner().invoke(app, list(map(str, args)))
     assert table.exit_code == 0, table.output
     assert re.search(r"block\s+┃\s+x1\s+┃\s+x2\s+┃\s+same", table.stdout)

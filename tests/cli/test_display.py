@@ -154,6 +154,20 @@ def test_a_sweep_of_no_tokens_shows_no_speedup():
     assert "0.00x" not in text and "no speedup measurable" in text
 
 
+def test_a_sweep_row_that_drafted_nothing_claims_no_acceptance():
+    # Block size 1, or lookup with nothing to copy: "0.0%" and "0.00" would read as every draft rejected.
+    from specdec_cli.cli.display import print_sweep
+    from specdec_cli.session.measure import SweepResult, SweepRow
+
+    out = io.StringIO()
+    rows = [SweepRow(1, 10.0, 1.0, None, None, 0.0, 1.0, 0.0, 1.0, True),
+            SweepRow(4, 12.0, 1.2, 0.5, 1.5, 0.1, 1.0, 0.1, 1.0, True)]
+    print_sweep(SweepResult(10.0, rows, 8), "lookup", Console(file=out, width=120, highlight=False))
+    text = out.getvalue()
+    assert re.search(r"│\s+1\s+│.*│\s+-\s+│\s+-\s+│", _row(text, "1")) and "0.0%" not in _row(text, "1")
+    assert "50.0%" in _row(text, "4*") and "1.50" in _row(text, "4*")
+
+
 # --- the chat stats line at any width ----------------------------------------------------
 
 def _chat_stats() -> Stats:
