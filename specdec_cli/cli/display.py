@@ -50,10 +50,12 @@ class Console(RichConsole):
 
 
 def _stats_cells(stats: Stats) -> tuple[str, ...]:
+    # Nothing drafted yet (or at all): "0.0%" would read as every draft rejected, as in the summary.
+    drafted = stats.drafted > 0
     return (
         f"[bold]{stats.decode_tps:7.1f}[/] tok/s",
-        f"acceptance [bold]{100 * stats.acceptance:5.1f}%[/]",
-        f"accepted/block [bold]{stats.mean_accepted_per_block:4.2f}[/]",
+        f"acceptance [bold]{f'{100 * stats.acceptance:5.1f}%' if drafted else '     -'}[/]",
+        f"accepted/block [bold]{f'{stats.mean_accepted_per_block:4.2f}' if drafted else '   -'}[/]",
         f"tokens [bold]{stats.generated}[/]",
     )
 

@@ -97,6 +97,23 @@ def _row(text: str, block: str) -> str:
     return next(line for line in text.splitlines() if re.search(rf"(^|[│ ]){re.escape(block)}[ │]", line))
 
 
+def test_the_live_panel_claims_no_acceptance_before_a_draft():
+    # Prompt lookup with nothing to copy yet: "acceptance 0.0%" would read as every draft rejected.
+    from specdec_cli.cli.display import stats_panel
+
+    def panel(stats: Stats) -> str:
+        out = io.StringIO()
+        Console(file=out, width=120, highlight=False).print(stats_panel(stats, "lookup"))
+        return out.getvalue()
+
+    stats = Stats(prompt_tokens=10, prefill_s=0.5)
+    stats.add(Block((1,), 0, 0, "none", 1), 0.1)
+    text = panel(stats)
+    assert re.search(r"acceptance\s+-\s", text) and re.search(r"accepted/block\s+-\s", text) and "0.0%" not in text
+    stats.add(Block((2, 3), 2, 1, "trim", 3), 0.1)
+    assert "acceptance  50.0%" in panel(stats) and "accepted/block 1.00" in panel(stats)
+
+
 def test_sweep_table_at_120_columns_shows_everything():
     text = _render_sweep(120)
     header = next(line for line in text.splitlines() if "speedup" in line)
