@@ -145,9 +145,19 @@ def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
     try:
         model = load_adapters(model, str(path))
     except Exception as e:  # shapes or names that do not fit this model
-        raise AdapterError(f"the adapters in {adapter_path} do not fit this model ({e})") from None
+        raise AdapterError(f"the adapters in {adapter_path} do not fit this model ({_misfit(e)}): pass the "
+                           "adapters mlx_lm.lora trained for this model") from None
     model.eval()
     return model
+
+
+def _misfit(error: Exception) -> str:
+    """mlx_lm's reason, shortened: it lists every tensor that does not fit, a line each (hundreds on a real model)."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    if len(lines) < 2:
+        return " ".join(str(error).split())[:300]
+    more = len(lines) - 2  # lines[0] heads the list ("Adapter at ... contains incompatible tensors:")
+    return lines[1] + (f"; and {more} more tensor{'s' if more > 1 else ''}" if more else "")
 
 
 def _check_adapter_config(file: Path, adapter_path: str) -> None:

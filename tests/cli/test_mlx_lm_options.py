@@ -4,6 +4,7 @@ template's config, remote code."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import mlx.core as mx
@@ -100,6 +101,10 @@ def test_adapters_are_loaded_the_mlx_lm_way(models, tmp_path):
     assert "reinstall" not in one_line(result) and "damaged" not in one_line(result)
     result = generate("Hi", "--adapter-path", tmp_path)  # adapters of another model's shapes
     assert result.exit_code == 1 and "do not fit this model" in one_line(result) and "reinstall" not in one_line(result)
+    # mlx_lm lists each of the 28 tensors: the line names the first, counts the rest and says what to pass.
+    line = one_line(result)
+    assert len(line) < 400 and re.search(r"\(model\.layers\.\S+: .*; and 27 more tensors\)", line), line
+    assert line.endswith("pass the adapters mlx_lm.lora trained for this model")
     # A damaged config names the file and the field, not mlx_lm's attribute lookup.
     for config, said in (("{", "cannot read adapter_config.json"), ("[]", "is not a JSON object"),
                          ('{"fine_tune_type": "lora", "lora_parameters": {}}', "lacks a valid num_layers")):
