@@ -301,7 +301,8 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         check_kv_quantization(target.model, opts.kv_bits, opts.kv_group)
     draft = mtp = parts = None
     head_path = None
-    notes = [line for line in (rollback_note(opts, target), first_compile_note(target.dtype)) if line]
+    notes = [line for line in (rollback_note(opts, target), kv_bits_note(opts, target),
+                               first_compile_note(target.dtype)) if line]
     if opts.exact:
         make_exact(target.model)
         notes.append("exact: every forward computes each row the same whatever shares it (--exact: "
@@ -382,6 +383,14 @@ def rollback_note(opts: ModelOptions, target: Loaded) -> Optional[str]:
         return None
     return (f"note: {' and '.join(given)} {'does' if len(given) == 1 else 'do'} nothing here: this model has no "
             "recurrent layers (every layer rolls back by trimming its cache)")
+
+
+def kv_bits_note(opts: ModelOptions, target: Loaded) -> Optional[str]:
+    """A line saying that ``--kv-bits`` does nothing on a target without attention layers (None: it applies)."""
+    if opts.kv_bits is None or cache_kinds(target.model)["attention"]:
+        return None
+    return (f"note: --kv-bits {opts.kv_bits} does nothing here: this model has no attention layers (its recurrent "
+            "state is not a KV cache)")
 
 
 def extra_eos_ids(tokenizer, tokens) -> tuple[list[int], list[str]]:

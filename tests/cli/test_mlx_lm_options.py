@@ -70,6 +70,26 @@ def test_kv_bits_through_the_cli_is_exact_and_refused_by_name_where_it_cannot_ru
     assert "llama cannot run with a quantized KV cache" in one_line(result)
 
 
+def test_kv_bits_on_a_model_without_attention_layers_says_it_does_nothing(tmp_path):
+    # A Mamba model keeps recurrent state only: nothing to quantize, and the run must not look quantized silently.
+    from zoo_configs import ZOO
+    from specdec_cli.session.synthetic import make_model_dir
+
+    mamba = make_model_dir(tmp_path / "mamba", ZOO["mamba"], seed=0)
+    report = _cli_json("--model", mamba, "Hi", "-m", "8", "--kv-bits", "4", "--compare-ar")
+    assert report["compare"]["identical"]
+    result = generate("--model", mamba, "Hi", "-m", "8", "--kv-bits", "4", "--no-live")
+    assert result.exit_code == 0, result.output
+    assert [x for x in result.stderr.splitlines() if "--kv-bits" in x] == [
+        "note: --kv-bits 4 does nothing here: this model has no attention layers (its recurrent state is not a KV "
+        "cache)"]
+    # A hybrid's attention layers take it: no note.
+    result = generate("--model", make_model_dir(tmp_path / "q", {**TINY_CONFIGS["qwen3_5"], "text_config": {
+        **TINY_CONFIGS["qwen3_5"]["text_config"], "head_dim": 32}}, seed=0), "Hi", "-m", "4", "--kv-bits", "4",
+        "--kv-group-size", "32", "--no-live")
+    assert result.exit_code == 0 and "note: --kv-bits" not in result.stderr, result.output
+
+
 def test_adapters_are_loaded_the_mlx_lm_way(models, tmp_path):
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load as mlx_lm_load
