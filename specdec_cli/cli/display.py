@@ -569,10 +569,12 @@ def print_concurrency(result: ConcurrencyResult, drafter: str, console: Optional
              for b in (None, *result.block_sizes)}
     first = result.levels[0]
     tokens = result.cell(None, first).tokens // first  # plain decoding's, the same in every row
+    caption = ("aggregate tok/s = all rows' tokens / the batch's decode seconds; (speedup over plain at the same "
+               "concurrency); * fastest block size at that concurrency")
+    if not tokens:
+        caption += "; no tokens generated: no speedup measurable"
     table = Table(title=f"specdec sweep · {drafter} · {tokens} tokens per row · aggregate tok/s by concurrency",
-                  title_justify="left", caption="aggregate tok/s = all rows' tokens / the batch's decode seconds; "
-                  "(speedup over plain at the same concurrency); * fastest block size at that concurrency",
-                  caption_justify="left")
+                  title_justify="left", caption=caption, caption_justify="left")
     table.add_column("block", justify="right", no_wrap=True)
     for level in result.levels:
         table.add_column(f"x{level}", justify="right", no_wrap=True)
@@ -582,7 +584,7 @@ def print_concurrency(result: ConcurrencyResult, drafter: str, console: Optional
         for level in result.levels:
             c = result.cell(b, level)
             mark = "*" if b is not None and b == result.best(level) else " "
-            ratio = "" if b is None else f" ({c.speedup:.2f}x)"
+            ratio = "" if b is None else f" ({c.speedup:.2f}x)" if c.tokens else " (-)"
             cells.append(f"{c.aggregate_tps:.2f}{ratio}{mark}")
         table.add_row("plain" if b is None else str(b), *cells, _SAME[worst[b]])
     console.print(table)
@@ -737,5 +739,8 @@ def print_sweep(result: SweepResult, drafter: str, console: Optional[Console] = 
             table.add_row(*(_speed_bar(r.speedup, best, bar) if n == "" else c[n] for n in columns),
                           end_section=i == len(result.rows) - 1)
         console.print(table)
+    if result.best_block_size is None:
+        print_stderr(["best block size: none (no tokens generated: no speedup measurable)"])
+        return
     print_stderr([f"best block size: {result.best_block_size} (speedup = decode tok/s over plain decoding's, "
                   "same prompt ids, median of repeats)"])

@@ -235,8 +235,8 @@ class ConcurrencyResult:
         return next(c for c in self.cells if c.block_size == block_size and c.concurrency == level)
 
     def best(self, level: int) -> Optional[int]:
-        """The block size with the highest aggregate tok/s at ``level`` (None: no block sizes)."""
-        cells = [c for c in self.cells if c.concurrency == level and c.block_size is not None]
+        """The block size with the highest aggregate tok/s at ``level`` (None: no block sizes, or no tokens)."""
+        cells = [c for c in self.cells if c.concurrency == level and c.block_size is not None and c.tokens]
         return max(cells, key=lambda c: c.aggregate_tps).block_size if cells else None
 
     def to_dict(self) -> dict:

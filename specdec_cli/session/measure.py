@@ -80,7 +80,8 @@ class SweepResult:
 
     @property
     def best_block_size(self) -> Optional[int]:
-        return max(self.rows, key=lambda r: r.speedup).block_size if self.rows else None
+        # No tokens (an end-of-sequence first): every speedup is 0.0, and the first size would be named at random.
+        return max(self.rows, key=lambda r: r.speedup).block_size if self.rows and self.tokens else None
 
     def to_dict(self) -> dict:
         default = None

@@ -160,15 +160,33 @@ def test_a_run_of_no_tokens_claims_no_speedup():
     assert some == "Plain decoding: 4.000 tokens-per-sec; speedup 2.00x"
 
 
-def test_a_sweep_of_no_tokens_shows_no_speedup():
+def test_a_sweep_of_no_tokens_shows_no_speedup(capsys):
     from specdec_cli.cli.display import print_sweep
     from specdec_cli.session.measure import SweepResult, SweepRow
 
     out = io.StringIO()
-    row = SweepRow(4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True)
-    print_sweep(SweepResult(0.0, [row], 0), "lookup", Console(file=out, width=120, highlight=False))
+    rows = [SweepRow(b, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True) for b in (2, 4)]
+    result = SweepResult(0.0, rows, 0)
+    print_sweep(result, "lookup", Console(file=out, width=120, highlight=False))
     text = out.getvalue()
     assert "0.00x" not in text and "no speedup measurable" in text
+    # Every speedup is 0.0 (an end-of-sequence token first): none is the fastest.
+    assert "*" not in text.replace("* fastest", "") and result.best_block_size is None
+    assert "best block size: none (no tokens generated" in capsys.readouterr().err
+
+
+def test_a_concurrency_sweep_of_no_tokens_shows_no_speedup():
+    from specdec_cli.cli.display import print_concurrency
+    from specdec_cli.session.batch import ConcurrencyCell, ConcurrencyResult
+
+    cells = tuple(ConcurrencyCell(b, n, 0.0, 1.0 if b is None else 0.0, None, 0) for b in (None, 2, 4) for n in (1, 2))
+    result = ConcurrencyResult((1, 2), (2, 4), cells)
+    out = io.StringIO()
+    print_concurrency(result, "lookup", Console(file=out, width=160, highlight=False))
+    text = out.getvalue()
+    flat = " ".join(text.split())  # the caption wraps at the table's width
+    assert "0.00x" not in text and "0.00 (-)" in text and "no speedup measurable" in flat
+    assert "*" not in flat.replace("* fastest", "") and result.to_dict()["best_block_size"] == {"1": None, "2": None}
 
 
 def test_a_sweep_row_that_drafted_nothing_claims_no_acceptance():
