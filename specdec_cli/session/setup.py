@@ -317,6 +317,10 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         notes.append(f"drafter: auto -> {kind} ({why})")
     kind = kinds.resolved(kind, holds, asked=opts.drafter, adaptive=getattr(opts, "adaptive", False))
     chosen = kinds.kind(kind)
+    if opts.draft_p_min is not None and not chosen.p_min:
+        # Named, such a drafter is refused before loading; auto's pick is known only now.
+        notes.append(f"note: --draft-p-min does nothing here: --drafter auto chose {kind}, which has no "
+                     "probabilities to stop on")
     if chosen.loads == DFLASH:
         # A DFlash checkpoint: no tokenizer of its own; it must fit the target's layers, width and vocabulary.
         draft = load_dflash(opts.draft_model, opts.dtype, path=draft_path)

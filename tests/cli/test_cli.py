@@ -641,6 +641,18 @@ def test_auto_with_a_lookup_history_names_the_lookup_drafter(models, tmp_path):
     assert result.exit_code == 2 and "name it with --drafter ngram instead of auto" in result.stderr
 
 
+def test_draft_p_min_with_auto_says_it_does_nothing_when_auto_picks_lookup(models):
+    # Named, lookup is refused with --draft-p-min before loading; auto's pick is known only once loaded.
+    result = invoke("--model", models["llama"], "Hi", "-m", "4", "--drafter", "auto", "--draft-p-min", "0.5", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["drafter"] == "lookup"
+    assert ("note: --draft-p-min does nothing here: --drafter auto chose lookup, which has no probabilities to stop "
+            "on") in result.stderr.splitlines()
+    # Auto's draft model stops on it: no note.
+    result = invoke(*base(models), "Hi", "--drafter", "auto", "--draft-p-min", "0.5", "--json")
+    assert result.exit_code == 0 and "note: --draft-p-min" not in result.stderr, result.output
+
+
 def test_help_gives_auto_the_block_size_of_the_drafter_it_picks(models):
     result = CliRunner().invoke(app, ["generate", "-h"], env={"COLUMNS": "200"}, terminal_width=200)
     text = re.sub(r"[│\s]+", " ", result.stdout)
