@@ -10,6 +10,7 @@ against the target's. Every expected failure becomes a one-line
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -92,6 +93,9 @@ def load(name: str, dtype: Optional[str] = None, *, adapter_path: Optional[str] 
                 f"{name} builds its architecture with its own Python file "
                 f"({model_config.get('model_file')}): pass --trust-remote-code if you trust it"
             ) from None
+        if _PARAMETERS.search(str(e)):
+            raise ModelLoadError(f"cannot load {name}: its weights do not fit its config.json ({_first_names(e)}); "
+                                 f"{refetch_hint(name)}") from None
         raise ModelLoadError(f"cannot load {name}: {e}") from None
     except Exception as e:  # unreadable tensors: MLX raises several types
         raise ModelLoadError(f"cannot read the weights of {name} ({e}); {refetch_hint(name)}") from None
@@ -149,6 +153,20 @@ def _load_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
                            "adapters mlx_lm.lora trained for this model") from None
     model.eval()
     return model
+
+
+# MLX's strict load_weights: weights and the model the config builds disagree (names or shapes).
+_PARAMETERS = re.compile(r"^(Missing \d+ parameters|Received \d+ parameters not in model|Expected shape)")
+
+
+def _first_names(error: Exception) -> str:
+    """MLX's reason with its list of parameter names (one a line, hundreds on a real model) cut to the first."""
+    head, sep, names = str(error).partition(":")
+    listed = [n.strip(" ,.") for n in names.split("\n") if n.strip(" ,.")] if "\n" in names else []
+    if not listed:
+        return " ".join(str(error).split())[:300]
+    more = f", and {len(listed) - 1} more" if len(listed) > 1 else ""
+    return f"{head}: {listed[0]}{more}"
 
 
 def _misfit(error: Exception) -> str:

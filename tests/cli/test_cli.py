@@ -384,6 +384,21 @@ def test_a_config_that_is_not_a_models_is_named_never_the_weights(models, tmp_pa
     assert result.exit_code == 2 and "the model name is empty" in result.stderr
 
 
+def test_weights_that_do_not_fit_the_config_are_one_short_line_naming_the_fix(models, tmp_path):
+    # MLX lists every parameter it missed, a line each (hundreds on a real model), and names no fix.
+    for layers, said in ((6, "(Missing 36 parameters: model.layers.2.input_layernorm.weight, and 35 more)"),
+                         (1, "(Received 9 parameters not in model: model.layers.1.input_layernorm.weight, and 8 "
+                             "more)")):
+        folder = tmp_path / f"layers-{layers}"
+        shutil.copytree(models["llama"], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+        result = invoke("--model", folder, "Hi")
+        assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"cannot load {folder}: its weights do not fit its config.json {said}; download or convert " \
+               f"{folder} again" in result.stderr, result.stderr
+
+
 def test_missing_path_and_tokenizer_mismatch(models, tmp_path):
     result = invoke("--model", tmp_path / "nope" / "model", "--draft-model", models["llama"], "Hi")
     assert result.exit_code == 1 and "no directory" in result.stderr
