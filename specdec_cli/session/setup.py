@@ -296,6 +296,10 @@ def load_setup(opts: ModelOptions, kind: str, ranks: Optional[Ranks] = None) -> 
         head = next(k.name for k in kinds.KINDS.values() if k.loads == MTP_HEAD and k.choice)
         raise OptionError(f"--draft-model {opts.draft_model} is an MTP head, not a draft model: pass --drafter {head} "
                           "(or leave --drafter out: a head is detected)")
+    if opts.drafter is not None and kinds.kind(opts.drafter).loads == MTP_HEAD and holds == DFLASH:
+        # It would be searched for mtp.* tensors and refused for having none, naming everything but what it is.
+        raise OptionError(f"--draft-model {opts.draft_model} is a DFlash drafter, not an MTP head: drop --drafter "
+                          f"{opts.drafter} (a DFlash drafter is detected)")
     target = load_target(opts, ranks)
     if opts.kv_bits is not None:
         check_kv_quantization(target.model, opts.kv_bits, opts.kv_group)

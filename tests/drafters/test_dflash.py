@@ -458,6 +458,9 @@ def test_cli_text_stats_name_the_drafter_and_block_size_may_be_lowered(dirs):
     (["--model", "qwen3", "--draft-model", "qwen3-dflash", "--block-size", "9"], 2, "at most 6 tokens"),
     (["--model", "qwen3", "--draft-model", "qwen3_5-dflash"], 1, "trained on a 4-layer target"),
     (["--model", "qwen3", "--draft-model", "dflash2"], 1, "DFlash2DraftModel"),
+    # Searched for an MTP head, it was refused as "no mtp.* tensors ... or use --drafter lookup".
+    (["--model", "qwen3", "--draft-model", "qwen3-dflash", "--drafter", "mtp"], 2,
+     "qwen3-dflash is a DFlash drafter, not an MTP head: drop --drafter mtp (a DFlash drafter is detected)"),
 ])
 def test_cli_refusals_are_one_line_before_generating(dirs, args, code, message):
     result = cli("generate", *[dirs.get(a, a) for a in args], "Hi", "-m", "8")
