@@ -135,8 +135,9 @@ def chat_command(opts: ChatOptions) -> int:
     print_loading(opts.model, opts.draft_model)
     setup = load_setup(opts, kind)
     if not setup.tokenizer.has_chat_template:
-        raise OptionError("this model's tokenizer has no chat template: use specdec generate with "
-                          "--ignore-chat-template, or a chat model")
+        # generate takes such a model's prompt as it stands: no option to add there.
+        raise OptionError("this model's tokenizer has no chat template, so it has no conversation to hold: use "
+                          "specdec generate (it feeds the prompt as it stands), or a chat model")
     block_size = setup.run_block_size(block_size)
     cache = PromptCache(opts.prompt_cache_size) if opts.prompt_cache_size else None
     session = Session(setup, block_size, adaptive=opts.adaptive, prompt_cache=cache)

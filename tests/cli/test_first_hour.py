@@ -157,6 +157,24 @@ def test_a_chat_answer_cut_short_says_what_cut_it(tmp_path):
     assert "| 5 tokens," in line and line.endswith("; cut at --max-tokens 5]"), line
 
 
+def test_chat_on_a_model_without_a_chat_template_points_to_generate_as_it_runs(models, tmp_path):
+    # It said "use specdec generate with --ignore-chat-template": generate needs no option for such a model.
+    import shutil
+
+    folder = tmp_path / "plain"
+    shutil.copytree(models["llama"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(app, ["chat", "--model", str(folder), "--no-live", "--prompt-cache-disk-gb", "0"],
+                                input="hi\n")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "has no chat template" in result.stderr and "--ignore-chat-template" not in result.stderr
+    assert "use specdec generate (it feeds the prompt as it stands), or a chat model" in result.stderr
+    ran = CliRunner().invoke(app, ["generate", "--model", str(folder), "hi", "-m", "4", "--json"])
+    assert ran.exit_code == 0 and json.loads(ran.stdout)["generated_tokens"] == 4, ran.output
+
+
 def test_chat_commands_it_does_not_know_are_not_sent_to_the_model(models):
     result = CliRunner().invoke(app, ["chat", "--model", str(models["llama"]), "--no-live", "-m", "4",
                                       "--prompt-cache-disk-gb", "0"], input="/rset\n/help\n /rset\n")
