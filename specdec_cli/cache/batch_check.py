@@ -180,10 +180,11 @@ def exact_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional
     """What differs between shapes in an ``--exact`` model's forward (None: nothing, bit for bit).
 
     The probe rows of :func:`measure_rounding`: two rows of different lengths verified together against
-    each alone, and each row's tokens all at once against one at a time; every logit must be equal.
+    each alone, and each row's tokens all at once against one at a time; then one row's ``max(ROWS, QUERIES)``
+    tokens at once against one at a time (a row at every place one of ``--exact``'s calls holds). Every logit
+    must be equal.
     """
     rows, x, together = _probe_rows(model, fresh)
-    start = rows[0].snapshot()
     for b, (cache, fed) in enumerate(zip(rows, _FED)):
         snap = cache.snapshot()
         alone = cache.feed(x[b, :fed])
@@ -195,8 +196,9 @@ def exact_problem(model: nn.Module, fresh: Callable[[], ModelCache]) -> Optional
             return "a row's tokens fed all at once give other logits than one at a time"
     # A row at every place one of --exact's calls holds (a CPU BLAS rounded rows 6-15 of a 16-row product with a
     # short inner dimension apart from row 0, which the probe's rows above never reach).
-    cache = rows[0]
-    cache.restore(start)
+    cache = fresh()
+    cache.prefill(_prompt(_PROMPTS[0]))
+    start = cache.snapshot()
     wide = mx.array([(7 * t) % 13 + 1 for t in range(max(ROWS, QUERIES))], dtype=mx.uint32)
     at_once = cache.feed(wide)
     cache.restore(start)

@@ -308,13 +308,17 @@ def _json_object(value: Optional[str]) -> Optional[str]:
         parsed = None
     if not isinstance(parsed, dict):
         raise typer.BadParameter("""takes a JSON object, like '{"enable_thinking": false}'""")
-    # Arguments specdec gives the template itself: the template failed with "got multiple values for keyword
-    # argument 'tokenize'", a Python message naming no fix.
+    # The renderer's own arguments (model/prompts.py): 'tokenize' failed with "got multiple values for keyword
+    # argument 'tokenize'", a Python message naming no fix; others changed what the renderer returns.
     taken = renderer_arguments(parsed)
     if taken:
-        raise typer.BadParameter(f"{', '.join(map(repr, taken))} {'is' if len(taken) == 1 else 'are'} given to the "
-                                 f"template by specdec itself: drop {'it' if len(taken) == 1 else 'them'} "
-                                 "(generate's --prefill-response continues a reply)")
+        one = len(taken) == 1
+        hint = " (generate's --prefill-response continues a reply)" if \
+            {"add_generation_prompt", "continue_final_message"} & set(taken) else ""
+        what = "own argument, not a template variable: drop it" if one else \
+            "own arguments, not template variables: drop them"
+        raise typer.BadParameter(f"{', '.join(map(repr, taken))} {'is' if one else 'are'} the template renderer's "
+                                 f"{what}{hint}")
     return value
 
 

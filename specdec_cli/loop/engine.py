@@ -55,9 +55,9 @@ PIPELINE: Optional[bool] = None
 # forward is then the one the next block would run unpipelined); True queues ahead of any block that drafted nothing,
 # the next block's drafts then verified in a forward of their own (benchmarks compare the two).
 PIPELINE_ALWAYS = False
-# MLX's buffer cache is emptied after this many tokens of a row (the longest row's, in a batch), as mlx-lm's
-# generate_step does every 256: a KV cache grows by reallocating, and each smaller buffer it leaves is never asked
-# for again, so without it the cache held every earlier size of every layer's keys and values.
+# MLX's buffer cache is emptied once this many tokens were committed (in a batch: each block's most in one row,
+# summed), as mlx-lm's generate_step does every 256: a KV cache grows by reallocating, and each smaller buffer it
+# leaves is never asked for again, so without it the cache held every earlier size of every layer's keys and values.
 CLEAR_EVERY = 256
 # A pipelined block sends its own pick to the device before queuing the next forward (scripts/block_costs.py turns
 # it off to measure what it saves).
@@ -197,7 +197,7 @@ class Engine:
         self._draft_ok: dict[int, bool] = {}
         # A single row's next forward, queued by a block that drafted nothing (see PIPELINE).
         self._ahead: Optional[_Ahead] = None
-        self._since_clear = 0  # the longest row's tokens since MLX's buffer cache was last emptied (CLEAR_EVERY)
+        self._since_clear = 0  # tokens committed since MLX's buffer cache was last emptied (CLEAR_EVERY)
 
     # -- rows in and out -------------------------------------------------------------------------
 

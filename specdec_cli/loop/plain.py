@@ -15,7 +15,8 @@ import mlx.core as mx
 from ..core.blocks import Block
 from ..cache.caches import ModelCache
 from ..drafters import Drafter
-from .engine import CLEAR_EVERY, verify_rows
+from . import engine
+from .engine import verify_rows
 from ..core.processors import logprob_arrays, logprob_entries
 from ..core.sampling import GREEDY, SamplingParams, choose, greedy, log_probs
 from ..core.numerics import Numerics
@@ -169,8 +170,8 @@ def plain_generate_step(
                 yield Block((tok,), 0, 0, "none", 1, "length", logprobs=entry)
                 return
             yield Block((tok,), 0, 0, "none", 1, logprobs=entry)
-            if (i + 1) % CLEAR_EVERY == 0:
-                mx.clear_cache()  # as the speculative loop does (engine.CLEAR_EVERY)
+            if (i + 1) % engine.CLEAR_EVERY == 0:
+                mx.clear_cache()  # as the speculative loop does (engine.CLEAR_EVERY, read now: benchmarks set it)
             if nxt is None:
                 nxt = step(mx.array([tok], dtype=mx.uint32), i + 1, False)
                 queue(nxt)

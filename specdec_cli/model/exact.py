@@ -31,8 +31,8 @@ their own (:func:`install`), and the attention function of the model's modules
 is wrapped so that it computes exactly only for caches an exact model made
 (``cache.exact``); every other model in the process is untouched. The session
 then probes the forward (:func:`specdec_cli.cache.batch_check.exact_problem`: rows
-batched against alone, all positions against one at a time) and refuses, naming
-what differed, where it is not bit for bit.
+batched against alone, all positions against one at a time, and one row at every
+place a call holds) and refuses, naming what differed, where it is not bit for bit.
 """
 
 from __future__ import annotations

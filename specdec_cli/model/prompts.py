@@ -123,12 +123,11 @@ def read_prompt(prompt_arg: Optional[str], prompt: Optional[str]) -> str:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
-# What a JSONL line of --prompts-file may hold (anything else is refused: a typo must not be ignored).
 # apply_chat_template's own parameters (transformers' and mlx-lm's): specdec passes them itself, so given as
 # template variables they failed as "got multiple values" or changed what the renderer returns.
-RENDERER_ARGUMENTS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                                "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
+RENDERER_ARGUMENTS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
+                                "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
+                                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 # What a served request must not set besides: the model's template, and tools (the request's own field).
 SERVED_ARGUMENTS = RENDERER_ARGUMENTS | {"chat_template", "tools"}
 
@@ -138,6 +137,7 @@ def renderer_arguments(template_kwargs: Optional[dict], refused: frozenset = REN
     return sorted(set(template_kwargs or {}) & refused)
 
 
+# What a JSONL line of --prompts-file may hold (anything else is refused: a typo must not be ignored).
 PROMPT_FIELDS = ("prompt", "messages", "max_tokens", "seed")
 
 

@@ -35,8 +35,6 @@ FIRST_DRAFT_STREAMED = 0
 # A request's top_p of 0, as OpenAI (and llama.cpp) read it: the smallest set of tokens reaching that mass, the
 # likeliest alone. mlx-lm reads 0 as no filter; a top_p float32 cannot hold keeps the likeliest (top_p_filter).
 TOP_P_LIKELIEST = 1e-46
-# A request's "no limit": the context caps it.
-
 
 
 @dataclass

@@ -31,7 +31,8 @@ from ..drafters.dflash import check_target
 from ..drafters.history import tokenizer_fingerprint
 from ..drafters.mtp_io import LoadedHead
 from ..errors import AdapterError, OptionError, SpecdecError, UnsupportedModelError
-from ..cache.limits import MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model, wire_working_set
+from ..cache.limits import (MemoryEstimate, MemoryModel, context_length, device_memory, gb, memory_model,
+                            wire_working_set)
 from ..core.numerics import Numerics
 from ..core.shapes import first_compile_note
 from ..drafters.dflash_io import is_dflash, load_dflash

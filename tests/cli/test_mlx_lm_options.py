@@ -293,7 +293,7 @@ def test_a_template_config_setting_what_specdec_passes_is_refused_by_name(models
     result = CliRunner().invoke(app, [command, "--model", str(models["llama"]), "-m", "2", "--chat-template-config",
                                       f'{{"{key}": 1, "enable_thinking": false}}', *prompt])
     assert result.exit_code == 2
-    assert f"'{key}' is given to the template by specdec itself: drop it" in one_line(result)
+    assert f"'{key}' is the template renderer's own argument, not a template variable: drop it" in one_line(result)
 
 
 def test_mlx_lm_default_top_p_of_1_is_no_error_when_greedy(models):

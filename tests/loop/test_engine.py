@@ -343,4 +343,4 @@ def test_mlx_buffer_cache_is_emptied_every_256_tokens_as_mlx_lm_does(monkeypatch
     assert sum(emitted) == n
     # Each once the tokens since the last one reach CLEAR_EVERY (give or take a block of 5: the speculative loop
     # empties it before yielding the block that reached it, plain decoding after).
-    assert len(clears) == 2 and all(abs(b - a - CLEAR_EVERY) < 5 for a, b in zip([0, *clears], clears)), clears
+    assert len(clears) == 2 and all(abs(b - a - CLEAR_EVERY) <= 5 for a, b in zip([0, *clears], clears)), clears
