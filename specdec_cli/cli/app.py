@@ -515,7 +515,8 @@ ShapesOpt = Annotated[Shapes, _opt(
     "--shapes", metavar="MODE", help=_choices(Shapes) + "Verify widths; bucketed: powers of two (padded), so a "
     "GPU compiles few shapes; auto: bucketed on a GPU. Output is the same.", rich_help_panel=ADVANCED)]
 ExactOpt = Annotated[bool, _opt(
-    "--exact", help="One text whatever shares a forward, GPUs too (slower).", rich_help_panel=ADVANCED, **FLAG)]
+    "--exact", help="One text whatever shares a forward (slower; probed at load, refused where it cannot hold).",
+    rich_help_panel=ADVANCED, **FLAG)]
 RollbackCapOpt = Annotated[Optional[float], _opt(
     "--rollback-memory-cap", metavar="MIB", min=0.0, callback=_finite,
     help="Most MiB capture may hold per verify (else tape).", rich_help_panel=RECURRENT, **_default("no cap"))]
