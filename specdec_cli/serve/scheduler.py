@@ -268,7 +268,9 @@ class Scheduler:
                     self._recover(e)
         except BaseException as e:
             ended = e
-            raise
+            if not fatal(e):
+                raise
+            # Ranks lost or in disagreement: _end logs it and the server ends with its one error line, no traceback.
         finally:
             try:
                 self._end(ended)
