@@ -351,7 +351,8 @@ def _failure(e: BaseException) -> ApiError:
         return ApiError(400, str(e))
     if isinstance(e, Busy):
         return ApiError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
-    log.error("generation failed: %s", e, exc_info=(type(e), e, e.__traceback__))
+    # One never raised (the thread had ended: made, then sent) has no traceback; its type and text would repeat it.
+    log.error("generation failed: %s", e, exc_info=(type(e), e, e.__traceback__) if e.__traceback__ else None)
     return ApiError(500, "generation failed on the server; its log says why", kind="server_error")
 
 

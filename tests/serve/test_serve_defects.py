@@ -1278,3 +1278,13 @@ def test_a_non_finite_temperature_or_top_p_is_called_so_on_the_responses_and_mes
                     model.model_validate({**body, field: value})
                 err = protocol.validation_error(e.value)
                 assert err.param == field and "finite" in err.message, err.message
+
+
+def test_a_failure_made_not_raised_is_logged_in_its_one_line(caplog):
+    # A request failed because the generation thread had ended (a rank lost) logged its error twice: the line,
+    # then a one-line "traceback" repeating it (RuntimeError: ...), for an exception that was never raised.
+    from specdec_cli.serve.app import _failure
+
+    with caplog.at_level("ERROR", logger="specdec"):
+        assert _failure(RuntimeError("the server's ranks cannot go on together")).status == 500
+    assert [r.exc_info for r in caplog.records] == [None]
