@@ -149,43 +149,15 @@ def test_a_request_whose_open_loses_the_ranks_is_failed_not_left_waiting(setup, 
     # The ranks lost while it was opened (the thread ends): it was in neither the asks nor the flights, so its
     # client was never answered.
     import asyncio
+    import threading
 
     from specdec_cli.model.distributed import DistributedError
     from specdec_cli.serve.scheduler import Failed, Job
     from specdec_cli.session.reply import Reply, TextStream
 
     session = ranked(setup, Recorded())
-
-    def lost(self, request, tag=None):
-        raise DistributedError("rank 1 is gone")
-
-    monkeypatch.setattr(Flights, "open", lost)
-    scheduler = Scheduler(session, max_rows=2)
-    loop = asyncio.new_event_loop()
-    job = Job(lambda: Reply(session, Request(PROMPTS[0], N), TextStream(setup.tokenizer, chat=False)), loop)
-    try:
-        scheduler.start()
-        scheduler.submit(job)
-        scheduler._thread.join(60)
-        assert not scheduler._thread.is_alive() and scheduler.fault is not None
-        got = loop.run_until_complete(asyncio.wait_for(job.out.get(), 10))
-        assert isinstance(got, Failed)
-    finally:
-        scheduler.stop()
-        loop.close()
-
-
-def test_ranks_lost_end_the_thread_without_a_traceback(setup, monkeypatch):
-    # Rank 1 killed mid-request: rank 0's stderr carried the thread's whole traceback ("Exception in thread
-    # specdec-generation") above the one error line the server ends with.
-    import asyncio
-    import threading
-
-    from specdec_cli.model.distributed import DistributedError
-    from specdec_cli.serve.scheduler import Job
-    from specdec_cli.session.reply import Reply, TextStream
-
-    session = ranked(setup, Recorded())
+    # And without a traceback: rank 0's stderr carried the thread's ("Exception in thread specdec-generation")
+    # above the one error line the server ends with.
     unhandled = []
     monkeypatch.setattr(threading, "excepthook", unhandled.append)
 
@@ -201,7 +173,8 @@ def test_ranks_lost_end_the_thread_without_a_traceback(setup, monkeypatch):
         scheduler.submit(job)
         scheduler._thread.join(60)
         assert not scheduler._thread.is_alive() and isinstance(scheduler.fault, DistributedError)
-        assert unhandled == []
+        got = loop.run_until_complete(asyncio.wait_for(job.out.get(), 10))
+        assert isinstance(got, Failed) and unhandled == []
     finally:
         scheduler.stop()
         loop.close()
