@@ -357,9 +357,10 @@ def _sweep(opts: SweepOptions) -> int:
     if capped:
         # A block drafts at most the room left less one: these rows would time the same blocks as a size of
         # max_tokens, under labels a user would then pass as --block-size.
+        many = len(capped) > 1
         print_stderr([f"note: blocks of at most {max_tokens} tokens fit in the {max_tokens} to generate: block "
-                      f"size{'s' if len(capped) > 1 else ''} {','.join(map(str, capped))} measure{'' if len(capped) > 1 else 's'} as {max_tokens}; "
-                      "raise --max-tokens to measure them"])
+                      f"size{'s' if many else ''} {','.join(map(str, capped))} measure{'' if many else 's'} as "
+                      f"{max_tokens}; raise --max-tokens to measure them"])
     if levels != [1]:
         return sweep_concurrency(opts, setup, ids, sizes, levels, max_tokens)
     setup.check_memory(len(ids) + max_tokens)

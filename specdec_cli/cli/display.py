@@ -50,12 +50,12 @@ class Console(RichConsole):
 
 
 def _stats_cells(stats: Stats) -> tuple[str, ...]:
-    # Nothing drafted yet (or at all): "0.0%" would read as every draft rejected, as in the summary.
-    drafted = stats.drafted > 0
+    # Nothing drafted yet (or at all): "-", as in the summary.
+    acceptance, per_block = stats.shown_acceptance, stats.shown_accepted_per_block
     return (
         f"[bold]{stats.decode_tps:7.1f}[/] tok/s",
-        f"acceptance [bold]{f'{100 * stats.acceptance:5.1f}%' if drafted else '     -'}[/]",
-        f"accepted/block [bold]{f'{stats.mean_accepted_per_block:4.2f}' if drafted else '   -'}[/]",
+        f"acceptance [bold]{'     -' if acceptance is None else f'{100 * acceptance:5.1f}%'}[/]",
+        f"accepted/block [bold]{'   -' if per_block is None else f'{per_block:4.2f}'}[/]",
         f"tokens [bold]{stats.generated}[/]",
     )
 

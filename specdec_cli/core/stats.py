@@ -139,6 +139,15 @@ class Stats:
     def mean_accepted_per_block(self) -> float:
         return self.accepted / self.drafting_blocks if self.drafting_blocks else 0.0
 
+    # What the faces show: None where nothing was drafted, since 0/0 is no rate (0.0 reads as every draft rejected).
+    @property
+    def shown_acceptance(self) -> Optional[float]:
+        return self.acceptance if self.drafted else None
+
+    @property
+    def shown_accepted_per_block(self) -> Optional[float]:
+        return self.mean_accepted_per_block if self.drafted else None
+
     @property
     def committed(self) -> int:
         """Tokens the target's forwards committed: the generated ones, plus a final EOS."""
@@ -200,9 +209,8 @@ class Stats:
             "pipelined_blocks": self.pipelined,
             "drafted": self.drafted,
             "accepted": self.accepted,
-            # null where nothing was drafted (as the server's timings): 0.0 read as every draft rejected.
-            "acceptance": self.acceptance if self.drafted else None,
-            "mean_accepted_per_block": self.mean_accepted_per_block if self.drafted else None,
+            "acceptance": self.shown_acceptance,
+            "mean_accepted_per_block": self.shown_accepted_per_block,
             "tokens_per_block": self.tokens_per_block,
             "accepted_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "acceptance_by_position": self.acceptance_by_position,

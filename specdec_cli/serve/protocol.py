@@ -594,8 +594,7 @@ def timings(stats: Stats, drafter: str, block_size: int) -> dict:
         "cache_disk_n": stats.disk_tokens,
         "drafter": drafter,
         "block_size": block_size,
-        # 0/0 is not a rate: null says nothing was drafted, where 0.0 would say every draft failed.
-        "acceptance": stats.acceptance if stats.drafted else None,
+        "acceptance": stats.shown_acceptance,
         "tokens_per_block": stats.tokens_per_block,
         "rollback": rollback,
     }

@@ -114,18 +114,15 @@ def _text(content: Union[str, list[Part], None], where: str) -> str:
         return content or ""
     out = []
     for j, part in enumerate(content):
-        # A part without its text is refused, as on chat and Messages: read as "", the turn lost its words unsaid.
         field = "text" if part.type in TEXT_PARTS else "refusal" if part.type == "refusal" else None
-        if field is not None and getattr(part, field) is None:
-            raise ApiError(400, f"{where}[{j}].{field}: a part of type {part.type!r} needs its {field}: add a "
-                           f"\"{field}\" string", f"{where}[{j}].{field}", "invalid_value")
-        if part.type in TEXT_PARTS:
-            out.append(part.text)
-        elif part.type == "refusal":
-            out.append(part.refusal)
-        else:
+        if field is None:
             raise _refuse(f"{where}[{j}]", f"content of type {part.type!r} is not supported: this server runs a "
                           "text model")
+        value = getattr(part, field)
+        if value is None:  # refused, as on chat and Messages: read as "", the turn lost its words unsaid
+            raise ApiError(400, f"{where}[{j}].{field}: a part of type {part.type!r} needs its {field}: add a "
+                           f"\"{field}\" string", f"{where}[{j}].{field}", "invalid_value")
+        out.append(value)
     return "".join(out)
 
 

@@ -211,8 +211,8 @@ def sweep(
             decode_tps=statistics.median(s.decode_tps for s in runs),
             # No ratio when nothing was generated (e.g. an EOS first): 0.0, shown as "-".
             speedup=statistics.median([s.decode_tps / p for s, p in zip(runs, plain_tps) if p > 0] or [0.0]),
-            acceptance=runs[0].acceptance if runs[0].drafted else None,
-            mean_accepted_per_block=runs[0].mean_accepted_per_block if runs[0].drafted else None,
+            acceptance=runs[0].shown_acceptance,
+            mean_accepted_per_block=runs[0].shown_accepted_per_block,
             draft_ms=ms["draft_ms"],
             verify_ms=ms["verify_ms"],
             rollback_ms=ms["rollback_ms"],
